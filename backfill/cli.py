@@ -1,0 +1,55 @@
+"""The ``backfill`` command line.
+
+Every service and tool is a subcommand. Each lives in its own package and is imported only when it
+is run, so ``backfill --help`` stays fast and one broken optional dependency never breaks the rest:
+
+    backfill up            whole stack on one machine (embedded Postgres/Redis unless URLs are set)
+    backfill migrate       apply Alembic migrations
+    backfill gateway       the Files + Batches API
+    backfill worker        the Celery worker; ``backfill beat`` its scheduler
+    backfill keys create   print a new API key for a tenant
+    backfill engine-sim    one simulated vLLM engine; ``backfill engine`` a real one
+    backfill bench NAME    benchmarks (see docs/benchmarks.md)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> "module:attribute" of a click command; imported on first use.
+COMMANDS: dict[str, str] = {
+    "up": "backfill.up:up_command",
+    "migrate": "backfill.commands:migrate_command",
+    "gateway": "backfill.commands:gateway_command",
+    "worker": "backfill.commands:worker_command",
+    "beat": "backfill.commands:beat_command",
+    "keys": "backfill.commands:keys_group",
+    "bench": "backfill.bench:bench_group",
+    "engine-sim": "router.fleet.cli:engine_sim_command",
+    "engine": "router.fleet.cli:engine_command",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported only when invoked or listed in help."""
+
+    def __init__(self, *args, lazy: dict[str, str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy:
+            module_name, attr = self.lazy[cmd_name].split(":")
+            return getattr(importlib.import_module(module_name), attr)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="backfill")
+def main() -> None:
+    """backfill: OpenAI batch jobs and queued LLM requests on the spare capacity of a vLLM fleet."""
