@@ -1,0 +1,542 @@
+"""Streaming validator for OpenAI batch input files (pure: bytes in, a report out, no I/O).
+
+:func:`validate_batch_file` reads a batch input file as an iterable of arbitrary byte chunks (a line
+may span chunks; a chunk boundary may split a CRLF, a UTF-8 BOM or a multi-byte character) and
+checks every line the way OpenAI's Batch API does before a batch leaves ``validating``:
+
+- each non-blank line is a JSON object (``invalid_json_line``);
+- ``custom_id`` present, a string, unique in the file (``invalid_request`` / ``duplicate_custom_id``);
+- ``method`` is ``"POST"``; ``url`` equals the batch endpoint (``invalid_request`` / ``url_mismatch``;
+  an absolute URL is a mismatch and is never fetched);
+- ``body`` is an object with a string ``model``; one model per file (``model_mismatch``);
+  no ``"stream": true`` (``invalid_request``, param ``body.stream``);
+- at most ``max_requests`` requests (``too_many_tasks``) and at least one (``empty_file``).
+
+A UTF-8 BOM at the start is skipped; LF and CRLF both end a line; blank and whitespace-only lines are
+skipped but still counted in line numbers; a missing final newline is fine.
+
+Hostile input never raises and never costs unbounded memory or CPU: numbers that overflow a double
+(e.g. > 4,300 digits), ``NaN``/``Infinity``, nesting deeper than orjson's 1,024 levels, invalid
+UTF-8 and non-object lines become ``invalid_json_line``; a line longer than ``max_line_bytes`` becomes
+``invalid_request`` and is counted, not buffered. Memory is O(longest accepted line + number of
+requests): the file is never joined.
+
+Error wording follows OpenAI where it is publicly known (``invalid_json_line``, and the
+``duplicate_custom_id`` / ``model_mismatch`` texts OpenAI-compatible providers reproduce, e.g. Alibaba
+Model Studio's error-code page); the other messages are ours.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "DEFAULT_MAX_LINE_BYTES",
+    "PREFIX_KEY_BYTES",
+    "LineError",
+    "RequestLine",
+    "ValidationReport",
+    "prompt_bytes",
+    "validate_batch_file",
+]
+
+#: Longest accepted line, in bytes (32 MiB). OpenAI documents no per-line cap below the 200 MB file
+#: cap; 32 MiB admits a chat request carrying a 20 MB image as base64 (~27 MB), while one such line
+#: parsed by orjson stays well inside the ≤ 150 MB memory-growth goal of issue 2's ingest benchmark.
+DEFAULT_MAX_LINE_BYTES = 32 * 1024 * 1024
+
+#: Length of :attr:`RequestLine.prefix_key`, in bytes of UTF-8 prompt text.
+PREFIX_KEY_BYTES = 128
+
+#: Bytes per token for :attr:`RequestLine.est_tokens`: OpenAI's rule of thumb that one token is about
+#: four characters of English text ("What are tokens and how to count them?", OpenAI help center).
+BYTES_PER_TOKEN = 4
+
+_BOM = b"\xef\xbb\xbf"
+_BLANK = b" \t\r"
+
+_MSG_INVALID_JSON = "This line is not parseable as valid JSON."
+
+
+@dataclass(slots=True, frozen=True)
+class RequestLine:
+    """One valid request line of a batch input file.
+
+    ``line`` is 1-based (blank lines count); ``offset`` is the byte offset of the line's first byte in
+    the file (after the BOM on line 1); ``length`` is the byte length of the line without its ``\\n`` or
+    ``\\r\\n`` terminator, so ``file[offset:offset + length]`` is the line's JSON text. ``prefix_key``
+    is the first 128 bytes of the UTF-8 prompt text (see :func:`prompt_bytes`), used to order work by
+    ``(model, prefix)``; ``est_tokens`` is ``ceil(prompt bytes / 4)`` (OpenAI's ~4 chars/token rule).
+    """
+
+    custom_id: str
+    line: int
+    offset: int
+    length: int
+    prefix_key: bytes
+    est_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class LineError:
+    """One entry of a failed batch's ``errors.data[]``: OpenAI's ``{code, message, param, line}``.
+
+    ``code`` is one of ``invalid_json_line``, ``duplicate_custom_id``, ``url_mismatch``,
+    ``model_mismatch``, ``empty_file``, ``too_many_tasks``, ``invalid_request``. ``line`` is 1-based,
+    or ``None`` for file-level errors (``empty_file``). ``param`` names the offending field
+    (``custom_id``, ``method``, ``url``, ``body``, ``body.model``, ``body.stream``) or is ``None``.
+    """
+
+    code: str
+    message: str
+    line: int | None
+    param: str | None
+
+
+@dataclass(slots=True)
+class ValidationReport:
+    """Result of :func:`validate_batch_file`.
+
+    ``requests`` holds every request line in file order when the file is valid and is empty as soon as
+    any error is found. ``errors`` is in line order, at most ``max_errors`` long; empty means valid.
+    ``model`` is the first ``body.model`` seen (``None`` if none). ``bytes_read`` counts the bytes
+    consumed from ``chunks`` (all of them unless validation stopped early at ``too_many_tasks`` or at
+    ``max_errors``). ``est_tokens`` is the sum of ``est_tokens`` over every line that passed its checks
+    (kept even when ``requests`` is emptied by an error), the batch's enqueued-token estimate.
+    """
+
+    requests: list[RequestLine] = field(default_factory=list)
+    errors: list[LineError] = field(default_factory=list)
+    model: str | None = None
+    bytes_read: int = 0
+    est_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when the file passed validation (no errors)."""
+        return not self.errors
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompt text per endpoint
+
+
+def _add_text(parts: list[str], value: Any) -> int:
+    """Append ``value``'s text to ``parts``; return extra bytes for token-id lists (4 bytes per id)."""
+    if isinstance(value, str):
+        parts.append(value)
+        return 0
+    if isinstance(value, list):
+        extra = 0
+        for item in value:
+            if isinstance(item, str):
+                parts.append(item)
+            elif isinstance(item, int):  # a list of token ids
+                extra += BYTES_PER_TOKEN
+            elif isinstance(item, list):  # a list of token-id lists
+                extra += BYTES_PER_TOKEN * sum(1 for t in item if isinstance(t, int))
+        return extra
+    return 0
+
+
+def _add_content(parts: list[str], content: Any) -> None:
+    """Append a chat/responses message ``content``: a string, or the ``text`` of each content part."""
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+            elif isinstance(part, str):
+                parts.append(part)
+
+
+def _add_messages(parts: list[str], messages: Any) -> None:
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict):
+                _add_content(parts, message.get("content"))
+
+
+def prompt_bytes(endpoint: str, body: dict[str, Any]) -> tuple[bytes, int]:
+    """Return ``(text, size)``: a request's prompt text as UTF-8 and its size in bytes.
+
+    The prompt text per ``endpoint``, pieces joined with ``"\\n"``:
+
+    - ``/v1/chat/completions``: each message's ``content`` in order (a string, or the ``text`` of
+      each part of a list content; image/audio parts add nothing);
+    - ``/v1/completions``: ``prompt`` (a string or a list of strings);
+    - ``/v1/embeddings`` and ``/v1/moderations``: ``input`` (a string or a list of strings);
+    - ``/v1/responses``: ``instructions`` then ``input`` (a string or a list of messages);
+    - any other endpoint: the compact JSON of ``body``.
+
+    Token-id lists (``[1, 2, 3]`` or lists of them) add no text but count 4 bytes per id to ``size``,
+    so ``ceil(size / 4)`` gives back one token per id. Fields of the wrong type add nothing: the engine
+    answers such a request with its own 400 later, as OpenAI does. Never raises.
+    """
+    parts: list[str] = []
+    extra = 0
+    if endpoint == "/v1/chat/completions":
+        _add_messages(parts, body.get("messages"))
+    elif endpoint == "/v1/completions":
+        extra = _add_text(parts, body.get("prompt"))
+    elif endpoint in ("/v1/embeddings", "/v1/moderations"):
+        extra = _add_text(parts, body.get("input"))
+    elif endpoint == "/v1/responses":
+        instructions = body.get("instructions")
+        if isinstance(instructions, str):
+            parts.append(instructions)
+        items = body.get("input")
+        if isinstance(items, str):
+            parts.append(items)
+        elif isinstance(items, list):
+            for item in items:
+                if isinstance(item, dict):
+                    _add_content(parts, item.get("content"))
+                elif isinstance(item, str):
+                    parts.append(item)
+    else:
+        try:
+            text = orjson.dumps(body)
+        except TypeError:  # nesting deeper than orjson serialises (254); loads allows 1,024
+            text = b""
+        return text, len(text)
+    text = "\n".join(parts).encode("utf-8", "surrogatepass")
+    return text, len(text) + extra
+
+
+# --------------------------------------------------------------------------------------------------
+# Line splitting
+
+
+def _with_head(chunks: Iterable[bytes], size: int) -> Iterator[bytes]:
+    """Yield ``chunks`` as bytes, the first one holding at least ``size`` bytes (unless the data is
+    shorter), so a BOM split across tiny chunks is still seen whole."""
+    head = b""
+    it = iter(chunks)
+    for chunk in it:
+        head += bytes(chunk)
+        if len(head) >= size:
+            break
+    if head:
+        yield head
+    for chunk in it:
+        yield chunk if type(chunk) is bytes else bytes(chunk)
+
+
+class _TooLong:
+    """Marker for a line longer than ``max_line_bytes`` (its bytes were counted, not kept)."""
+
+    __slots__ = ()
+
+
+_TOO_LONG = _TooLong()
+
+
+def _lines(
+    chunks: Iterable[bytes], max_line_bytes: int, counter: list[int]
+) -> Iterator[tuple[int, int, bytes | bytearray | _TooLong, int]]:
+    """Yield ``(line_no, offset, data, length)`` for each line of the file.
+
+    ``data`` is the line without its terminator (``\\n``, or ``\\r\\n``), or ``_TOO_LONG`` when the line
+    exceeds ``max_line_bytes``; ``length`` is its byte length. ``counter[0]`` is kept equal to the
+    bytes consumed so far.
+    """
+    line_no = 0
+    base = 0  # file offset of chunk[0]
+    pending = bytearray()  # the start of a line that spans chunks
+    pending_len = 0  # bytes of the current line seen so far (kept or not)
+    pending_offset = 0
+    pending_last = 0  # last byte of the pending part (to drop a CR split from its LF)
+    overflow = False
+    limit = max_line_bytes + 1  # allow for the CR of a CRLF not seen yet
+    first = True
+    for chunk in _with_head(chunks, len(_BOM)):
+        n = len(chunk)
+        counter[0] += n
+        pos = 0
+        if first:
+            first = False
+            if chunk.startswith(_BOM):
+                pos = len(_BOM)
+        find = chunk.find
+        while True:
+            nl = find(b"\n", pos)
+            if nl < 0:
+                if pos < n:
+                    if not pending_len:
+                        pending_offset = base + pos
+                    rest = n - pos
+                    pending_len += rest
+                    pending_last = chunk[n - 1]
+                    if not overflow:
+                        if pending_len > limit:
+                            overflow = True
+                            pending.clear()
+                        else:
+                            pending += chunk[pos:] if pos else chunk
+                break
+            line_no += 1
+            if pending_len:
+                offset = pending_offset
+                total = pending_len + (nl - pos)
+                last = chunk[nl - 1] if nl > pos else pending_last
+                length = total - 1 if last == 13 else total
+                if overflow or length > max_line_bytes:
+                    yield line_no, offset, _TOO_LONG, length
+                else:
+                    pending += chunk[pos:nl]
+                    if last == 13:
+                        del pending[-1]
+                    yield line_no, offset, pending, length
+                pending = bytearray()
+                pending_len = 0
+                overflow = False
+            else:
+                end = nl - 1 if nl > pos and chunk[nl - 1] == 13 else nl
+                length = end - pos
+                if length > max_line_bytes:
+                    yield line_no, base + pos, _TOO_LONG, length
+                else:
+                    yield line_no, base + pos, chunk[pos:end], length
+            pos = nl + 1
+        base += n
+    if pending_len:  # last line without a final newline
+        line_no += 1
+        if overflow or pending_len > max_line_bytes:
+            yield line_no, pending_offset, _TOO_LONG, pending_len
+        else:
+            yield line_no, pending_offset, pending, pending_len
+
+
+# --------------------------------------------------------------------------------------------------
+# Line checks
+
+
+class _Checker:
+    """Per-line checks and the state they share (seen custom_ids, the file's model)."""
+
+    __slots__ = ("endpoint", "max_errors", "report", "seen", "failed")
+
+    def __init__(self, endpoint: str, max_errors: int) -> None:
+        self.endpoint = endpoint
+        self.max_errors = max_errors
+        self.report = ValidationReport()
+        self.seen: set[str] = set()
+        self.failed = False
+
+    def error(self, code: str, message: str, line: int | None, param: str | None) -> None:
+        report = self.report
+        if not self.failed:
+            self.failed = True
+            report.requests = []  # a failed file runs nothing: free the rows early
+        if len(report.errors) < self.max_errors:
+            report.errors.append(LineError(code, message, line, param))
+
+    @property
+    def full(self) -> bool:
+        return len(self.report.errors) >= self.max_errors
+
+    def check(self, line_no: int, offset: int, data: bytes | bytearray, length: int) -> None:
+        """Check one non-blank line; append a request or an error (at most one error per line)."""
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.error("invalid_json_line", _MSG_INVALID_JSON, line_no, None)
+            return
+        if type(obj) is not dict:
+            self.error("invalid_json_line", _MSG_INVALID_JSON, line_no, None)
+            return
+
+        custom_id = obj.get("custom_id")
+        if custom_id is None:
+            self.error("invalid_request", "Missing required parameter: 'custom_id'.", line_no, "custom_id")
+            return
+        if type(custom_id) is not str:
+            self.error(
+                "invalid_request",
+                f"Invalid type for 'custom_id': expected a string, but got {_json_type(custom_id)}.",
+                line_no,
+                "custom_id",
+            )
+            return
+        seen = self.seen
+        if custom_id in seen:
+            self.error(
+                "duplicate_custom_id",
+                f"The custom_id '{_clip(custom_id)}' for this request is a duplicate of another request. "
+                "The custom_id parameter must be unique for each request in a batch.",
+                line_no,
+                "custom_id",
+            )
+            return
+        seen.add(custom_id)
+
+        method = obj.get("method")
+        if method != "POST":
+            if method is None:
+                message = "Missing required parameter: 'method'."
+            else:
+                message = f"Invalid value for 'method': {_show(method)}. Only 'POST' is supported."
+            self.error("invalid_request", message, line_no, "method")
+            return
+
+        url = obj.get("url")
+        if url is None:
+            self.error("invalid_request", "Missing required parameter: 'url'.", line_no, "url")
+            return
+        if url != self.endpoint:
+            self.error(
+                "url_mismatch",
+                f"The URL {_show(url)} of this request does not match the batch endpoint "
+                f"'{self.endpoint}'. Every line's 'url' must equal the endpoint of the batch.",
+                line_no,
+                "url",
+            )
+            return
+
+        body = obj.get("body")
+        if type(body) is not dict:
+            if body is None:
+                message = "Missing required parameter: 'body'."
+            else:
+                message = f"Invalid type for 'body': expected an object, but got {_json_type(body)}."
+            self.error("invalid_request", message, line_no, "body")
+            return
+        model = body.get("model")
+        if type(model) is not str:
+            if model is None:
+                message = "Missing required parameter: 'body.model'."
+            else:
+                message = f"Invalid type for 'body.model': expected a string, but got {_json_type(model)}."
+            self.error("invalid_request", message, line_no, "body.model")
+            return
+        report = self.report
+        if report.model is None:
+            report.model = model
+        elif model != report.model:
+            self.error(
+                "model_mismatch",
+                f"The model '{_clip(model)}' for this request does not match the rest of the batch. "
+                "Each batch must contain requests for a single model.",
+                line_no,
+                "body.model",
+            )
+            return
+        if body.get("stream") is True:
+            self.error(
+                "invalid_request",
+                "Streaming is not supported in batch requests: 'body.stream' must not be true.",
+                line_no,
+                "body.stream",
+            )
+            return
+
+        text, size = prompt_bytes(self.endpoint, body)
+        est = -(-size // BYTES_PER_TOKEN)
+        report.est_tokens += est
+        if not self.failed:
+            report.requests.append(
+                RequestLine(custom_id, line_no, offset, length, text[:PREFIX_KEY_BYTES], est)
+            )
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _show(value: Any) -> str:
+    """Quote a user value for a message, clipped so a hostile value cannot bloat the error."""
+    if isinstance(value, str):
+        return f"'{_clip(value)}'"
+    return _json_type(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def validate_batch_file(
+    chunks: Iterable[bytes],
+    *,
+    endpoint: str,
+    max_requests: int = 50_000,
+    max_errors: int = 100,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> ValidationReport:
+    """Validate a batch input file given as byte chunks; return a :class:`ValidationReport`.
+
+    ``chunks``: any iterable of ``bytes`` (or bytes-like) pieces of the file, in order, of any sizes
+    (e.g. 1 MiB reads). ``endpoint``: the batch's endpoint, e.g. ``"/v1/chat/completions"``; every
+    line's ``url`` must equal it. ``max_requests``: OpenAI's 50,000 requests per batch; one more gives
+    a single ``too_many_tasks`` error and stops reading. ``max_errors``: errors kept (OpenAI-style
+    ``errors.data`` stays short); reading stops once that many are found. ``max_line_bytes``: longest
+    accepted line without its terminator (default :data:`DEFAULT_MAX_LINE_BYTES`, 32 MiB); a longer
+    line is an ``invalid_request`` error and is never buffered whole.
+
+    Each line gets at most one error, the first check it fails in the order listed in the module
+    docstring. Never raises for any file content; only errors raised by ``chunks`` itself propagate.
+    Memory: O(longest accepted line + number of requests).
+    """
+    if max_requests < 1 or max_errors < 1 or max_line_bytes < 1:
+        raise ValueError("max_requests, max_errors and max_line_bytes must be positive")
+    checker = _Checker(endpoint, max_errors)
+    report = checker.report
+    counter = [0]
+    request_lines = 0
+    for line_no, offset, data, length in _lines(chunks, max_line_bytes, counter):
+        if data is _TOO_LONG:
+            is_request = True
+        else:
+            # A request line starts with '{' in practice; anything else may be blank.
+            is_request = bool(data) and (data[0] == 0x7B or bool(data.strip(_BLANK)))
+        if not is_request:
+            continue
+        request_lines += 1
+        if request_lines > max_requests:
+            checker.error(
+                "too_many_tasks",
+                f"The batch input file has more than the maximum of {max_requests:,} requests "
+                "allowed per batch.",
+                line_no,
+                None,
+            )
+            break
+        if data is _TOO_LONG:
+            checker.error(
+                "invalid_request",
+                f"This line is {length:,} bytes long; a batch request line may be at most "
+                f"{max_line_bytes:,} bytes.",
+                line_no,
+                None,
+            )
+        else:
+            checker.check(line_no, offset, data, length)  # type: ignore[arg-type]
+        if checker.full:
+            break
+    else:
+        if request_lines == 0:
+            checker.error("empty_file", "The batch input file does not contain any requests.", None, None)
+    report.bytes_read = counter[0]
+    return report
