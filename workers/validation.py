@@ -356,16 +356,8 @@ class _Checker:
             return
 
         custom_id = obj.get("custom_id")
-        if custom_id is None:
-            self.error("invalid_request", "Missing required parameter: 'custom_id'.", line_no, "custom_id")
-            return
-        if type(custom_id) is not str:
-            self.error(
-                "invalid_request",
-                f"Invalid type for 'custom_id': expected a string, but got {_json_type(custom_id)}.",
-                line_no,
-                "custom_id",
-            )
+        if problem := _wrong_type(custom_id, str, "custom_id"):
+            self.error("invalid_request", problem, line_no, "custom_id")
             return
         seen = self.seen
         if custom_id in seen:
@@ -403,20 +395,12 @@ class _Checker:
             return
 
         body = obj.get("body")
-        if type(body) is not dict:
-            if body is None:
-                message = "Missing required parameter: 'body'."
-            else:
-                message = f"Invalid type for 'body': expected an object, but got {_json_type(body)}."
-            self.error("invalid_request", message, line_no, "body")
+        if problem := _wrong_type(body, dict, "body"):
+            self.error("invalid_request", problem, line_no, "body")
             return
         model = body.get("model")
-        if type(model) is not str:
-            if model is None:
-                message = "Missing required parameter: 'body.model'."
-            else:
-                message = f"Invalid type for 'body.model': expected a string, but got {_json_type(model)}."
-            self.error("invalid_request", message, line_no, "body.model")
+        if problem := _wrong_type(model, str, "body.model"):
+            self.error("invalid_request", problem, line_no, "body.model")
             return
         report = self.report
         if report.model is None:
@@ -446,6 +430,16 @@ class _Checker:
             report.requests.append(
                 RequestLine(custom_id, line_no, offset, length, text[:PREFIX_KEY_BYTES], est)
             )
+
+
+def _wrong_type(value: Any, expected: type, param: str) -> str | None:
+    """Say what is wrong with a required field (missing, or not of JSON type ``expected``), or None."""
+    if type(value) is expected:
+        return None
+    if value is None:
+        return f"Missing required parameter: '{param}'."
+    want = "an object" if expected is dict else "a string"
+    return f"Invalid type for '{param}': expected {want}, but got {_json_type(value)}."
 
 
 def _json_type(value: Any) -> str:

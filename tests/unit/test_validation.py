@@ -328,7 +328,8 @@ def test_line_longer_than_max_line_bytes_is_invalid_request() -> None:
     data = jsonl(req("a"), long_line, req("b"), end=b"\r\n") + last  # also as a last line, no newline
     for chunk in (None, 1, 100, 4096):
         report = run(data, chunk, max_line_bytes=1000)
-        assert [(e.code, e.line, e.param) for e in report.errors] == [("invalid_request", 2, None), ("invalid_request", 4, None)]
+        got = [(e.code, e.line, e.param) for e in report.errors]
+        assert got == [("invalid_request", 2, None), ("invalid_request", 4, None)]
         assert f"{len(long_line):,} bytes" in report.errors[0].message
     exact = run(data, 100, max_line_bytes=len(long_line))  # the limit itself is allowed, CR excluded
     assert exact.errors == [] and len(exact.requests) == 4
@@ -368,7 +369,14 @@ def test_prompt_text_per_endpoint() -> None:
         "model": "m",
         "messages": [
             {"role": "system", "content": "sys"},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}, {"type": "text", "text": "b"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "image_url", "image_url": {"url": "u"}},
+                    {"type": "text", "text": "b"},
+                ],
+            },
         ],
     }
     assert prompt_bytes(CHAT, chat) == (b"sys\na\nb", 7)
