@@ -18,24 +18,24 @@ import importlib
 
 import click
 
-# name -> "module:attribute" of a click command; imported on first use.
-COMMANDS: dict[str, str] = {
-    "up": "backfill.up:up_command",
-    "migrate": "backfill.commands:migrate_command",
-    "gateway": "backfill.commands:gateway_command",
-    "worker": "backfill.commands:worker_command",
-    "beat": "backfill.commands:beat_command",
-    "keys": "backfill.commands:keys_group",
-    "bench": "backfill.bench:bench_group",
-    "engine-sim": "router.fleet.cli:engine_sim_command",
-    "engine": "router.fleet.cli:engine_command",
+# name -> ("module:attribute" of a click command, one-line help); imported on first use.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("backfill.up:up_command", "Run the whole stack on this machine."),
+    "migrate": ("backfill.commands:migrate_command", "Apply database migrations (Alembic)."),
+    "gateway": ("backfill.commands:gateway_command", "Serve the Files + Batches API."),
+    "worker": ("backfill.commands:worker_command", "Run a Celery worker of the batch lifecycle."),
+    "beat": ("backfill.commands:beat_command", "Run the Celery beat scheduler."),
+    "keys": ("backfill.commands:keys_group", "Manage tenants' API keys."),
+    "bench": ("backfill.bench:bench_group", "Run a benchmark."),
+    "engine-sim": ("router.fleet.cli:engine_sim_command", "Serve one simulated vLLM engine."),
+    "engine": ("router.fleet.cli:engine_command", "Run a real vLLM engine for the fleet."),
 }
 
 
 class LazyGroup(click.Group):
     """A click group whose subcommands are imported only when invoked or listed in help."""
 
-    def __init__(self, *args, lazy: dict[str, str], **kwargs):
+    def __init__(self, *args, lazy: dict[str, tuple[str, str]], **kwargs):
         super().__init__(*args, **kwargs)
         self.lazy = lazy
 
@@ -44,9 +44,15 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self.lazy:
-            module_name, attr = self.lazy[cmd_name].split(":")
+            module_name, attr = self.lazy[cmd_name][0].split(":")
             return getattr(importlib.import_module(module_name), attr)
         return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, self.lazy[name][1]) for name in self.list_commands(ctx) if name in self.lazy]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 @click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,9 +7,9 @@ import click
 
 from backfill.cli import LazyGroup
 
-BENCHMARKS: dict[str, str] = {
-    "ingest": "backfill.bench.ingest:ingest_command",
-    "engine-sim": "router.fleet.bench:bench_engine_sim_command",
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "ingest": ("backfill.bench.ingest:ingest_command", "Upload + validate a 200 MB batch file."),
+    "engine-sim": ("router.fleet.bench:bench_engine_sim_command", "Requests/s of one simulator."),
 }
 
 

@@ -1,0 +1,138 @@
+"""Service subcommands: ``migrate``, ``gateway``, ``worker``, ``beat``, ``keys``.
+
+``gateway``, ``worker`` and ``beat`` read ``DATABASE_URL`` / ``REDIS_URL`` (``backfill up`` sets
+them for its children). ``migrate`` and ``keys`` start the embedded stores under ``--data-dir``
+when ``DATABASE_URL`` is not set, so they work on a fresh machine too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+
+DATA_DIR_OPTION = click.option(
+    "--data-dir", type=click.Path(path_type=Path), default=Path(".data"), show_default=True,
+    envvar="BACKFILL_DATA_DIR", help="Where embedded stores and file bytes live.",
+)
+
+
+@contextlib.contextmanager
+def database_url(data_dir: Path) -> Iterator[str]:
+    """``DATABASE_URL`` if set, else the URL of an embedded PostgreSQL under ``data_dir`` (migrated
+    to the newest revision, as ``backfill up`` would) that is stopped on exit."""
+    if os.environ.get("DATABASE_URL"):
+        yield os.environ["DATABASE_URL"]
+        return
+    from backfill.stores import start_stores
+    from migrations.config import upgrade
+
+    with start_stores(data_dir, environ={"REDIS_URL": "unused"}) as stores:
+        upgrade(stores.database_url)
+        yield stores.database_url
+
+
+@click.command("migrate")
+@DATA_DIR_OPTION
+@click.option("--revision", default="head", show_default=True, help="Target revision.")
+def migrate_command(data_dir: Path, revision: str) -> None:
+    """Apply database migrations (Alembic) up to REVISION."""
+    from migrations.config import upgrade
+
+    with database_url(data_dir) as url:
+        upgrade(url, revision)
+    click.echo(f"database at revision {revision}")
+
+
+@click.command("gateway")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--log-level", default="warning", show_default=True)
+def gateway_command(host: str, port: int, log_level: str) -> None:
+    """Serve the Files + Batches API (reads DATABASE_URL, REDIS_URL, BACKFILL_DATA_DIR)."""
+    import uvicorn
+
+    from batch_gateway.app import create_app
+    from batch_gateway.settings import load_settings
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr)
+    uvicorn.run(create_app(load_settings()), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=10, h11_max_incomplete_event_size=16 * 1024)
+
+
+def _celery():
+    from workers.app import create_celery
+    from workers.settings import load_settings
+
+    return create_celery(load_settings())
+
+
+@click.command("worker")
+@click.option("--concurrency", default=2, show_default=True, type=int)
+@click.option("--pool", default="prefork", show_default=True,
+              type=click.Choice(["prefork", "threads", "solo"]))
+@click.option("--log-level", default="WARNING", show_default=True)
+def worker_command(concurrency: int, pool: str, log_level: str) -> None:
+    """Run a Celery worker of the batch lifecycle."""
+    _celery().worker_main(["worker", f"--loglevel={log_level}", f"--concurrency={concurrency}",
+                           f"--pool={pool}", "--without-gossip", "--without-mingle"])
+
+
+@click.command("beat")
+@DATA_DIR_OPTION
+@click.option("--log-level", default="WARNING", show_default=True)
+def beat_command(data_dir: Path, log_level: str) -> None:
+    """Run the Celery beat scheduler (outbox relay; expiry and sweeps in later issues)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    _celery().start(["beat", f"--loglevel={log_level}", f"--schedule={data_dir / 'celerybeat-schedule'}"])
+
+
+@click.group("keys")
+def keys_group() -> None:
+    """Manage tenants' API keys."""
+
+
+@contextlib.contextmanager
+def _session(data_dir: Path):
+    from batch_gateway.db import make_engine, make_sessionmaker
+    from batch_gateway.settings import sqlalchemy_url
+
+    with database_url(data_dir) as url:
+        engine = make_engine(sqlalchemy_url(url), pool_size=1)
+        try:
+            with make_sessionmaker(engine)() as session:
+                yield session
+                session.commit()
+        finally:
+            engine.dispose()
+
+
+@keys_group.command("create")
+@click.option("--tenant", required=True, help="Tenant name (created if new).")
+@DATA_DIR_OPTION
+def keys_create(tenant: str, data_dir: Path) -> None:
+    """Print a new API key for TENANT."""
+    from batch_gateway import queries
+
+    with _session(data_dir) as session:
+        key = queries.add_api_key(session, tenant)
+    click.echo(key)
+
+
+@keys_group.command("revoke")
+@click.argument("key")
+@DATA_DIR_OPTION
+def keys_revoke(key: str, data_dir: Path) -> None:
+    """Revoke KEY."""
+    from batch_gateway import queries
+
+    with _session(data_dir) as session:
+        revoked = queries.revoke_api_key(session, key)
+    if not revoked:
+        raise click.ClickException("no such active key")
+    click.echo("revoked")

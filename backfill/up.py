@@ -1,0 +1,145 @@
+"""``backfill up``: the whole stack on one machine.
+
+Starts the stores (embedded PostgreSQL and Redis under ``--data-dir`` unless ``DATABASE_URL`` /
+``REDIS_URL`` are set), applies migrations, starts the Celery worker, beat and the gateway as child
+processes, waits until the gateway answers, and prints one line beginning ``backfill ready`` with
+``gateway=http://HOST:PORT/v1``. On SIGINT or SIGTERM it stops every child (SIGTERM, then SIGKILL
+after the grace period) and the stores, and exits 0. If a child dies on its own, everything is
+stopped and the exit code is 1.
+
+The processor, router and engines join this list in later issues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import httpx
+
+GRACE_SECONDS = 15.0
+READY_TIMEOUT_SECONDS = 60.0
+
+
+@dataclass
+class Stack:
+    """A running stack: its children, URLs and the API key of the ``default`` tenant."""
+
+    gateway_url: str
+    api_key: str
+    data_dir: Path
+    children: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def dead_child(self) -> str | None:
+        """The name of a child that exited, if any."""
+        for name, proc in self.children.items():
+            if proc.poll() is not None:
+                return name
+        return None
+
+    def stop(self, grace: float = GRACE_SECONDS) -> None:
+        """SIGTERM every child, wait up to ``grace`` seconds, SIGKILL the rest."""
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.children.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _spawn(args: list[str], env: dict, log_dir: Path, name: str) -> subprocess.Popen:
+    log = open(log_dir / f"{name}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "backfill", *args], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _wait_ready(url: str, stack: Stack, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = stack.dead_child()
+        if dead:
+            raise click.ClickException(
+                f"{dead} exited during start-up; see {stack.data_dir / 'logs' / (dead + '.log')}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise click.ClickException(f"{url} did not answer within {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def run_stack(data_dir: Path, host: str, port: int, api_key: str | None) -> Iterator[Stack]:
+    """Start the stack, yield it once the gateway answers, and stop everything on exit."""
+    from backfill.stores import start_stores
+    from migrations.config import upgrade
+
+    data_dir = data_dir.resolve()
+    logs = data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    api_key = api_key or "sk-bf-" + secrets.token_urlsafe(24)
+    with start_stores(data_dir) as stores:
+        upgrade(stores.database_url)
+        env = dict(os.environ, DATABASE_URL=stores.database_url, REDIS_URL=stores.redis_url,
+                   BACKFILL_DATA_DIR=str(data_dir), BACKFILL_API_KEY=api_key)
+        stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir)
+        try:
+            stack.children["worker"] = _spawn(["worker"], env, logs, "worker")
+            stack.children["beat"] = _spawn(["beat", "--data-dir", str(data_dir)], env, logs, "beat")
+            stack.children["gateway"] = _spawn(["gateway", "--host", host, "--port", str(port)],
+                                               env, logs, "gateway")
+            _wait_ready(f"http://{host}:{port}/health", stack)
+            yield stack
+        finally:
+            stack.stop()
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signum)
+
+
+@click.command("up")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=Path(".data"), show_default=True,
+              envvar="BACKFILL_DATA_DIR", help="Embedded stores, file bytes and logs live here.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--api-key", envvar="BACKFILL_API_KEY",
+              help="Key accepted for the 'default' tenant (a new one is made if not given).")
+def up_command(data_dir: Path, host: str, port: int, api_key: str | None) -> None:
+    """Run the whole stack on this machine until SIGINT/SIGTERM."""
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    code = 0
+    try:
+        with run_stack(data_dir, host, port, api_key) as stack:
+            click.echo(f"backfill ready gateway={stack.gateway_url} api_key={stack.api_key} "
+                       f"data_dir={stack.data_dir} logs={stack.data_dir / 'logs'}", err=False)
+            sys.stdout.flush()
+            while True:
+                dead = stack.dead_child()
+                if dead:
+                    click.echo(f"backfill: {dead} exited; stopping", err=True)
+                    code = 1
+                    break
+                time.sleep(0.5)
+    except _Stop:
+        pass
+    click.echo("backfill stopped", err=True)
+    sys.exit(code)

@@ -1,0 +1,1 @@
+"""HTTP routes: ``files`` and ``batches`` under ``/v1``."""

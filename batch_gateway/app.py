@@ -1,0 +1,89 @@
+"""The gateway's app factory: ``create_app(settings)``.
+
+The lifespan owns every client (database engine, file store, task publisher) and puts them on
+``app.state``; nothing is created at import. Every error leaves as OpenAI's envelope
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batch_gateway import queries
+from batch_gateway.api import batches, files
+from batch_gateway.db import make_engine, make_sessionmaker
+from batch_gateway.errors import GatewayError, error_body
+from batch_gateway.outbox import TaskPublisher
+from batch_gateway.settings import GatewaySettings
+from batch_gateway.storage import LocalFileStore
+
+log = logging.getLogger(__name__)
+
+_STATUS_TYPES = {401: "invalid_request_error", 404: "invalid_request_error",
+                 405: "invalid_request_error", 413: "invalid_request_error",
+                 415: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """Build the gateway for ``settings``. Serving it (uvicorn) runs the lifespan, which connects
+    to Postgres and the broker and registers ``settings.api_key`` for ``settings.default_tenant``."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = make_engine(settings.database_url)
+        app.state.settings = settings
+        app.state.sessionmaker = make_sessionmaker(engine)
+        app.state.store = LocalFileStore(settings.files_dir)
+        app.state.tasks = TaskPublisher.for_redis(settings.redis_url)
+        if settings.api_key:
+            with app.state.sessionmaker() as session:
+                queries.add_api_key(session, settings.default_tenant, settings.api_key)
+                session.commit()
+        try:
+            yield
+        finally:
+            app.state.tasks.close()
+            engine.dispose()
+
+    app = FastAPI(title="backfill gateway", version="0.1.0", lifespan=lifespan)
+    app.include_router(files.router)
+    app.include_router(batches.router)
+
+    @app.get("/health", include_in_schema=False)
+    def health() -> dict:
+        return {"status": "ok"}
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code),
+                              status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "Invalid request."}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "header", "body")]
+        param = ".".join(loc) or None
+        message = f"Invalid value for '{param}': {first.get('msg', '')}." if param else first.get("msg", "")
+        return JSONResponse(error_body(message, "invalid_request_error", param, None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "Request failed."
+        if exc.status_code == 404:
+            message = f"Unknown request URL: {request.method} {request.url.path}."
+        return JSONResponse(error_body(message, _STATUS_TYPES.get(exc.status_code, "invalid_request_error")),
+                              status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", extra={"action": "unhandled_error", "path": request.url.path})
+        return JSONResponse(error_body("The server had an error while processing your request.",
+                                         "server_error"), status_code=500)
+
+    return app

@@ -1,0 +1,18 @@
+"""Database engine and sessions. The app's lifespan (or a worker's start-up) owns the engine;
+nothing here runs at import."""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+
+def make_engine(url: str, *, pool_size: int = 10) -> Engine:
+    """A pooled engine for ``url`` (``postgresql+psycopg://``); connections are checked before use
+    so a restarted Postgres is reconnected to without a restart of ours (RELIABILITY.md F8)."""
+    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    """Sessions that never expire loaded objects on commit (we render them after commit)."""
+    return sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,106 @@
+"""Errors of the gateway, each carrying its HTTP status and OpenAI ``type`` / ``code``.
+
+::
+
+    GatewayError                      500 api_error (never raised on purpose)
+    ├── InvalidRequestError           400 invalid_request_error
+    │   ├── UnsupportedMediaTypeError 415
+    │   └── RequestTimeoutError       408
+    ├── AuthenticationError           401 invalid_request_error / invalid_api_key
+    ├── NotFoundError                 404 invalid_request_error
+    ├── ConflictError                 409 invalid_request_error
+    ├── PayloadTooLargeError          413 invalid_request_error
+    └── RateLimitError                429 tokens / token_limit_exceeded (with Retry-After)
+
+:func:`error_body` renders any of them as OpenAI's envelope
+``{"error": {"message", "type", "param", "code"}}``; ``batch_gateway.app`` installs the handlers.
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Root of the gateway's errors: ``status`` (HTTP), ``type`` and ``code`` (OpenAI), ``param``."""
+
+    status = 500
+    type = "api_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+
+class InvalidRequestError(GatewayError):
+    """400: the request's arguments are wrong."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """415: the body's Content-Type is not the one this endpoint takes."""
+
+    status = 415
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """408: the client stopped sending its body."""
+
+    status = 408
+
+
+class AuthenticationError(GatewayError):
+    """401: no, a malformed, an unknown or a revoked API key."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFoundError(GatewayError):
+    """404: no such object for this tenant (another tenant's object answers the same)."""
+
+    status = 404
+    type = "invalid_request_error"
+
+
+class ConflictError(GatewayError):
+    """409: e.g. an ``Idempotency-Key`` reused with different arguments."""
+
+    status = 409
+    type = "invalid_request_error"
+
+
+class PayloadTooLargeError(GatewayError):
+    """413: an upload or body over its byte cap."""
+
+    status = 413
+    type = "invalid_request_error"
+
+
+class RateLimitError(GatewayError):
+    """429: over a quota; carries ``Retry-After``."""
+
+    status = 429
+    type = "tokens"
+    code = "token_limit_exceeded"
+
+
+def token_limit_message(tenant_name: str, limit: int, model: str | None = None) -> str:
+    """OpenAI's wording for an enqueued-token quota reached (``token_limit_exceeded``)."""
+    return (
+        f"Enqueued token limit reached for {model or 'this model'} in organization {tenant_name}. "
+        f"Limit: {limit:,} enqueued tokens. Please try again once some in_progress batches have "
+        "been completed."
+    )
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error envelope as a dict."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

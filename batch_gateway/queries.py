@@ -1,0 +1,311 @@
+"""Every query of the gateway and the workers, in one named place.
+
+Each function takes the session and, where rows belong to a tenant, the tenant id explicitly. None
+commits: the caller owns the transaction. Each status change is one compare-and-set UPDATE
+(:func:`transition`) that also writes its event row, so a change and its outbox entry commit
+together; time comes from the database clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+
+from sqlalchemy import Select, func, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session
+
+from batch_gateway.models import (
+    ACTIVE_BATCH_STATUSES,
+    EPOCH_NOW,
+    ApiKey,
+    Batch,
+    BatchRequest,
+    Event,
+    File,
+    Tenant,
+)
+
+KEY_PREFIX = "sk-bf-"
+
+VALIDATE_BATCH_TASK = "backfill.validate_batch"
+"""Celery task name of batch validation (``workers.tasks``); the outbox carries it."""
+
+
+def new_id(prefix: str) -> str:
+    """A new object id: ``prefix`` + 24 random hex characters (96 bits), e.g. ``batch_9f…``."""
+    return prefix + secrets.token_hex(12)
+
+
+def hash_key(key: str) -> str:
+    """SHA-256 hex of an API key: keys carry 256 random bits, so a fast hash is the standard
+    choice (as for GitHub tokens); the plain key is never stored."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+# --- tenants and keys -------------------------------------------------------------------------
+
+
+def tenant_for_key(session: Session, key: str) -> Tenant | None:
+    """The tenant owning the unrevoked key ``key``, or None."""
+    return session.execute(
+        select(Tenant)
+        .join(ApiKey, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
+    ).scalar_one_or_none()
+
+
+def ensure_tenant(session: Session, name: str) -> Tenant:
+    """The tenant called ``name``, created if missing (safe under concurrent calls)."""
+    session.execute(
+        pg_insert(Tenant).values(id=new_id("tenant_"), name=name).on_conflict_do_nothing(
+            index_elements=[Tenant.name]
+        )
+    )
+    return session.execute(select(Tenant).where(Tenant.name == name)).scalar_one()
+
+
+def add_api_key(session: Session, tenant_name: str, key: str | None = None) -> str:
+    """Register ``key`` (or a new random one) for tenant ``tenant_name``; returns the key.
+
+    Adding a key that already exists for the same tenant is a no-op; for another tenant it raises
+    ``ValueError``.
+    """
+    tenant = ensure_tenant(session, tenant_name)
+    key = key or KEY_PREFIX + secrets.token_urlsafe(32)
+    session.execute(
+        pg_insert(ApiKey)
+        .values(tenant_id=tenant.id, key_hash=hash_key(key), prefix=key[:12])
+        .on_conflict_do_nothing(index_elements=[ApiKey.key_hash])
+    )
+    owner = session.execute(select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key))).scalar_one()
+    if owner != tenant.id:
+        raise ValueError("that key already belongs to another tenant")
+    return key
+
+
+def revoke_api_key(session: Session, key: str) -> bool:
+    """Revoke ``key``; returns whether an active key was revoked."""
+    result = session.execute(
+        update(ApiKey)
+        .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
+        .values(revoked_at=EPOCH_NOW)
+    )
+    return result.rowcount > 0
+
+
+# --- files ------------------------------------------------------------------------------------
+
+
+def insert_file(session: Session, *, file_id: str, tenant_id: str, size: int, filename: str,
+                purpose: str, storage_key: str, sha256: str | None,
+                expires_after_seconds: int | None) -> File:
+    """Insert a file row; ``expires_at`` = the database's now + ``expires_after_seconds``."""
+    expires = None if expires_after_seconds is None else text(
+        f"extract(epoch from now())::bigint + {int(expires_after_seconds)}"
+    )
+    return session.execute(
+        pg_insert(File)
+        .values(id=file_id, tenant_id=tenant_id, bytes=size, filename=filename, purpose=purpose,
+                storage_key=storage_key, sha256=sha256, expires_at=expires)
+        .returning(File)
+    ).scalar_one()
+
+
+def _visible_file(tenant_id: str):
+    return (File.tenant_id == tenant_id, File.deleted_at.is_(None))
+
+
+def get_file(session: Session, tenant_id: str, file_id: str) -> File | None:
+    """The tenant's live file ``file_id``, or None (another tenant's file is None too)."""
+    return session.execute(
+        select(File).where(File.id == file_id, *_visible_file(tenant_id))
+    ).scalar_one_or_none()
+
+
+def _page(session: Session, stmt: Select, model, tenant_id: str, after: str | None, limit: int,
+          descending: bool, extra=()) -> tuple[list, bool] | None:
+    """One page of ``stmt`` ordered by ``seq``; None when ``after`` names no visible object."""
+    if after is not None:
+        cursor = session.execute(
+            select(model.seq).where(model.id == after, model.tenant_id == tenant_id, *extra)
+        ).scalar_one_or_none()
+        if cursor is None:
+            return None
+        stmt = stmt.where(model.seq < cursor if descending else model.seq > cursor)
+    stmt = stmt.order_by(model.seq.desc() if descending else model.seq.asc()).limit(limit + 1)
+    rows = list(session.execute(stmt).scalars())
+    return rows[:limit], len(rows) > limit
+
+
+def list_files(session: Session, tenant_id: str, *, purpose: str | None, limit: int,
+               order: str, after: str | None) -> tuple[list[File], bool] | None:
+    """A page of the tenant's live files and whether more follow; None for an unknown cursor."""
+    visible = _visible_file(tenant_id)
+    stmt = select(File).where(*visible)
+    if purpose is not None:
+        stmt = stmt.where(File.purpose == purpose)
+    return _page(session, stmt, File, tenant_id, after, limit, order == "desc", visible)
+
+
+def delete_file(session: Session, tenant_id: str, file_id: str) -> File | None:
+    """Hide the tenant's file from the API; returns it, or None when not found.
+
+    The caller removes the bytes unless :func:`file_in_use` says a running batch still reads them.
+    """
+    return session.execute(
+        update(File)
+        .where(File.id == file_id, *_visible_file(tenant_id))
+        .values(deleted_at=EPOCH_NOW)
+        .returning(File)
+    ).scalar_one_or_none()
+
+
+def file_in_use(session: Session, file_id: str) -> bool:
+    """Whether a non-terminal batch reads ``file_id`` as its input."""
+    return session.execute(
+        select(func.count()).select_from(Batch).where(
+            Batch.input_file_id == file_id, Batch.status.in_(ACTIVE_BATCH_STATUSES)
+        )
+    ).scalar_one() > 0
+
+
+# --- batches ----------------------------------------------------------------------------------
+
+
+def add_event(session: Session, batch: Batch | None, type_: str, payload: dict | None = None,
+              *, publish: bool = False) -> Event:
+    """Append an event (timeline entry; an outbox entry when ``publish``)."""
+    event = Event(batch_id=batch.id if batch else None, tenant_id=batch.tenant_id if batch else None,
+                  type=type_, payload=payload or {}, needs_publish=publish)
+    session.add(event)
+    session.flush()
+    return event
+
+
+def insert_batch(session: Session, *, tenant_id: str, endpoint: str, input_file_id: str,
+                 completion_window: str, window_seconds: int, metadata: dict | None,
+                 output_expires_after: dict | None, idempotency_key: str | None,
+                 request_hash: str | None) -> Batch:
+    """Insert a batch in ``validating`` with its outbox event (validate task) in the same
+    transaction. ``expires_at``/``deadline`` = database now + ``window_seconds``.
+
+    Raises ``sqlalchemy.exc.IntegrityError`` when the tenant already used ``idempotency_key``.
+    """
+    batch = session.execute(
+        pg_insert(Batch)
+        .values(
+            id=new_id("batch_"), tenant_id=tenant_id, endpoint=endpoint,
+            input_file_id=input_file_id, completion_window=completion_window,
+            window_seconds=window_seconds,
+            expires_at=text(f"extract(epoch from now())::bigint + {int(window_seconds)}"),
+            deadline=text(f"now() + interval '{int(window_seconds)} seconds'"),
+            metadata_=metadata, output_expires_after=output_expires_after,
+            idempotency_key=idempotency_key, request_hash=request_hash,
+        )
+        .returning(Batch)
+    ).scalar_one()
+    add_event(session, batch, "batch.created", {"task": VALIDATE_BATCH_TASK}, publish=True)
+    return batch
+
+
+def get_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
+    """The tenant's batch ``batch_id``, or None (another tenant's batch is None too)."""
+    return session.execute(
+        select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id)
+    ).scalar_one_or_none()
+
+
+def get_batch_by_idempotency_key(session: Session, tenant_id: str, key: str) -> Batch | None:
+    """The tenant's batch created with ``Idempotency-Key: key``, or None."""
+    return session.execute(
+        select(Batch).where(Batch.tenant_id == tenant_id, Batch.idempotency_key == key)
+    ).scalar_one_or_none()
+
+
+def list_batches(session: Session, tenant_id: str, *, limit: int,
+                 after: str | None) -> tuple[list[Batch], bool] | None:
+    """A page of the tenant's batches, newest first; None for an unknown cursor."""
+    stmt = select(Batch).where(Batch.tenant_id == tenant_id)
+    return _page(session, stmt, Batch, tenant_id, after, limit, True)
+
+
+def enqueued_tokens(session: Session, tenant_id: str) -> int:
+    """Estimated prompt tokens of the tenant's batches that have not ended."""
+    return session.execute(
+        select(func.coalesce(func.sum(Batch.enqueued_tokens), 0)).where(
+            Batch.tenant_id == tenant_id, Batch.status.in_(ACTIVE_BATCH_STATUSES)
+        )
+    ).scalar_one()
+
+
+def lock_tenant(session: Session, tenant_id: str) -> Tenant:
+    """The tenant row, locked until the transaction ends (serialises quota checks)."""
+    return session.execute(select(Tenant).where(Tenant.id == tenant_id).with_for_update()).scalar_one()
+
+
+def transition(session: Session, batch_id: str, from_: Sequence[str], to: str,
+               event_payload: dict | None = None, **values) -> Batch | None:
+    """Move the batch from one of ``from_`` to ``to`` in one guarded UPDATE, setting ``{to}_at``
+    to the database's now and any extra column ``values``; returns the updated batch, or None when
+    the batch was not in ``from_`` (someone else moved it first). Writes a ``batch.{to}`` event.
+    """
+    batch = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status.in_(tuple(from_)))
+        .values(status=to, **{f"{to}_at": EPOCH_NOW}, **values)
+        .returning(Batch)
+        .execution_options(synchronize_session=False)
+    ).scalar_one_or_none()
+    if batch is not None:
+        add_event(session, batch, f"batch.{to}", event_payload)
+    return batch
+
+
+def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
+    """Cancel the tenant's batch. Returns the batch after the change, or None when not found.
+
+    A batch still ``validating``, or ``in_progress`` with no request handed out yet, goes straight
+    to ``cancelled`` (``cancelling_at`` and ``cancelled_at`` both set, its requests marked
+    ``cancelled``); one with work in flight goes to ``cancelling``. A batch already ``cancelling``
+    or ``cancelled`` is returned unchanged; for other ended batches the caller answers an error.
+    """
+    batch = session.execute(
+        select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id).with_for_update()
+    ).scalar_one_or_none()
+    if batch is None or batch.status not in ("validating", "in_progress"):
+        return batch
+    started = session.execute(
+        select(func.count()).select_from(BatchRequest).where(
+            BatchRequest.batch_id == batch_id, BatchRequest.state != "pending"
+        )
+    ).scalar_one()
+    if started:
+        return transition(session, batch_id, ("in_progress",), "cancelling")
+    session.execute(
+        update(BatchRequest)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == "pending")
+        .values(state="cancelled", finished_at=func.now())
+    )
+    return transition(session, batch_id, ("validating", "in_progress"), "cancelled",
+                      cancelling_at=EPOCH_NOW)
+
+
+def unpublished_events(session: Session, older_than_seconds: float, limit: int = 100) -> list[Event]:
+    """Outbox entries not yet handed to the broker and older than ``older_than_seconds``, locked
+    (``SKIP LOCKED``) so that concurrent relays take different ones."""
+    return list(session.execute(
+        select(Event)
+        .where(Event.needs_publish, Event.published_at.is_(None),
+               Event.created_at < func.now() - text(f"interval '{float(older_than_seconds)} seconds'"))
+        .order_by(Event.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).scalars())
+
+
+def mark_published(session: Session, event_ids: Sequence[int]) -> None:
+    """Record that these outbox entries reached the broker."""
+    if event_ids:
+        session.execute(update(Event).where(Event.id.in_(list(event_ids))).values(published_at=func.now()))

@@ -1,0 +1,84 @@
+"""Settings of the gateway, built by :func:`load_settings` (never at import).
+
+Environment variables use the prefix ``BACKFILL_GATEWAY_`` except the shared ones: ``DATABASE_URL``
+(or ``BACKFILL_DATABASE_URL``), ``REDIS_URL`` (or ``BACKFILL_REDIS_URL``), ``BACKFILL_DATA_DIR``,
+``BACKFILL_API_KEY`` and ``BACKFILL_ADMIN_KEY``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MB = 1024 * 1024
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Return ``url`` with the psycopg 3 driver named (``postgresql+psycopg://``).
+
+    Accepts ``postgres://``, ``postgresql://`` and ``postgresql+psycopg://`` URLs; raises
+    ``ValueError`` for any other scheme.
+    """
+    for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    raise ValueError(f"not a PostgreSQL URL: {url.split(':', 1)[0]}://…")
+
+
+class SharedSettings(BaseSettings):
+    """What the gateway and the workers both read: the stores, the data directory, batch limits.
+
+    Defaults follow OpenAI's published limits (contracts/openai-batch.md): 50,000 requests per batch.
+    """
+
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
+
+    database_url: str = Field(validation_alias=AliasChoices("BACKFILL_DATABASE_URL", "DATABASE_URL"))
+    redis_url: str = Field(validation_alias=AliasChoices("BACKFILL_REDIS_URL", "REDIS_URL"))
+    data_dir: Path = Field(default=Path(".data"), validation_alias="BACKFILL_DATA_DIR")
+    max_requests_per_batch: int = Field(default=50_000, validation_alias="BACKFILL_MAX_REQUESTS_PER_BATCH")
+    default_enqueued_token_limit: int = Field(
+        default=5_000_000_000, validation_alias="BACKFILL_DEFAULT_ENQUEUED_TOKEN_LIMIT"
+    )
+    """Per-tenant enqueued batch tokens when the tenant row sets none (OpenAI's tier-5 limit for
+    its largest models is of this order)."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _driver(cls, value: str) -> str:
+        return sqlalchemy_url(value)
+
+    @property
+    def files_dir(self) -> Path:
+        """Root of the local file store (``DATA_DIR/files``)."""
+        return self.data_dir / "files"
+
+
+class GatewaySettings(SharedSettings):
+    """Everything the gateway reads from its environment (prefix ``BACKFILL_GATEWAY_``).
+
+    Sizes are bytes, durations seconds. Defaults follow OpenAI's published limits
+    (contracts/openai-batch.md): 200 MB per batch input file, 512 MB per file, batch files
+    expiring after 30 days.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="BACKFILL_GATEWAY_", extra="ignore", populate_by_name=True)
+
+    api_key: str | None = Field(default=None, validation_alias="BACKFILL_API_KEY")
+    default_tenant: str = "default"
+    max_file_bytes: int = 512 * MB
+    max_batch_file_bytes: int = 200 * MB
+    max_json_body_bytes: int = 1 * MB
+    batch_file_ttl_seconds: int = 30 * 24 * 3600
+    body_idle_timeout_seconds: float = 60.0
+    """An upload whose body sends nothing for this long is answered 408 and discarded."""
+
+
+def load_settings(**overrides) -> GatewaySettings:
+    """Build the settings from the environment, with keyword ``overrides`` taking precedence.
+
+    Raises ``pydantic.ValidationError`` when ``DATABASE_URL`` or ``REDIS_URL`` is missing or bad.
+    """
+    return GatewaySettings(**overrides)

@@ -1,0 +1,119 @@
+"""The file store: where file bytes live (never in Postgres rows).
+
+One small interface, :class:`FileStore`, with a local-directory implementation,
+:class:`LocalFileStore`. Keys are derived from object ids only (``files/ab/file-ab…``), never from
+user file names. Writes go to a temporary file and become visible in one atomic rename, so a crash
+or a rejected upload leaves no partial object behind.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+CHUNK_BYTES = 1024 * 1024
+
+
+def storage_key(object_id: str) -> str:
+    """The store key of object ``object_id`` (e.g. ``file-3fa9…`` → ``files/3f/file-3fa9…``).
+
+    Raises ``ValueError`` for an id that is not ``[A-Za-z0-9_-]`` only.
+    """
+    if not object_id or not all(c.isascii() and (c.isalnum() or c in "-_") for c in object_id):
+        raise ValueError(f"unsafe object id {object_id!r}")
+    shard = object_id.split("-", 1)[-1][:2]
+    return f"files/{shard}/{object_id}"
+
+
+class Upload(Protocol):
+    """An object being written: ``write`` chunks, then ``commit`` (visible) or ``abort`` (gone)."""
+
+    def write(self, chunk: bytes) -> None: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class FileStore(Protocol):
+    """Bytes by key. Implementations: :class:`LocalFileStore` (S3-compatible comes later)."""
+
+    def begin(self, key: str) -> Upload:
+        """Start writing ``key``; nothing is visible until ``commit``."""
+
+    def read(self, key: str, offset: int = 0, length: int | None = None,
+             chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """Yield the bytes of ``key`` from ``offset`` (``length`` bytes, or to the end) in chunks.
+        Raises ``FileNotFoundError`` when the key is missing."""
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; missing keys are ignored."""
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` holds a committed object."""
+
+
+class _LocalUpload:
+    def __init__(self, final: Path, tmp: Path):
+        self.final = final
+        self.tmp = tmp
+        self.handle = open(tmp, "wb")
+
+    def write(self, chunk: bytes) -> None:
+        self.handle.write(chunk)
+
+    def commit(self) -> None:
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.tmp, self.final)
+
+    def abort(self) -> None:
+        if not self.handle.closed:
+            self.handle.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class LocalFileStore:
+    """A :class:`FileStore` in a local directory: ``ROOT/files/…`` for objects, ``ROOT/tmp`` for
+    writes in progress (cleared of stale entries at start)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.tmp = self.root / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if self.root.resolve() not in path.parents:
+            raise ValueError(f"key escapes the store: {key!r}")
+        return path
+
+    def begin(self, key: str) -> _LocalUpload:
+        return _LocalUpload(self._path(key), self.tmp / uuid.uuid4().hex)
+
+    def read(self, key: str, offset: int = 0, length: int | None = None,
+             chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        handle = open(self._path(key), "rb")  # raises FileNotFoundError before the first chunk
+
+        def chunks() -> Iterator[bytes]:
+            with handle:
+                handle.seek(offset)
+                left = length
+                while left is None or left > 0:
+                    data = handle.read(chunk_bytes if left is None else min(chunk_bytes, left))
+                    if not data:
+                        return
+                    if left is not None:
+                        left -= len(data)
+                    yield data
+
+        return chunks()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()

@@ -1,0 +1,77 @@
+"""The Celery app of the batch lifecycle: :func:`create_celery`.
+
+Reliability settings follow RELIABILITY.md: ``acks_late`` with ``task_reject_on_worker_lost`` (a
+killed worker's task is redelivered, not lost), prefetch of one, a Redis visibility timeout from the
+settings. Every task is safe to run twice: its effects are guarded by a state transition in
+Postgres.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+from celery import Celery
+from sqlalchemy.orm import Session, sessionmaker
+
+from batch_gateway.db import make_engine, make_sessionmaker
+from batch_gateway.outbox import TaskPublisher, celery_broker_url
+from batch_gateway.storage import LocalFileStore
+from workers.settings import WorkerSettings
+
+
+class WorkerContext:
+    """The clients a task uses, opened lazily in the process that runs the task (after the
+    prefork pool forked, never before)."""
+
+    def __init__(self, settings: WorkerSettings, celery: Celery):
+        self.settings = settings
+        self.celery = celery
+        self._pid = os.getpid()
+
+    def _check_fork(self) -> None:
+        if os.getpid() != self._pid:  # inherited from the parent: start afresh
+            self.__dict__.pop("sessionmaker", None)
+            self._pid = os.getpid()
+
+    @cached_property
+    def sessionmaker(self) -> sessionmaker[Session]:
+        return make_sessionmaker(make_engine(self.settings.database_url, pool_size=2))
+
+    def session(self) -> Session:
+        """A new session (the caller commits)."""
+        self._check_fork()
+        return self.sessionmaker()
+
+    @cached_property
+    def store(self) -> LocalFileStore:
+        return LocalFileStore(self.settings.files_dir)
+
+    @cached_property
+    def publisher(self) -> TaskPublisher:
+        return TaskPublisher(self.celery)
+
+
+def create_celery(settings: WorkerSettings) -> Celery:
+    """The Celery app with every lifecycle task registered and the beat schedule set."""
+    app = Celery("backfill", broker=celery_broker_url(settings.redis_url), set_as_current=False)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_ignore_result=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
+        worker_hijack_root_logger=False,
+        beat_schedule={
+            "relay-outbox": {
+                "task": "backfill.relay_outbox",
+                "schedule": settings.relay_interval_seconds,
+            },
+        },
+    )
+    app.backfill = WorkerContext(settings, app)
+    from workers import tasks
+
+    tasks.register(app)
+    return app

@@ -1,0 +1,30 @@
+"""Settings of the Celery worker and beat (prefix ``BACKFILL_WORKER_``), built by
+:func:`load_settings`; the stores and batch limits are shared with the gateway."""
+
+from __future__ import annotations
+
+from batch_gateway.settings import SharedSettings
+from pydantic_settings import SettingsConfigDict
+
+
+class WorkerSettings(SharedSettings):
+    """Durations in seconds, sizes in bytes.
+
+    ``visibility_timeout_seconds``: how long Redis keeps an unacknowledged task before giving it to
+    another worker (Celery's default is 3,600 s; tasks here are short and idempotent, so a killed
+    worker's task comes back sooner). ``relay_interval_seconds``: how often beat resends outbox
+    events older than ``relay_after_seconds`` that never reached the broker.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="BACKFILL_WORKER_", extra="ignore", populate_by_name=True)
+
+    visibility_timeout_seconds: int = 600
+    relay_interval_seconds: float = 5.0
+    relay_after_seconds: float = 5.0
+    read_chunk_bytes: int = 1024 * 1024
+
+
+def load_settings(**overrides) -> WorkerSettings:
+    """Build the settings from the environment, ``overrides`` first. Raises
+    ``pydantic.ValidationError`` when ``DATABASE_URL`` or ``REDIS_URL`` is missing or bad."""
+    return WorkerSettings(**overrides)

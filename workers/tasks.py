@@ -1,0 +1,113 @@
+"""Lifecycle tasks, registered on an app by :func:`register`.
+
+- ``backfill.validate_batch(batch_id)``: stream the input file once through
+  :func:`workers.validation.validate_batch_file`; on success write one request row per
+  ``custom_id`` (one COPY) and move the batch ``validating → in_progress`` in the same transaction;
+  otherwise move it to ``failed`` with ``errors.data[]``. Re-running it is harmless: it acts only on
+  a batch still ``validating``, and the rows and the transition commit together.
+- ``backfill.relay_outbox()``: resend outbox events that never reached the broker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Celery
+from sqlalchemy import delete, select
+
+from batch_gateway import queries
+from batch_gateway.errors import token_limit_message
+from batch_gateway.models import Batch, BatchRequest, File
+from workers.app import WorkerContext
+from workers.validation import LineError, ValidationReport, validate_batch_file
+
+log = logging.getLogger(__name__)
+
+COPY_REQUESTS = (
+    "COPY batch_requests (batch_id, custom_id, line, byte_offset, byte_length, prefix_key, est_tokens) "
+    "FROM STDIN"
+)
+
+
+def _error_rows(errors: list[LineError]) -> list[dict]:
+    return [{"code": e.code, "message": e.message, "param": e.param, "line": e.line} for e in errors]
+
+
+def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
+    """Validate batch ``batch_id``; returns its status afterwards (or ``"missing"``)."""
+    with ctx.session() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            return "missing"
+        if batch.status != "validating":
+            return batch.status
+        source = session.get(File, batch.input_file_id)
+        endpoint, tenant_id, key = batch.endpoint, batch.tenant_id, source.storage_key
+
+    try:
+        report = validate_batch_file(
+            ctx.store.read(key, chunk_bytes=ctx.settings.read_chunk_bytes),
+            endpoint=endpoint, max_requests=ctx.settings.max_requests_per_batch,
+        )
+    except FileNotFoundError:
+        report = ValidationReport(requests=[], model=None, bytes_read=0, est_tokens=0, errors=[
+            LineError("invalid_request", "The input file's content could not be read.", None, "input_file_id")
+        ])
+
+    with ctx.session() as session:
+        if not report.ok:
+            moved = queries.transition(session, batch_id, ("validating",), "failed",
+                                       errors=_error_rows(report.errors))
+            session.commit()
+            log.info("batch failed validation", extra={"action": "batch_failed", "batch_id": batch_id,
+                                                       "errors": len(report.errors)})
+            return moved.status if moved else _status(session, batch_id)
+
+        tenant = queries.lock_tenant(session, tenant_id)
+        limit = tenant.enqueued_token_limit or ctx.settings.default_enqueued_token_limit
+        if queries.enqueued_tokens(session, tenant_id) + report.est_tokens > limit:
+            error = LineError("token_limit_exceeded", token_limit_message(tenant.name, limit, report.model), None, None)
+            moved = queries.transition(session, batch_id, ("validating",), "failed",
+                                       errors=_error_rows([error]))
+            session.commit()
+            return moved.status if moved else _status(session, batch_id)
+
+        session.execute(delete(BatchRequest).where(BatchRequest.batch_id == batch_id))
+        raw = session.connection().connection.driver_connection
+        with raw.cursor() as cursor, cursor.copy(COPY_REQUESTS) as copy:
+            for r in report.requests:
+                copy.write_row((batch_id, r.custom_id, r.line, r.offset, r.length, r.prefix_key, r.est_tokens))
+        moved = queries.transition(
+            session, batch_id, ("validating",), "in_progress",
+            model=report.model, request_total=len(report.requests), enqueued_tokens=report.est_tokens,
+        )
+        if moved is None:  # cancelled while we validated: keep nothing
+            session.rollback()
+            return _status(session, batch_id)
+        session.commit()
+        log.info("batch validated", extra={"action": "batch_in_progress", "batch_id": batch_id,
+                                           "requests": len(report.requests)})
+        return moved.status
+
+
+def _status(session, batch_id: str) -> str:
+    return session.execute(select(Batch.status).where(Batch.id == batch_id)).scalar_one_or_none() or "missing"
+
+
+def relay_outbox(ctx: WorkerContext) -> int:
+    """Resend outbox events older than ``relay_after_seconds``; returns how many were sent."""
+    with ctx.session() as session:
+        return ctx.publisher.publish_pending(session, ctx.settings.relay_after_seconds)
+
+
+def register(app: Celery) -> None:
+    """Register the lifecycle tasks on ``app`` (names are the wire contract with the gateway)."""
+    ctx: WorkerContext = app.backfill
+
+    @app.task(name=queries.VALIDATE_BATCH_TASK)
+    def validate_batch_task(batch_id: str) -> str:
+        return validate_batch(ctx, batch_id)
+
+    @app.task(name="backfill.relay_outbox")
+    def relay_outbox_task() -> int:
+        return relay_outbox(ctx)
