@@ -40,7 +40,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.settings = settings
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.store = LocalFileStore(settings.files_dir)
-        app.state.tasks = TaskPublisher.for_redis(settings.redis_url)
+        app.state.tasks = TaskPublisher.for_redis(settings.redis_url, settings.task_queue)
         if settings.api_key:
             with app.state.sessionmaker() as session:
                 queries.add_api_key(session, settings.default_tenant, settings.api_key)

@@ -29,15 +29,16 @@ def celery_broker_url(redis_url: str) -> str:
 class TaskPublisher:
     """Sends outbox events' tasks (by name; the gateway never imports ``workers``)."""
 
-    def __init__(self, celery: Celery):
+    def __init__(self, celery: Celery, queue: str):
         self.celery = celery
+        self.queue = queue
 
     @classmethod
-    def for_redis(cls, redis_url: str) -> TaskPublisher:
-        """A publisher on the Redis broker at ``redis_url`` (redis-py form)."""
+    def for_redis(cls, redis_url: str, queue: str) -> TaskPublisher:
+        """A publisher to ``queue`` on the Redis broker at ``redis_url`` (redis-py form)."""
         app = Celery("backfill-publisher", broker=celery_broker_url(redis_url), set_as_current=False)
         app.conf.broker_connection_retry_on_startup = False
-        return cls(app)
+        return cls(app, queue)
 
     def publish_pending(self, session: Session, older_than_seconds: float = 0.0) -> int:
         """Send every unpublished outbox event older than ``older_than_seconds``; returns how many
@@ -46,7 +47,7 @@ class TaskPublisher:
         try:
             for event in queries.unpublished_events(session, older_than_seconds):
                 self.celery.send_task(
-                    event.payload["task"], args=[event.batch_id],
+                    event.payload["task"], args=[event.batch_id], queue=self.queue,
                     retry=True, retry_policy={"max_retries": 1, "interval_start": 0.1},
                 )
                 sent.append(event.id)

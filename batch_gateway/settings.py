@@ -45,6 +45,9 @@ class SharedSettings(BaseSettings):
     """Per-tenant enqueued batch tokens when the tenant row sets none (OpenAI's tier-5 limit for
     its largest models is of this order)."""
 
+    task_queue: str = Field(default="backfill", validation_alias="BACKFILL_TASK_QUEUE")
+    """Celery queue of the lifecycle tasks (one per deployment; tests use one per test)."""
+
     @field_validator("database_url")
     @classmethod
     def _driver(cls, value: str) -> str:

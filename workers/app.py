@@ -49,13 +49,14 @@ class WorkerContext:
 
     @cached_property
     def publisher(self) -> TaskPublisher:
-        return TaskPublisher(self.celery)
+        return TaskPublisher(self.celery, self.settings.task_queue)
 
 
 def create_celery(settings: WorkerSettings) -> Celery:
     """The Celery app with every lifecycle task registered and the beat schedule set."""
     app = Celery("backfill", broker=celery_broker_url(settings.redis_url), set_as_current=False)
     app.conf.update(
+        task_default_queue=settings.task_queue,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         task_ignore_result=True,
@@ -67,6 +68,7 @@ def create_celery(settings: WorkerSettings) -> Celery:
             "relay-outbox": {
                 "task": "backfill.relay_outbox",
                 "schedule": settings.relay_interval_seconds,
+                "options": {"queue": settings.task_queue},
             },
         },
     )

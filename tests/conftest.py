@@ -1,0 +1,191 @@
+"""Shared fixtures: real PostgreSQL and Redis, a template database per session cloned per test, and
+a running gateway + Celery worker to drive with the real ``openai`` client.
+
+``DATABASE_URL`` / ``REDIS_URL`` select external servers; otherwise embedded ones are started under
+a temporary directory (the same code path as ``backfill up``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+SHARED_BATCHES = Path(__file__).resolve().parents[2] / "shared" / "data" / "batches"
+
+
+@pytest.fixture(scope="session")
+def stores(tmp_path_factory):
+    """Session-wide PostgreSQL and Redis (embedded unless the URLs are set)."""
+    from backfill.stores import start_stores
+
+    with start_stores(tmp_path_factory.mktemp("stores"), database="postgres") as found:
+        yield found
+
+
+def with_database(url: str, name: str) -> str:
+    """``url`` pointing at database ``name`` instead."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(database=name).render_as_string(hide_password=False)
+
+
+def _admin_url(database_url: str) -> str:
+    return with_database(database_url, "postgres")
+
+
+@pytest.fixture(scope="session")
+def template_database(stores) -> str:
+    """Name of a database migrated to head, used as the template of every test's database."""
+    from batch_gateway.settings import sqlalchemy_url
+    from migrations.config import upgrade
+
+    name = f"bf_template_{os.getpid()}"
+    with psycopg.connect(_admin_url(stores.database_url), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    upgrade(sqlalchemy_url(with_database(stores.database_url, name)))
+    yield name
+    with psycopg.connect(_admin_url(stores.database_url), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(stores, template_database) -> Iterator[str]:
+    """A fresh database for this test, cloned from the migrated template (libpq URL)."""
+    name = f"bf_test_{secrets.token_hex(6)}"
+    with psycopg.connect(_admin_url(stores.database_url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    yield with_database(stores.database_url, name)
+    with psycopg.connect(_admin_url(stores.database_url), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Gateway:
+    """A gateway served by uvicorn in a thread, with a Celery worker consuming its task queue."""
+
+    base_url: str
+    api_key: str
+    settings: object
+    celery: object
+    keys: dict[str, str] = field(default_factory=dict)
+
+    def key(self, tenant: str) -> str:
+        """An API key of ``tenant`` (created on first use)."""
+        if tenant not in self.keys:
+            from batch_gateway import queries
+            from batch_gateway.db import make_engine, make_sessionmaker
+
+            engine = make_engine(self.settings.database_url, pool_size=1)
+            with make_sessionmaker(engine)() as session:
+                self.keys[tenant] = queries.add_api_key(session, tenant)
+                session.commit()
+            engine.dispose()
+        return self.keys[tenant]
+
+    def client(self, tenant: str = "default", **kwargs):
+        """The real ``openai`` client, authenticated as ``tenant``."""
+        import openai
+
+        key = self.api_key if tenant == "default" else self.key(tenant)
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=key, max_retries=0, **kwargs)
+
+    def http(self, tenant: str | None = "default") -> httpx.Client:
+        """A raw HTTP client (for malformed requests the SDK cannot send)."""
+        headers = {}
+        if tenant is not None:
+            key = self.api_key if tenant == "default" else self.key(tenant)
+            headers["authorization"] = f"Bearer {key}"
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=30)
+
+    def session(self):
+        """A database session on the test's database (commit yourself)."""
+        from batch_gateway.db import make_engine, make_sessionmaker
+
+        return make_sessionmaker(make_engine(self.settings.database_url, pool_size=1))()
+
+    def wait_status(self, batch_id: str, statuses: tuple[str, ...], tenant: str = "default",
+                    timeout: float = 30.0):
+        """Poll until the batch is in one of ``statuses``; returns it (raises on time-out)."""
+        client = self.client(tenant)
+        deadline = time.monotonic() + timeout
+        while True:
+            batch = client.batches.retrieve(batch_id)
+            if batch.status in statuses:
+                return batch
+            if time.monotonic() > deadline:
+                raise AssertionError(f"batch {batch_id} still {batch.status}, wanted {statuses}")
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serve(app, port: int) -> Iterator[None]:
+    """Run an ASGI app with uvicorn in a thread on 127.0.0.1:``port`` until the block ends."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def gateway_settings(database_url, stores, tmp_path):
+    """Gateway settings on this test's database, a private task queue and file directory."""
+    from batch_gateway.settings import load_settings
+
+    return load_settings(database_url=database_url, redis_url=stores.redis_url, data_dir=tmp_path / "data",
+                         api_key="sk-test-" + secrets.token_hex(8),
+                         task_queue=f"test-{secrets.token_hex(4)}")
+
+
+@pytest.fixture
+def gateway(gateway_settings) -> Iterator[Gateway]:
+    """A running gateway and a Celery worker (threads pool) on the test's database and queue."""
+    from celery.contrib.testing.worker import start_worker
+
+    from batch_gateway.app import create_app
+    from workers.app import create_celery
+    from workers.settings import load_settings as worker_settings
+
+    settings = gateway_settings
+    celery = create_celery(worker_settings(
+        database_url=settings.database_url, redis_url=settings.redis_url, data_dir=settings.data_dir,
+        task_queue=settings.task_queue, max_requests_per_batch=settings.max_requests_per_batch,
+        default_enqueued_token_limit=settings.default_enqueued_token_limit,
+    ))
+    port = free_port()
+    with serve(create_app(settings), port), start_worker(
+        celery, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING",
+        shutdown_timeout=10,
+    ):
+        yield Gateway(base_url=f"http://127.0.0.1:{port}", api_key=settings.api_key,
+                      settings=settings, celery=celery)
