@@ -1,0 +1,50 @@
+"""Errors of the engine simulator, each carrying vLLM's HTTP status and error ``type``.
+
+    EngineSimError (500, InternalServerError)
+    ├── BadRequestError (400)      invalid parameters, context length exceeded, empty messages
+    ├── NotFoundError (404)        unknown model: "The model `X` does not exist."
+    └── InjectedError (any)        a fault injected with --failure-rate or POST /sim/fault
+
+One handler in ``server.py`` turns them into vLLM's envelope::
+
+    {"error": {"message": "...", "type": "BadRequestError", "param": null, "code": 400}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class EngineSimError(Exception):
+    status = 500
+    type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """vLLM's error envelope for this error."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+class BadRequestError(EngineSimError):
+    status = 400
+    type = "BadRequestError"
+
+
+class NotFoundError(EngineSimError):
+    status = 404
+    type = "NotFoundError"
+
+
+class InjectedError(EngineSimError):
+    """A simulated failure with any status (429 → RateLimitError, 503 → ServiceUnavailableError)."""
+
+    TYPES = {429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str = "simulated failure"):
+        super().__init__(message)
+        self.status = status
+        self.type = self.TYPES.get(status, "InternalServerError")

@@ -1,0 +1,209 @@
+"""Continuous batching and the latency model of the simulated engine.
+
+Up to ``max_num_seqs`` sequences run at once; the rest wait, in arrival order (``fcfs``) or by
+``(priority, arrival)`` with the lowest priority value first (``--scheduling-policy priority``, as
+vLLM). A waiting request is admitted when a sequence slot is free and the prefix cache can reserve
+its blocks (prompt + ``max_tokens`` for each of its ``n`` sequences); the head of the queue blocks
+the ones behind it, as in vLLM (no preemption is simulated).
+
+Latency model (model seconds; wall-clock = model × ``time_scale``; 0 never sleeps):
+
+* time to first token = queue wait + prefill overhead + uncached prompt tokens / prefill rate
+  + CPU-tier blocks × CPU load time + disk-tier blocks × disk load time. Prefills run one after
+  another on the engine (the GPU does one prefill batch at a time), so a burst queues on prefill;
+* inter-token latency = ``itl`` × (1 + (``itl_load_factor`` - 1) × running / ``max_num_seqs``):
+  rises linearly to ``itl_load_factor`` × ``itl`` at a full batch (llm-d simulator's
+  ``time-factor-under-load``).
+
+Default numbers and their sources are in :mod:`router.fleet.settings`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from router.fleet.kv_cache import Allocation, TieredPrefixCache, block_hashes
+from router.fleet.settings import EngineSimSettings
+
+
+class SchedulerObserver(Protocol):
+    """Hooks the metrics module implements. Times in wall-clock seconds, counts in tokens."""
+
+    def admitted(self, queue_seconds: float) -> None: ...
+
+    def first_token(self, ttft_seconds: float) -> None: ...
+
+    def finished(self, prompt_tokens: int, generated_tokens: int, itl_seconds: list[float],
+                 reason: str) -> None: ...
+
+
+@dataclass
+class LatencyModel:
+    """Model durations in seconds (before ``time_scale``); see the module docstring."""
+
+    prefill_overhead_s: float
+    prefill_s_per_token: float
+    itl_s: float
+    itl_load_factor: float
+    cpu_load_s_per_block: float
+    disk_load_s_per_block: float
+    max_num_seqs: int
+
+    @classmethod
+    def from_settings(cls, s: EngineSimSettings) -> LatencyModel:
+        return cls(s.prefill_overhead_ms / 1000, 1 / s.prefill_tokens_per_s, s.itl_ms / 1000,
+                   s.itl_load_factor, s.cpu_load_ms_per_block / 1000, s.disk_load_ms_per_block / 1000,
+                   s.max_num_seqs)
+
+    def prefill_seconds(self, uncached_tokens: int, cpu_blocks: int, disk_blocks: int) -> float:
+        """Prefill time of one request: overhead + compute of uncached tokens + tier loads."""
+        return (self.prefill_overhead_s + uncached_tokens * self.prefill_s_per_token
+                + cpu_blocks * self.cpu_load_s_per_block + disk_blocks * self.disk_load_s_per_block)
+
+    def itl_seconds(self, running: int) -> float:
+        """Time between two tokens of one sequence when ``running`` sequences share the engine."""
+        load = min(running, self.max_num_seqs) / self.max_num_seqs
+        return self.itl_s * (1 + (self.itl_load_factor - 1) * load)
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request in the engine. ``prompt`` are token ids; ``n`` sequences of ``max_tokens`` each."""
+
+    prompt: list[int]
+    max_tokens: int
+    n: int = 1
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    hashes: list[bytes] = field(default_factory=list)
+    alloc: Allocation | None = None
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished: bool = False
+    generated: int = 0
+    itls: list[float] = field(default_factory=list)
+    _admitted: asyncio.Future | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from cache (any tier), block-granular; 0 before admission."""
+        return self.alloc.cached_blocks * self._block_size if self.alloc else 0
+
+    _block_size: int = 16
+
+
+class EngineScheduler:
+    """Admission, waiting queue and timing of requests on one simulated engine."""
+
+    def __init__(self, settings: EngineSimSettings, cache: TieredPrefixCache, root_hash: bytes,
+                 observer: SchedulerObserver | None = None):
+        self.settings = settings
+        self.cache = cache
+        self.root_hash = root_hash
+        self.model = LatencyModel.from_settings(settings)
+        self.observer = observer
+        self.running: set[SimRequest] = set()
+        self.running_seqs = 0
+        self._waiting: list[tuple[tuple[int, int], SimRequest]] = []
+        self._waiting_count = 0
+        self._order = itertools.count()
+        self._prefill_free_at = 0.0
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for admission."""
+        return self._waiting_count
+
+    def submit(self, prompt: list[int], max_tokens: int, n: int = 1, priority: int = 0) -> SimRequest:
+        """Queue a request and admit what fits. The prompt's block hashes are computed here."""
+        bs = self.settings.block_size
+        req = SimRequest(prompt, max_tokens, n, priority, _block_size=bs)
+        req.hashes = block_hashes(prompt, bs, self.root_hash)
+        key = (priority if self.settings.scheduling_policy == "priority" else 0, next(self._order))
+        heapq.heappush(self._waiting, (key, req))
+        self._waiting_count += 1
+        self._schedule()
+        return req
+
+    async def wait_admitted(self, req: SimRequest) -> None:
+        """Return once ``req`` runs (at once when it was admitted on submit)."""
+        if req.alloc is None:
+            req._admitted = asyncio.get_running_loop().create_future()
+            await req._admitted
+
+    async def prefill(self, req: SimRequest) -> None:
+        """Sleep for the request's prefill (serialised with other prefills on this engine)."""
+        alloc = req.alloc
+        assert alloc is not None
+        uncached = len(req.prompt) - alloc.cached_blocks * self.settings.block_size
+        seconds = self.model.prefill_seconds(uncached, alloc.cpu_hits, alloc.disk_hits) * self.settings.time_scale
+        if seconds > 0:
+            now = time.monotonic()
+            end = max(now, self._prefill_free_at) + seconds
+            self._prefill_free_at = end
+            await asyncio.sleep(end - now)
+        self._first_token(req)
+
+    def _first_token(self, req: SimRequest) -> None:
+        req.first_token_at = time.monotonic()
+        req.generated = 1
+        if self.observer:
+            self.observer.first_token(req.first_token_at - req.arrival)
+
+    async def next_token(self, req: SimRequest) -> None:
+        """Sleep one inter-token interval at the current batch size, then count the token."""
+        start = time.monotonic()
+        seconds = self.model.itl_seconds(self.running_seqs) * self.settings.time_scale
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        req.generated += 1
+        req.itls.append(time.monotonic() - start)
+
+    def finish(self, req: SimRequest, reason: str = "stop") -> None:
+        """Leave the engine (done or aborted by a client disconnect): free its blocks, admit others."""
+        if req.finished:
+            return
+        req.finished = True
+        if req.alloc is None:
+            self._waiting_count -= 1  # still queued: dropped lazily when it reaches the head
+            if req._admitted is not None and not req._admitted.done():
+                req._admitted.cancel()
+        else:
+            self.cache.release(req.alloc)
+            self.running.discard(req)
+            self.running_seqs -= req.n
+            if self.observer:
+                self.observer.finished(len(req.prompt), req.generated * req.n, req.itls, reason)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        bs = self.settings.block_size
+        limit = self.settings.max_num_seqs
+        while self._waiting:
+            _, req = self._waiting[0]
+            if req.finished:
+                heapq.heappop(self._waiting)
+                continue
+            if self.running_seqs + req.n > limit and self.running:
+                return
+            plen = len(req.prompt)
+            total = -(-(plen + req.max_tokens) // bs) + (req.n - 1) * -(-req.max_tokens // bs)
+            total = min(total, self.cache.num_gpu_blocks)  # n > 1 may ask for more than exists
+            alloc = self.cache.allocate(req.hashes, req.prompt, total, plen)
+            if alloc is None:
+                return
+            heapq.heappop(self._waiting)
+            self._waiting_count -= 1
+            req.alloc = alloc
+            req.admitted_at = time.monotonic()
+            self.running.add(req)
+            self.running_seqs += req.n
+            if self.observer:
+                self.observer.admitted(req.admitted_at - req.arrival)
+            if req._admitted is not None and not req._admitted.done():
+                req._admitted.set_result(None)
