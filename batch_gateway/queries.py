@@ -256,7 +256,7 @@ def transition(session: Session, batch_id: str, from_: Sequence[str], to: str,
         .where(Batch.id == batch_id, Batch.status.in_(tuple(from_)))
         .values(status=to, **{f"{to}_at": EPOCH_NOW}, **values)
         .returning(Batch)
-        .execution_options(synchronize_session=False)
+        .execution_options(synchronize_session=False, populate_existing=True)
     ).scalar_one_or_none()
     if batch is not None:
         add_event(session, batch, f"batch.{to}", event_payload)

@@ -104,10 +104,10 @@ def register(app: Celery) -> None:
     """Register the lifecycle tasks on ``app`` (names are the wire contract with the gateway)."""
     ctx: WorkerContext = app.backfill
 
-    @app.task(name=queries.VALIDATE_BATCH_TASK)
+    @app.task(name=queries.VALIDATE_BATCH_TASK, shared=False)
     def validate_batch_task(batch_id: str) -> str:
         return validate_batch(ctx, batch_id)
 
-    @app.task(name="backfill.relay_outbox")
+    @app.task(name="backfill.relay_outbox", shared=False)
     def relay_outbox_task() -> int:
         return relay_outbox(ctx)

@@ -1,0 +1,53 @@
+"""``backfill up`` as a user runs it: embedded stores on a fresh data directory, one ready line,
+the API usable with the printed key, and a clean stop of every child and store on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import psutil
+
+from tests.conftest import SHARED_BATCHES, free_port
+
+
+def test_up_runs_the_stack_and_stops_cleanly(tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backfill", "up", "--data-dir", str(tmp_path / "data"),
+         "--port", str(port), "--api-key", "sk-up-test"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("backfill ready"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        assert f"gateway=http://127.0.0.1:{port}/v1" in line and "api_key=sk-up-test" in line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 3
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-up-test", max_retries=0)
+        uploaded = client.files.create(file=(SHARED_BATCHES / "vllm-readme-embeddings.jsonl").open("rb"),
+                                       purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                      completion_window="24h")
+        deadline = time.monotonic() + 30
+        while client.batches.retrieve(batch.id).status == "validating" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.batches.retrieve(batch.id).status == "in_progress"
+        with __import__("pytest").raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).files.list()
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == []
+        assert not (tmp_path / "data" / "postgres" / "postmaster.pid").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,106 @@
+"""The validate task through the real API and worker: request rows written once per custom_id with
+the byte range of their line, guarded transitions, the enqueued-token quota, outbox relay."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from sqlalchemy import select, update
+
+from batch_gateway.models import Batch, BatchRequest, Event, Tenant
+from tests.conftest import SHARED_BATCHES
+
+
+def _upload(client, data: bytes, name: str = "in.jsonl"):
+    return client.files.create(file=(name, data), purpose="batch")
+
+
+def _line(custom_id: str, content: str = "hi", model: str = "m") -> bytes:
+    return (b'{"custom_id": "%s", "method": "POST", "url": "/v1/chat/completions", '
+            b'"body": {"model": "%s", "messages": [{"role": "user", "content": "%s"}]}}'
+            % (custom_id.encode(), model.encode(), content.encode()))
+
+
+def test_rows_locate_each_line_in_the_input_file(gateway):
+    client = gateway.client()
+    data = b"\xef\xbb\xbf" + _line("a", "x" * 40) + b"\r\n\r\n" + _line("b", "sys prompt") + b"\n" + _line("c")
+    uploaded = _upload(client, data)
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = gateway.wait_status(batch.id, ("in_progress", "failed"))
+    assert done.status == "in_progress", done.errors
+    with gateway.session() as session:
+        rows = {r.custom_id: r for r in session.execute(
+            select(BatchRequest).where(BatchRequest.batch_id == batch.id)).scalars()}
+        events = [e.type for e in session.execute(
+            select(Event).where(Event.batch_id == batch.id).order_by(Event.id)).scalars()]
+        enqueued = session.get(Batch, batch.id).enqueued_tokens
+    assert sorted(rows) == ["a", "b", "c"]
+    assert [rows[c].line for c in "abc"] == [1, 3, 4]
+    for custom_id, row in rows.items():
+        piece = data[row.byte_offset: row.byte_offset + row.byte_length]
+        assert piece == _line(custom_id, {"a": "x" * 40, "b": "sys prompt", "c": "hi"}[custom_id])
+        assert row.state == "pending" and row.attempts == 0
+    assert rows["a"].prefix_key.startswith(b"x" * 40)
+    assert enqueued == sum(r.est_tokens for r in rows.values()) > 0
+    assert events == ["batch.created", "batch.in_progress"]
+
+
+def test_validate_twice_is_harmless(gateway):
+    from workers.tasks import validate_batch
+
+    client = gateway.client()
+    uploaded = _upload(client, _line("a") + b"\n" + _line("b") + b"\n")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    first = gateway.wait_status(batch.id, ("in_progress",))
+    assert validate_batch(gateway.celery.backfill, batch.id) == "in_progress"
+    after = client.batches.retrieve(batch.id)
+    assert after.in_progress_at == first.in_progress_at and after.request_counts.total == 2
+    with gateway.session() as session:
+        assert len(session.execute(select(BatchRequest).where(BatchRequest.batch_id == batch.id)).all()) == 2
+
+
+def test_token_quota_refuses_create_and_fails_oversized_batch(gateway):
+    client = gateway.client()
+    big = _upload(client, _line("a", "y" * 4000) + b"\n")
+    with gateway.session() as session:
+        session.execute(update(Tenant).where(Tenant.name == "default").values(enqueued_token_limit=900))
+        session.commit()
+    over = client.batches.create(input_file_id=big.id, endpoint="/v1/chat/completions", completion_window="24h")
+    failed = gateway.wait_status(over.id, ("failed",))
+    assert failed.errors.data[0].code == "token_limit_exceeded"
+    assert "Enqueued token limit reached" in failed.errors.data[0].message
+
+    small = _upload(client, _line("b", "z" * 4000) + b"\n")
+    with gateway.session() as session:
+        session.execute(update(Tenant).where(Tenant.name == "default").values(enqueued_token_limit=1000))
+        session.commit()
+    first = client.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert gateway.wait_status(first.id, ("in_progress",)).status == "in_progress"
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert refused.value.body["code"] == "token_limit_exceeded"
+    assert refused.value.response.headers["retry-after"]
+
+    client.batches.cancel(first.id)  # the quota is released when a batch ends
+    again = client.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert again.status == "validating"
+
+
+def test_outbox_relay_sends_what_the_broker_missed(gateway):
+    from workers.tasks import relay_outbox, validate_batch
+
+    client = gateway.client()
+    uploaded = client.files.create(file=(SHARED_BATCHES / "litellm-batch-small.jsonl").open("rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    gateway.wait_status(batch.id, ("in_progress",))
+    with gateway.session() as session:  # pretend the hand-off after commit never happened
+        session.execute(update(Batch).where(Batch.id == batch.id).values(status="validating", in_progress_at=None))
+        session.execute(update(Event).where(Event.batch_id == batch.id).values(
+            published_at=None, created_at=Event.created_at - __import__("datetime").timedelta(minutes=1)))
+        session.commit()
+    assert relay_outbox(gateway.celery.backfill) == 1
+    assert gateway.wait_status(batch.id, ("in_progress",)).status == "in_progress"
+    assert relay_outbox(gateway.celery.backfill) == 0
+    assert validate_batch(gateway.celery.backfill, "batch_missing") == "missing"
