@@ -8,6 +8,8 @@ is run, so ``backfill --help`` stays fast and one broken optional dependency nev
     backfill gateway       the Files + Batches API
     backfill worker        the Celery worker; ``backfill beat`` its scheduler
     backfill keys create   print a new API key for a tenant
+    backfill submit FILE   upload a batch file, create a batch (``--wait``: follow it, download)
+    backfill demo [FILE]   start the stack, run a batch file through it, stop
     backfill engine-sim    one simulated vLLM engine; ``backfill engine`` a real one
     backfill bench NAME    benchmarks (see docs/benchmarks.md)
 """
@@ -26,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("backfill.commands:worker_command", "Run a Celery worker of the batch lifecycle."),
     "beat": ("backfill.commands:beat_command", "Run the Celery beat scheduler."),
     "keys": ("backfill.commands:keys_group", "Manage tenants' API keys."),
+    "submit": ("backfill.submit:submit_command", "Upload a batch file and create a batch."),
+    "demo": ("backfill.submit:demo_command", "Start the stack, run an example batch, stop."),
     "bench": ("backfill.bench:bench_group", "Run a benchmark."),
     "engine-sim": ("router.fleet.cli:engine_sim_command", "Serve one simulated vLLM engine."),
     "engine": ("router.fleet.cli:engine_command", "Run a real vLLM engine for the fleet."),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,8 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+
+from backfill.up import free_port
 
 SHARED_BATCHES = Path(__file__).resolve().parents[2] / "shared" / "data" / "batches"
 
@@ -69,13 +70,6 @@ def database_url(stores, template_database) -> Iterator[str]:
     yield with_database(stores.database_url, name)
     with psycopg.connect(_admin_url(stores.database_url), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
