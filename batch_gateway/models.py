@@ -77,8 +77,9 @@ class ApiKey(Base):
 class File(Base):
     """An uploaded or produced file. Bytes live in the file store under ``storage_key``.
 
-    ``seq`` orders lists and resolves ``after`` cursors. A deleted file keeps its row with
-    ``deleted_at`` set (invisible to the API) while a running batch may still read its bytes.
+    ``seq`` orders lists and resolves ``after`` cursors. A deleted or expired file is invisible to
+    the API at once; it keeps its row, and its bytes until no running batch reads them, when the
+    purge task removes them and sets ``purged_at``.
     """
 
     __tablename__ = "files"
@@ -96,8 +97,12 @@ class File(Base):
     storage_key: Mapped[str] = mapped_column(String(256))
     sha256: Mapped[str | None] = mapped_column(String(64))
     deleted_at: Mapped[int | None] = mapped_column(BigInteger)
+    purged_at: Mapped[int | None] = mapped_column(BigInteger)
 
-    __table_args__ = (Index(None, "tenant_id", "purpose", "seq"),)
+    __table_args__ = (
+        Index(None, "tenant_id", "purpose", "seq"),
+        Index("ix_files_purgeable", "expires_at", postgresql_where=text("purged_at IS NULL")),
+    )
 
 
 class Batch(Base):

@@ -12,7 +12,7 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 
-from sqlalchemy import Select, func, select, text, update
+from sqlalchemy import Select, func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -114,7 +114,8 @@ def insert_file(session: Session, *, file_id: str, tenant_id: str, size: int, fi
 
 
 def _visible_file(tenant_id: str):
-    return (File.tenant_id == tenant_id, File.deleted_at.is_(None))
+    return (File.tenant_id == tenant_id, File.deleted_at.is_(None),
+            or_(File.expires_at.is_(None), File.expires_at > EPOCH_NOW))
 
 
 def get_file(session: Session, tenant_id: str, file_id: str) -> File | None:
@@ -290,6 +291,26 @@ def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | Non
     )
     return transition(session, batch_id, ("validating", "in_progress"), "cancelled",
                       cancelling_at=EPOCH_NOW)
+
+
+def purgeable_files(session: Session, limit: int = 500) -> list[File]:
+    """Deleted or expired files whose bytes are still stored and that no non-terminal batch reads
+    as input, locked (``SKIP LOCKED``) for the caller to purge."""
+    in_use = select(Batch.input_file_id).where(Batch.status.in_(ACTIVE_BATCH_STATUSES))
+    return list(session.execute(
+        select(File)
+        .where(File.purged_at.is_(None),
+               or_(File.deleted_at.is_not(None), File.expires_at <= EPOCH_NOW),
+               File.id.not_in(in_use))
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).scalars())
+
+
+def mark_purged(session: Session, file_ids: Sequence[str]) -> None:
+    """Record that these files' bytes are gone."""
+    if file_ids:
+        session.execute(update(File).where(File.id.in_(list(file_ids))).values(purged_at=EPOCH_NOW))
 
 
 def unpublished_events(session: Session, older_than_seconds: float, limit: int = 100) -> list[Event]:

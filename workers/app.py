@@ -70,6 +70,11 @@ def create_celery(settings: WorkerSettings) -> Celery:
                 "schedule": settings.relay_interval_seconds,
                 "options": {"queue": settings.task_queue},
             },
+            "purge-files": {
+                "task": "backfill.purge_files",
+                "schedule": settings.purge_interval_seconds,
+                "options": {"queue": settings.task_queue},
+            },
         },
     )
     app.backfill = WorkerContext(settings, app)

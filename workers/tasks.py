@@ -6,6 +6,8 @@
   otherwise move it to ``failed`` with ``errors.data[]``. Re-running it is harmless: it acts only on
   a batch still ``validating``, and the rows and the transition commit together.
 - ``backfill.relay_outbox()``: resend outbox events that never reached the broker.
+- ``backfill.purge_files()``: remove the bytes of deleted or expired files once no running batch
+  reads them.
 """
 
 from __future__ import annotations
@@ -100,6 +102,18 @@ def relay_outbox(ctx: WorkerContext) -> int:
         return ctx.publisher.publish_pending(session, ctx.settings.relay_after_seconds)
 
 
+def purge_files(ctx: WorkerContext) -> int:
+    """Remove the bytes of deleted or expired files no running batch reads; returns how many.
+    The row is kept (batches refer to it) with ``purged_at`` set."""
+    with ctx.session() as session:
+        files = queries.purgeable_files(session)
+        for row in files:
+            ctx.store.delete(row.storage_key)
+        queries.mark_purged(session, [row.id for row in files])
+        session.commit()
+        return len(files)
+
+
 def register(app: Celery) -> None:
     """Register the lifecycle tasks on ``app`` (names are the wire contract with the gateway)."""
     ctx: WorkerContext = app.backfill
@@ -111,3 +125,7 @@ def register(app: Celery) -> None:
     @app.task(name="backfill.relay_outbox", shared=False)
     def relay_outbox_task() -> int:
         return relay_outbox(ctx)
+
+    @app.task(name="backfill.purge_files", shared=False)
+    def purge_files_task() -> int:
+        return purge_files(ctx)

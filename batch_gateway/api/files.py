@@ -186,6 +186,8 @@ def delete_file(file_id: str, tenant: TenantDep, session: SessionDep, store: Sto
     session.commit()
     if not in_use:
         store.delete(row.storage_key)
+        queries.mark_purged(session, [row.id])
+        session.commit()
     return {"id": row.id, "object": "file", "deleted": True}
 
 

@@ -50,10 +50,12 @@ def upgrade() -> None:
     sa.Column('storage_key', sa.String(length=256), nullable=False),
     sa.Column('sha256', sa.String(length=64), nullable=True),
     sa.Column('deleted_at', sa.BigInteger(), nullable=True),
+    sa.Column('purged_at', sa.BigInteger(), nullable=True),
     sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_files_tenant_id_tenants'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_files')),
     sa.UniqueConstraint('seq', name=op.f('uq_files_seq'))
     )
+    op.create_index('ix_files_purgeable', 'files', ['expires_at'], unique=False, postgresql_where=sa.text('purged_at IS NULL'))
     op.create_index(op.f('ix_files_tenant_id_purpose_seq'), 'files', ['tenant_id', 'purpose', 'seq'], unique=False)
     op.create_table('batches',
     sa.Column('id', sa.String(length=64), nullable=False),
@@ -151,6 +153,7 @@ def downgrade() -> None:
     op.drop_index(op.f('ix_batches_status_deadline'), table_name='batches')
     op.drop_table('batches')
     op.drop_index(op.f('ix_files_tenant_id_purpose_seq'), table_name='files')
+    op.drop_index('ix_files_purgeable', table_name='files', postgresql_where=sa.text('purged_at IS NULL'))
     op.drop_table('files')
     op.drop_index(op.f('ix_api_keys_tenant_id'), table_name='api_keys')
     op.drop_table('api_keys')
