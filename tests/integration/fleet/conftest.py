@@ -1,0 +1,73 @@
+"""A simulated engine on a free 127.0.0.1 port: uvicorn in a thread, the real app and lifespan."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from router.fleet.server import create_app
+from router.fleet.settings import build_settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningSim:
+    def __init__(self, **overrides):
+        self.port = free_port()
+        self.settings = build_settings(**{"host": "127.0.0.1", "port": self.port, "time_scale": 0.0,
+                                          "hash_seed": "0", "enable_prompt_tokens_details": True, **overrides})
+        self.app = create_app(self.settings)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> RunningSim:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("simulator did not start")
+            time.sleep(0.01)
+        return self
+
+    def state(self) -> dict:
+        return httpx.get(f"{self.url}/sim/state").json()
+
+    @property
+    def engine(self):
+        return self.app.state.engine
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def make_sim() -> Iterator[Callable[..., RunningSim]]:
+    sims: list[RunningSim] = []
+
+    def factory(**overrides) -> RunningSim:
+        sim = RunningSim(**overrides).start()
+        sims.append(sim)
+        return sim
+
+    yield factory
+    for sim in sims:
+        sim.stop()
+
+
+@pytest.fixture
+def sim(make_sim) -> RunningSim:
+    return make_sim(served_model_name=["gpt-3.5-turbo", "meta-llama/Meta-Llama-3-8B-Instruct",
+                                       "intfloat/e5-mistral-7b-instruct"], block_size=16)

@@ -1,0 +1,201 @@
+"""KV events on a real ZMQ subscriber, tiers, metrics, batching, priority, aborts and faults."""
+
+import json
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import zmq
+
+from router.fleet.kv_cache import block_hashes, external_hash, none_hash
+from router.fleet.kv_events import decode_batch
+from router.fleet.launch import sim_engine_argv, wait_ready
+from router.fleet.tokenizer import BuiltinTokenizer, render_chat
+
+PROMPT = "shared system prompt for the kv event test, long enough for several blocks " * 4
+
+
+def until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+@pytest.fixture
+def subscriber():
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")  # the engine connects (tcp://host:port endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    yield sub, port
+    sub.close(linger=0)
+    ctx.term()
+
+
+def events_sim(make_sim, port, layout="map", **overrides):
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
+           "topic": "kv@127.0.0.1:1@m"}
+    return make_sim(kv_events_config=json.dumps(cfg), kv_events_layout=layout, block_size=16, **overrides)
+
+
+def collect(sub, want, timeout=5.0):
+    """Receive until ``want(events)`` is true; returns frames and decoded events."""
+    frames, events = [], []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not want(events):
+        if sub.poll(50):
+            f = sub.recv_multipart()
+            frames.append(f)
+            events.extend(decode_batch(f[2])[1])
+    return frames, events
+
+
+def complete(sim, prompt, **extra):
+    body = {"model": sim.settings.model, "prompt": prompt, "max_tokens": 2, **extra}
+    return httpx.post(f"{sim.url}/v1/completions", json=body, timeout=30).json()
+
+
+@pytest.mark.parametrize("layout", ["map", "array"])
+def test_block_stored_events_carry_vllm_hashes_and_tokens(make_sim, subscriber, layout):
+    sub, port = subscriber
+    sim = events_sim(make_sim, port, layout)
+    # a connecting PUB may lose its first message before the pipe is up: send until events flow
+    until(lambda: complete(sim, f"warm-up {time.monotonic()} " * 10) and sub.poll(50))
+    collect(sub, lambda e: False, timeout=0.2)
+    complete(sim, PROMPT)
+    frames, events = collect(sub, lambda e: any(x["type"] == "BlockStored" for x in e))
+    topic, seq, payload = frames[-1]
+    assert topic == b"kv@127.0.0.1:1@m" and len(seq) == 8
+    raw_event = __import__("msgpack").unpackb(payload)[1][0]
+    assert isinstance(raw_event, dict if layout == "map" else list)
+    stored = [e for e in events if e["type"] == "BlockStored"][-1]
+    tokens = BuiltinTokenizer().encode(PROMPT)
+    expected = block_hashes(tokens, 16, none_hash("0"))
+    assert stored["block_hashes"] == [external_hash(h) for h in expected]
+    assert stored["parent_block_hash"] is None and stored["block_size"] == 16 and stored["medium"] == "GPU"
+    assert stored["token_ids"] == tokens[: len(expected) * 16]
+    # a repeated prompt is a prefix hit: no new BlockStored
+    complete(sim, PROMPT)
+    _, again = collect(sub, lambda e: False, timeout=0.3)
+    assert again == []
+
+
+def test_gpu_evictions_are_offloaded_to_cpu_and_loaded_back(make_sim, subscriber):
+    sub, port = subscriber
+    sim = events_sim(make_sim, port, num_gpu_blocks=64, max_model_len=512, cpu_offload_blocks=256)
+    until(lambda: complete(sim, f"warm-up {time.monotonic()} " * 10) and sub.poll(50))
+    first = complete(sim, PROMPT)
+    for i in range(6):  # push PROMPT's blocks out of the small GPU tier
+        complete(sim, f"filler {i} " * 160)
+    _, events = collect(sub, lambda e: any(x["type"] == "BlockStored" and x["medium"] == "CPU" for x in e))
+    cpu_stored = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+    assert cpu_stored and all(e["token_ids"] == [] for e in cpu_stored)
+    assert any(e["type"] == "BlockRemoved" and e["medium"] == "GPU" for e in events)
+    again = complete(sim, PROMPT)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # served from the CPU tier
+    metrics = httpx.get(f"{sim.url}/metrics").text
+    external = [line for line in metrics.splitlines() if line.startswith("vllm:external_prefix_cache_hits_total")]
+    assert float(external[0].split()[-1]) > 0
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_metrics_have_vllm_names_and_labels(sim):
+    complete(sim, PROMPT)
+    complete(sim, PROMPT)
+    text = httpx.get(f"{sim.url}/metrics").text
+    labels = '{engine="0",model_name="gpt-3.5-turbo"}'
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count"):
+        assert f"{name}{labels}" in text, name
+    info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")][0]
+    assert 'block_size="16"' in info and 'num_gpu_blocks="8192"' in info
+    hits = [line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")][0]
+    assert float(hits.split()[-1]) > 0
+
+
+def test_priority_requests_are_accepted_with_the_priority_policy(make_sim):
+    sim = make_sim(scheduling_policy="priority")
+    r = httpx.post(f"{sim.url}/v1/completions",
+                   json={"model": sim.settings.model, "prompt": "x", "max_tokens": 2, "priority": -5})
+    assert r.status_code == 200  # ordering itself: tests/unit/fleet/test_fleet_scheduler.py
+
+
+def test_client_that_gives_up_leaves_no_blocks_held(make_sim):
+    sim = make_sim(time_scale=1.0)
+    body = {"model": sim.settings.model, "prompt": PROMPT, "max_tokens": 2000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{sim.url}/v1/completions", json=body, timeout=0.5)
+    until(lambda: sim.state()["running"] == 0)
+    assert sim.state()["kv_usage"] == 0.0
+
+
+def test_faults_answer_errors_hang_and_unhealthy(make_sim):
+    sim = make_sim()
+    url = f"{sim.url}/v1/completions"
+    body = {"model": sim.settings.model, "prompt": "x", "max_tokens": 1}
+    httpx.post(f"{sim.url}/sim/fault", json={"mode": "503", "count": 2})
+    assert [httpx.post(url, json=body).status_code for _ in range(3)] == [503, 503, 200]
+    httpx.post(f"{sim.url}/sim/fault", json={"mode": "429"})
+    r = httpx.post(url, json=body)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "RateLimitError"
+    httpx.post(f"{sim.url}/sim/fault", json={"mode": "unhealthy"})
+    assert httpx.get(f"{sim.url}/health").status_code == 503
+    httpx.post(f"{sim.url}/sim/fault", json={"mode": "hang"})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=body, timeout=0.3)
+    httpx.post(f"{sim.url}/sim/fault", json={"mode": "none"})
+    assert httpx.get(f"{sim.url}/health").status_code == 200
+    assert httpx.post(url, json=body).status_code == 200
+    assert httpx.post(f"{sim.url}/sim/fault", json={"mode": "bogus"}).status_code == 400
+
+
+def test_failure_rate_fails_requests_with_500(make_sim):
+    sim = make_sim(failure_rate=1.0)
+    r = httpx.post(f"{sim.url}/v1/chat/completions",
+                   json={"model": sim.settings.model, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+
+
+def test_chat_prompt_tokens_are_the_rendered_template(sim):
+    messages = [{"role": "user", "content": PROMPT}]
+    r = httpx.post(f"{sim.url}/v1/chat/completions", json={"model": sim.settings.model, "messages": messages,
+                                                          "max_tokens": 1}).json()
+    assert r["usage"]["prompt_tokens"] == len(BuiltinTokenizer().encode(render_chat(messages)))
+
+
+def test_subprocess_engine_from_launch_argv_starts_and_dies_on_request():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = sim_engine_argv(port, ["gpt-3.5-turbo", "other"], time_scale=0.0)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", timeout=20, process=proc)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["gpt-3.5-turbo", "other"]
+        httpx.post(f"http://127.0.0.1:{port}/sim/fault", json={"mode": "die"})
+        assert proc.wait(timeout=10) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_engine_sim_help_lists_vllm_flags():
+    argv = sim_engine_argv(1, ["m"])[:-0 or None]
+    out = subprocess.run([*argv[: argv.index("engine-sim") + 1], "--help"], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0
+    for flag in ("--served-model-name", "--kv-events-config", "--num-gpu-blocks-override", "--time-scale"):
+        assert flag in out.stdout
