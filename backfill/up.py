@@ -1,13 +1,14 @@
 """``backfill up``: the whole stack on one machine.
 
 Starts the stores (embedded PostgreSQL and Redis under ``--data-dir`` unless ``DATABASE_URL`` /
-``REDIS_URL`` are set), applies migrations, starts the Celery worker, beat and the gateway as child
-processes, waits until the gateway answers, and prints one line beginning ``backfill ready`` with
+``REDIS_URL`` are set), applies migrations, starts ``--engines`` simulated vLLM engines (or uses the
+real ones given with ``--engine-url``), the Celery worker, beat and the gateway as child
+processes, waits until the gateway and engines answer, and prints one line beginning ``backfill ready`` with
 ``gateway=http://HOST:PORT/v1``. On SIGINT or SIGTERM it stops every child (SIGTERM, then SIGKILL
 after the grace period) and the stores, and exits 0. If a child dies on its own, everything is
 stopped and the exit code is 1.
 
-The processor, router and engines join this list in later issues.
+The processor and router join this list in later issues.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import click
 import httpx
 
 GRACE_SECONDS = 15.0
+DEFAULT_MODELS = ("sim-model",)
+"""Model names the simulated engines serve when ``--served-model-name`` is not given (the
+examples in ``examples/`` use it)."""
 READY_TIMEOUT_SECONDS = 60.0
 
 
@@ -39,6 +43,7 @@ class Stack:
     api_key: str
     data_dir: Path
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
+    engine_urls: list[str] = field(default_factory=list)
 
     def dead_child(self) -> str | None:
         """The name of a child that exited, if any."""
@@ -68,10 +73,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _spawn(args: list[str], env: dict, log_dir: Path, name: str) -> subprocess.Popen:
-    log = open(log_dir / f"{name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "backfill", *args], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+def _spawn(argv: list[str], env: dict, log_dir: Path, name: str) -> subprocess.Popen:
+    with open(log_dir / f"{name}.log", "ab") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _backfill(*args: str) -> list[str]:
+    return [sys.executable, "-m", "backfill", *args]
 
 
 def _wait_ready(url: str, stack: Stack, timeout: float = READY_TIMEOUT_SECONDS) -> None:
@@ -89,9 +97,35 @@ def _wait_ready(url: str, stack: Stack, timeout: float = READY_TIMEOUT_SECONDS) 
     raise click.ClickException(f"{url} did not answer within {timeout:.0f} s")
 
 
+def start_engines(stack: Stack, env: dict, count: int, served_model_names: list[str],
+                  engine_urls: list[str]) -> None:
+    """Use ``engine_urls`` (real vLLM servers) when given; otherwise start ``count`` simulated
+    engines serving ``served_model_names`` on free ports and wait until each answers ``/health``."""
+    from router.fleet.launch import sim_engine_argv, wait_ready
+
+    if engine_urls:
+        stack.engine_urls = [url.rstrip("/") for url in engine_urls]
+        return
+    for index in range(count):
+        engine_port = free_port()
+        name = f"engine-{index}"
+        stack.children[name] = _spawn(sim_engine_argv(engine_port, served_model_names), env,
+                                      stack.data_dir / "logs", name)
+        stack.engine_urls.append(f"http://127.0.0.1:{engine_port}")
+    for index, url in enumerate(stack.engine_urls):
+        try:
+            wait_ready(url, timeout=READY_TIMEOUT_SECONDS, process=stack.children[f"engine-{index}"])
+        except (RuntimeError, TimeoutError) as exc:
+            raise click.ClickException(f"engine-{index}: {exc}; see {stack.data_dir / 'logs'}") from None
+
+
 @contextlib.contextmanager
-def run_stack(data_dir: Path, host: str, port: int, api_key: str | None) -> Iterator[Stack]:
-    """Start the stack, yield it once the gateway answers, and stop everything on exit."""
+def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engines: int = 2,
+              served_model_names: list[str] | None = None,
+              engine_urls: list[str] | None = None) -> Iterator[Stack]:
+    """Start the stack, yield it once the gateway and the engines answer, and stop everything on
+    exit. ``engines`` simulated engines serve ``served_model_names`` unless ``engine_urls`` name
+    real ones."""
     from backfill.stores import start_stores
     from migrations.config import upgrade
 
@@ -105,9 +139,10 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None) -> Iter
                    BACKFILL_DATA_DIR=str(data_dir), BACKFILL_API_KEY=api_key)
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir)
         try:
-            stack.children["worker"] = _spawn(["worker"], env, logs, "worker")
-            stack.children["beat"] = _spawn(["beat", "--data-dir", str(data_dir)], env, logs, "beat")
-            stack.children["gateway"] = _spawn(["gateway", "--host", host, "--port", str(port)],
+            start_engines(stack, env, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [])
+            stack.children["worker"] = _spawn(_backfill("worker"), env, logs, "worker")
+            stack.children["beat"] = _spawn(_backfill("beat", "--data-dir", str(data_dir)), env, logs, "beat")
+            stack.children["gateway"] = _spawn(_backfill("gateway", "--host", host, "--port", str(port)),
                                                env, logs, "gateway")
             _wait_ready(f"http://{host}:{port}/health", stack)
             yield stack
@@ -130,14 +165,25 @@ def _raise_stop(signum, frame) -> None:
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--api-key", envvar="BACKFILL_API_KEY",
               help="Key accepted for the 'default' tenant (a new one is made if not given).")
-def up_command(data_dir: Path, host: str, port: int, api_key: str | None) -> None:
+@click.option("--engines", default=2, show_default=True, type=click.IntRange(0, 64),
+              help="Simulated engines to start when no --engine-url is given.")
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="Model name the simulated engines serve (repeat, or separate with commas). "
+                   "Default: sim-model.")
+@click.option("--engine-url", "engine_urls", multiple=True,
+              help="URL of a running (real vLLM) engine to use instead of simulated ones (repeat).")
+def up_command(data_dir: Path, host: str, port: int, api_key: str | None, engines: int,
+               served_model_names: tuple[str, ...], engine_urls: tuple[str, ...]) -> None:
     """Run the whole stack on this machine until SIGINT/SIGTERM."""
+    names = [name.strip() for value in served_model_names for name in value.split(",") if name.strip()]
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     code = 0
     try:
-        with run_stack(data_dir, host, port, api_key) as stack:
+        with run_stack(data_dir, host, port, api_key, engines=engines, served_model_names=names,
+                       engine_urls=list(engine_urls)) as stack:
             click.echo(f"backfill ready gateway={stack.gateway_url} api_key={stack.api_key} "
+                       f"engines={','.join(stack.engine_urls) or '-'} "
                        f"data_dir={stack.data_dir} logs={stack.data_dir / 'logs'}", err=False)
             sys.stdout.flush()
             while True:

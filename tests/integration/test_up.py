@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 import psutil
 
@@ -20,7 +21,8 @@ def test_up_runs_the_stack_and_stops_cleanly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "backfill", "up", "--data-dir", str(tmp_path / "data"),
-         "--port", str(port), "--api-key", "sk-up-test"],
+         "--port", str(port), "--api-key", "sk-up-test", "--engines", "2",
+         "--served-model-name", "gpt-3.5-turbo,intfloat/e5-mistral-7b-instruct"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
     )
     try:
@@ -28,7 +30,12 @@ def test_up_runs_the_stack_and_stops_cleanly(tmp_path):
         assert line.startswith("backfill ready"), (line, proc.stderr.read() if proc.poll() is not None else "")
         assert f"gateway=http://127.0.0.1:{port}/v1" in line and "api_key=sk-up-test" in line
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 3
+        assert len(children) >= 5
+        engines = line.split("engines=")[1].split()[0].split(",")
+        assert len(engines) == 2
+        for engine in engines:
+            served = httpx.get(f"{engine}/v1/models", timeout=10).json()
+            assert {m["id"] for m in served["data"]} == {"gpt-3.5-turbo", "intfloat/e5-mistral-7b-instruct"}
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-up-test", max_retries=0)
         uploaded = client.files.create(file=(SHARED_BATCHES / "vllm-readme-embeddings.jsonl").open("rb"),
