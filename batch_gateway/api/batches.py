@@ -16,8 +16,10 @@ from fastapi import APIRouter, Header, Query, Request
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from batch_gateway import queries
+from batch_gateway.api import list_page
 from batch_gateway.deps import SessionDep, SettingsDep, TenantDep
 from batch_gateway.errors import (
     ConflictError,
@@ -28,7 +30,7 @@ from batch_gateway.errors import (
     UnsupportedMediaTypeError,
     token_limit_message,
 )
-from batch_gateway.schemas import CreateBatch, batch_object, list_object, window_seconds
+from batch_gateway.schemas import CreateBatch, batch_object, window_seconds
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -44,10 +46,13 @@ async def json_body(request: Request, max_bytes: int) -> dict:
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise UnsupportedMediaTypeError("This endpoint expects an application/json body.")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise PayloadTooLargeError(f"The request body is larger than {max_bytes} bytes.")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise PayloadTooLargeError(f"The request body is larger than {max_bytes} bytes.")
+    except ClientDisconnect:  # nobody reads the answer; a clean 4xx keeps it out of the 500 path
+        raise InvalidRequestError("The client closed the connection before the body was complete.") from None
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -148,10 +153,7 @@ def list_batches(tenant: TenantDep, session: SessionDep,
                  after: Annotated[str | None, Query(max_length=128)] = None) -> dict:
     """The caller's batches, newest first (``after`` cursor, ``limit`` 1..100)."""
     page = queries.list_batches(session, tenant.id, limit=limit, after=after)
-    if page is None:
-        raise InvalidRequestError(f"No such Batch object for 'after': {after}", param="after")
-    rows, has_more = page
-    return list_object([batch_object(r) for r in rows], has_more)
+    return list_page(page, after, "Batch", batch_object)
 
 
 @router.get("/{batch_id}")

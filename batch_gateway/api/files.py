@@ -10,8 +10,10 @@ from urllib.parse import quote
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from batch_gateway import queries
+from batch_gateway.api import list_page
 from batch_gateway.deps import SessionDep, SettingsDep, StoreDep, TenantDep
 from batch_gateway.errors import (
     GatewayError,
@@ -26,7 +28,6 @@ from batch_gateway.schemas import (
     STORED_PURPOSES,
     UPLOAD_PURPOSES,
     file_object,
-    list_object,
 )
 from batch_gateway.storage import storage_key
 from batch_gateway.uploads import UploadParser, multipart_boundary
@@ -70,6 +71,8 @@ async def _body_chunks(request: Request, idle_timeout: float):
             return
         except asyncio.TimeoutError:
             raise RequestTimeoutError("The request body was not received in time.") from None
+        except ClientDisconnect:  # nobody reads the answer; a clean 4xx keeps it out of the 500 path
+            raise InvalidRequestError("The client closed the connection before the body was complete.") from None
         if chunk:
             yield chunk
 
@@ -160,10 +163,7 @@ def list_files(tenant: TenantDep, session: SessionDep,
     if purpose is not None and purpose not in STORED_PURPOSES:
         raise InvalidRequestError(f"Invalid value for 'purpose': '{purpose}'.", param="purpose")
     page = queries.list_files(session, tenant.id, purpose=purpose, limit=limit, order=order, after=after)
-    if page is None:
-        raise InvalidRequestError(f"No such File object for 'after': {after}", param="after")
-    rows, has_more = page
-    return list_object([file_object(r) for r in rows], has_more)
+    return list_page(page, after, "File", file_object)
 
 
 @router.get("/{file_id}")
