@@ -38,6 +38,12 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
+def can_exist(object_id: str) -> bool:
+    """Whether ``object_id`` could name a stored object. PostgreSQL text cannot hold NUL, so an id
+    with one names nothing (and must not reach a query, which would fail with a 500)."""
+    return "\x00" not in object_id
+
+
 def hash_key(key: str) -> str:
     """SHA-256 hex of an API key: keys carry 256 random bits, so a fast hash is the standard
     choice (as for GitHub tokens); the plain key is never stored."""
@@ -120,6 +126,8 @@ def _visible_file(tenant_id: str):
 
 def get_file(session: Session, tenant_id: str, file_id: str) -> File | None:
     """The tenant's live file ``file_id``, or None (another tenant's file is None too)."""
+    if not can_exist(file_id):
+        return None
     return session.execute(
         select(File).where(File.id == file_id, *_visible_file(tenant_id))
     ).scalar_one_or_none()
@@ -129,6 +137,8 @@ def _page(session: Session, stmt: Select, model, tenant_id: str, after: str | No
           descending: bool, extra=()) -> tuple[list, bool] | None:
     """One page of ``stmt`` ordered by ``seq``; None when ``after`` names no visible object."""
     if after is not None:
+        if not can_exist(after):
+            return None
         cursor = session.execute(
             select(model.seq).where(model.id == after, model.tenant_id == tenant_id, *extra)
         ).scalar_one_or_none()
@@ -155,6 +165,8 @@ def delete_file(session: Session, tenant_id: str, file_id: str) -> File | None:
 
     The caller removes the bytes unless :func:`file_in_use` says a running batch still reads them.
     """
+    if not can_exist(file_id):
+        return None
     return session.execute(
         update(File)
         .where(File.id == file_id, *_visible_file(tenant_id))
@@ -213,6 +225,8 @@ def insert_batch(session: Session, *, tenant_id: str, endpoint: str, input_file_
 
 def get_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
     """The tenant's batch ``batch_id``, or None (another tenant's batch is None too)."""
+    if not can_exist(batch_id):
+        return None
     return session.execute(
         select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id)
     ).scalar_one_or_none()
@@ -272,6 +286,8 @@ def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | Non
     ``cancelled``); one with work in flight goes to ``cancelling``. A batch already ``cancelling``
     or ``cancelled`` is returned unchanged; for other ended batches the caller answers an error.
     """
+    if not can_exist(batch_id):
+        return None
     batch = session.execute(
         select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id).with_for_update()
     ).scalar_one_or_none()

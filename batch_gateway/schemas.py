@@ -91,6 +91,8 @@ class CreateBatch(BaseModel):
                 raise ValueError("metadata keys may be at most 64 characters long")
             if len(item) > 512:
                 raise ValueError("metadata values may be at most 512 characters long")
+            if "\x00" in key or "\x00" in item:
+                raise ValueError("metadata keys and values may not contain NUL characters")
         return value
 
 
