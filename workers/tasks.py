@@ -32,7 +32,23 @@ COPY_REQUESTS = (
 
 
 def _error_rows(errors: list[LineError]) -> list[dict]:
-    return [{"code": e.code, "message": e.message, "param": e.param, "line": e.line} for e in errors]
+    # PostgreSQL JSONB cannot hold \u0000; a message quoting a custom_id or model may contain one.
+    return [{"code": e.code, "message": e.message.replace("\x00", "\\u0000"), "param": e.param,
+             "line": e.line} for e in errors]
+
+
+def _refuse_nul(report: ValidationReport) -> ValidationReport:
+    """Fail a valid report whose custom_id or model holds NUL (JSON ``\\u0000``): PostgreSQL text
+    cannot store it, and a failed write would leave the batch ``validating`` for ever."""
+    if not report.ok:
+        return report
+    for param, bad in (("custom_id", next((r for r in report.requests if "\x00" in r.custom_id), None)),
+                       ("body.model", report.requests[0] if "\x00" in (report.model or "") else None)):
+        if bad is not None:
+            error = LineError("invalid_request", f"Invalid value for '{param}': NUL characters are not allowed.",
+                              bad.line, param)
+            return ValidationReport(errors=[error], model=None, bytes_read=report.bytes_read)
+    return report
 
 
 def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
@@ -55,6 +71,7 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
         report = ValidationReport(requests=[], model=None, bytes_read=0, est_tokens=0, errors=[
             LineError("invalid_request", "The input file's content could not be read.", None, "input_file_id")
         ])
+    report = _refuse_nul(report)
 
     with ctx.session() as session:
         if not report.ok:
