@@ -21,7 +21,7 @@ MAX_PARTS = 16
 MAX_FIELD_BYTES = 4096
 MAX_FILENAME_CHARS = 255
 MAX_HEADERS_PER_PART = 8
-MAX_HEADER_BYTES = 4096
+MAX_HEADER_BYTES = 16 * 1024
 
 
 def multipart_boundary(content_type: str | None) -> bytes:
