@@ -44,15 +44,18 @@ class LazyGroup(click.Group):
         self.lazy = lazy
 
     def list_commands(self, ctx: click.Context) -> list[str]:
+        """Names of the eager and lazy subcommands, sorted."""
         return sorted(set(super().list_commands(ctx)) | set(self.lazy))
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """The subcommand, importing its module on first use."""
         if cmd_name in self.lazy:
             module_name, attr = self.lazy[cmd_name][0].split(":")
             return getattr(importlib.import_module(module_name), attr)
         return super().get_command(ctx, cmd_name)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """List subcommands with their one-line help without importing them."""
         rows = [(name, self.lazy[name][1]) for name in self.list_commands(ctx) if name in self.lazy]
         if rows:
             with formatter.section("Commands"):

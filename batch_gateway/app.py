@@ -57,6 +57,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health", include_in_schema=False)
     def health() -> dict:
+        """Liveness: ``{"status": "ok"}``."""
         return {"status": "ok"}
 
     @app.exception_handler(GatewayError)

@@ -31,9 +31,14 @@ def storage_key(object_id: str) -> str:
 class Upload(Protocol):
     """An object being written: ``write`` chunks, then ``commit`` (visible) or ``abort`` (gone)."""
 
-    def write(self, chunk: bytes) -> None: ...
-    def commit(self) -> None: ...
-    def abort(self) -> None: ...
+    def write(self, chunk: bytes) -> None:
+        """Append ``chunk``; raises ``OSError`` (e.g. ``ENOSPC``) when the store cannot take it."""
+
+    def commit(self) -> None:
+        """Make the object visible under its key, atomically."""
+
+    def abort(self) -> None:
+        """Discard what was written; the key is untouched."""
 
 
 class FileStore(Protocol):
@@ -61,9 +66,11 @@ class _LocalUpload:
         self.handle = open(tmp, "wb")
 
     def write(self, chunk: bytes) -> None:
+        """See :meth:`Upload.write`."""
         self.handle.write(chunk)
 
     def commit(self) -> None:
+        """fsync, then rename into place (see :meth:`Upload.commit`)."""
         self.handle.flush()
         os.fsync(self.handle.fileno())
         self.handle.close()
@@ -71,6 +78,7 @@ class _LocalUpload:
         os.replace(self.tmp, self.final)
 
     def abort(self) -> None:
+        """See :meth:`Upload.abort`."""
         if not self.handle.closed:
             self.handle.close()
         self.tmp.unlink(missing_ok=True)
@@ -92,10 +100,12 @@ class LocalFileStore:
         return path
 
     def begin(self, key: str) -> _LocalUpload:
+        """See :meth:`FileStore.begin`; raises ``ValueError`` for a key outside the root."""
         return _LocalUpload(self._path(key), self.tmp / uuid.uuid4().hex)
 
     def read(self, key: str, offset: int = 0, length: int | None = None,
              chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """See :meth:`FileStore.read`."""
         handle = open(self._path(key), "rb")  # raises FileNotFoundError before the first chunk
 
         def chunks() -> Iterator[bytes]:
@@ -113,7 +123,9 @@ class LocalFileStore:
         return chunks()
 
     def delete(self, key: str) -> None:
+        """See :meth:`FileStore.delete`."""
         self._path(key).unlink(missing_ok=True)
 
     def exists(self, key: str) -> bool:
+        """See :meth:`FileStore.exists`."""
         return self._path(key).is_file()

@@ -36,6 +36,7 @@ class WorkerContext:
 
     @cached_property
     def sessionmaker(self) -> sessionmaker[Session]:
+        """Sessions on a small pool (2 connections) of this process."""
         return make_sessionmaker(make_engine(self.settings.database_url, pool_size=2))
 
     def session(self) -> Session:
@@ -45,10 +46,12 @@ class WorkerContext:
 
     @cached_property
     def store(self) -> LocalFileStore:
+        """The file store under ``DATA_DIR/files``."""
         return LocalFileStore(self.settings.files_dir)
 
     @cached_property
     def publisher(self) -> TaskPublisher:
+        """Outbox publisher sending on this app's broker and queue."""
         return TaskPublisher(self.celery, self.settings.task_queue)
 
 
