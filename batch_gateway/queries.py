@@ -309,6 +309,17 @@ def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | Non
                       cancelling_at=EPOCH_NOW)
 
 
+def stale_validating_batches(session: Session, older_than_seconds: float, limit: int = 100) -> list[str]:
+    """Ids of batches still ``validating`` more than ``older_than_seconds`` after creation."""
+    return list(session.execute(
+        select(Batch.id)
+        .where(Batch.status == "validating",
+               Batch.created_at < text(f"extract(epoch from now())::bigint - {int(older_than_seconds)}"))
+        .order_by(Batch.seq)
+        .limit(limit)
+    ).scalars())
+
+
 def purgeable_files(session: Session, limit: int = 500) -> list[File]:
     """Deleted or expired files whose bytes are still stored and that no non-terminal batch reads
     as input, locked (``SKIP LOCKED``) for the caller to purge."""

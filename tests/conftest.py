@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -26,12 +28,18 @@ SHARED_BATCHES = Path(__file__).resolve().parents[2] / "shared" / "data" / "batc
 
 
 @pytest.fixture(scope="session")
-def stores(tmp_path_factory):
-    """Session-wide PostgreSQL and Redis (embedded unless the URLs are set)."""
+def stores():
+    """Session-wide PostgreSQL and Redis (embedded unless the URLs are set), in a directory of
+    their own: pytest prunes old ``basetemp`` folders, which another concurrent run could do under
+    a running server."""
     from backfill.stores import start_stores
 
-    with start_stores(tmp_path_factory.mktemp("stores"), database="postgres") as found:
-        yield found
+    directory = Path(tempfile.mkdtemp(prefix="backfill-test-stores-"))
+    try:
+        with start_stores(directory, database="postgres") as found:
+            yield found
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def with_database(url: str, name: str) -> str:

@@ -73,6 +73,11 @@ def create_celery(settings: WorkerSettings) -> Celery:
                 "schedule": settings.relay_interval_seconds,
                 "options": {"queue": settings.task_queue},
             },
+            "resend-stale-validations": {
+                "task": "backfill.resend_stale_validations",
+                "schedule": settings.relay_interval_seconds,
+                "options": {"queue": settings.task_queue},
+            },
             "purge-files": {
                 "task": "backfill.purge_files",
                 "schedule": settings.purge_interval_seconds,

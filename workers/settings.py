@@ -14,7 +14,8 @@ class WorkerSettings(SharedSettings):
     another worker (Celery's default is 3,600 s; tasks here are short and idempotent, so a killed
     worker's task comes back sooner). ``relay_interval_seconds``: how often beat resends outbox
     events older than ``relay_after_seconds`` that never reached the broker; ``purge_interval_seconds``:
-    how often the bytes of deleted or expired files are removed.
+    how often the bytes of deleted or expired files are removed; ``validation_stale_seconds``: a batch
+    ``validating`` for longer has its validate task sent again (checked every relay interval).
     """
 
     model_config = SettingsConfigDict(env_prefix="BACKFILL_WORKER_", extra="ignore", populate_by_name=True)
@@ -24,6 +25,7 @@ class WorkerSettings(SharedSettings):
     relay_after_seconds: float = 5.0
     read_chunk_bytes: int = 1024 * 1024
     purge_interval_seconds: float = 300.0
+    validation_stale_seconds: float = 600.0
 
 
 def load_settings(**overrides) -> WorkerSettings:

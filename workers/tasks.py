@@ -5,6 +5,9 @@
   ``custom_id`` (one COPY) and move the batch ``validating → in_progress`` in the same transaction;
   otherwise move it to ``failed`` with ``errors.data[]``. Re-running it is harmless: it acts only on
   a batch still ``validating``, and the rows and the transition commit together.
+  An unexpected error is retried three times, then the batch fails with ``validation_error``.
+- ``backfill.resend_stale_validations()``: resend the validate task of batches ``validating`` for
+  too long (a task lost with its worker).
 - ``backfill.relay_outbox()``: resend outbox events that never reached the broker.
 - ``backfill.purge_files()``: remove the bytes of deleted or expired files once no running batch
   reads them.
@@ -25,6 +28,9 @@ from workers.validation import LineError, ValidationReport, validate_batch_file
 
 log = logging.getLogger(__name__)
 
+VALIDATE_RETRIES = 3
+"""Retries (1 s, 2 s, 4 s apart) of a validation that raised before the batch is failed."""
+
 COPY_REQUESTS = (
     "COPY batch_requests (batch_id, custom_id, line, byte_offset, byte_length, prefix_key, est_tokens) "
     "FROM STDIN"
@@ -35,20 +41,6 @@ def _error_rows(errors: list[LineError]) -> list[dict]:
     # PostgreSQL JSONB cannot hold \u0000; a message quoting a custom_id or model may contain one.
     return [{"code": e.code, "message": e.message.replace("\x00", "\\u0000"), "param": e.param,
              "line": e.line} for e in errors]
-
-
-def _refuse_nul(report: ValidationReport) -> ValidationReport:
-    """Fail a valid report whose custom_id or model holds NUL (JSON ``\\u0000``): PostgreSQL text
-    cannot store it, and a failed write would leave the batch ``validating`` for ever."""
-    if not report.ok:
-        return report
-    for param, bad in (("custom_id", next((r for r in report.requests if "\x00" in r.custom_id), None)),
-                       ("body.model", report.requests[0] if "\x00" in (report.model or "") else None)):
-        if bad is not None:
-            error = LineError("invalid_request", f"Invalid value for '{param}': NUL characters are not allowed.",
-                              bad.line, param)
-            return ValidationReport(errors=[error], model=None, bytes_read=report.bytes_read)
-    return report
 
 
 def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
@@ -71,25 +63,16 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
         report = ValidationReport(requests=[], model=None, bytes_read=0, est_tokens=0, errors=[
             LineError("invalid_request", "The input file's content could not be read.", None, "input_file_id")
         ])
-    report = _refuse_nul(report)
 
     with ctx.session() as session:
         if not report.ok:
-            moved = queries.transition(session, batch_id, ("validating",), "failed",
-                                       errors=_error_rows(report.errors))
-            session.commit()
-            log.info("batch failed validation", extra={"action": "batch_failed", "batch_id": batch_id,
-                                                       "errors": len(report.errors)})
-            return moved.status if moved else _status(session, batch_id)
+            return _fail(session, batch_id, report.errors)
 
         tenant = queries.lock_tenant(session, tenant_id)
         limit = tenant.enqueued_token_limit or ctx.settings.default_enqueued_token_limit
         if queries.enqueued_tokens(session, tenant_id) + report.est_tokens > limit:
             error = LineError("token_limit_exceeded", token_limit_message(tenant.name, limit, report.model), None, None)
-            moved = queries.transition(session, batch_id, ("validating",), "failed",
-                                       errors=_error_rows([error]))
-            session.commit()
-            return moved.status if moved else _status(session, batch_id)
+            return _fail(session, batch_id, [error])
 
         session.execute(delete(BatchRequest).where(BatchRequest.batch_id == batch_id))
         raw = session.connection().connection.driver_connection
@@ -107,6 +90,34 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
         log.info("batch validated", extra={"action": "batch_in_progress", "batch_id": batch_id,
                                            "requests": len(report.requests)})
         return moved.status
+
+
+def _fail(session, batch_id: str, errors: list[LineError]) -> str:
+    """Move a ``validating`` batch to ``failed`` with ``errors``; returns its status afterwards."""
+    moved = queries.transition(session, batch_id, ("validating",), "failed", errors=_error_rows(errors))
+    session.commit()
+    log.info("batch failed validation", extra={"action": "batch_failed", "batch_id": batch_id,
+                                               "errors": len(errors)})
+    return moved.status if moved else _status(session, batch_id)
+
+
+def give_up_validation(ctx: WorkerContext, batch_id: str) -> str:
+    """Fail a batch whose validation kept raising (database or store trouble), so it never stays
+    ``validating`` for good; returns its status afterwards."""
+    error = LineError("validation_error", "The input file could not be validated because of an internal "
+                      "error; please create the batch again.", None, None)
+    with ctx.session() as session:
+        return _fail(session, batch_id, [error])
+
+
+def resend_stale_validations(ctx: WorkerContext) -> int:
+    """Send the validate task again for batches ``validating`` longer than
+    ``validation_stale_seconds`` (a lost task); returns how many. Validation is idempotent."""
+    with ctx.session() as session:
+        stale = queries.stale_validating_batches(session, ctx.settings.validation_stale_seconds)
+    for batch_id in stale:
+        ctx.celery.send_task(queries.VALIDATE_BATCH_TASK, args=[batch_id], queue=ctx.settings.task_queue)
+    return len(stale)
 
 
 def _status(session, batch_id: str) -> str:
@@ -135,9 +146,19 @@ def register(app: Celery) -> None:
     """Register the lifecycle tasks on ``app`` (names are the wire contract with the gateway)."""
     ctx: WorkerContext = app.backfill
 
-    @app.task(name=queries.VALIDATE_BATCH_TASK, shared=False)
-    def validate_batch_task(batch_id: str) -> str:
-        return validate_batch(ctx, batch_id)
+    @app.task(name=queries.VALIDATE_BATCH_TASK, shared=False, bind=True, max_retries=VALIDATE_RETRIES)
+    def validate_batch_task(self, batch_id: str) -> str:
+        try:
+            return validate_batch(ctx, batch_id)
+        except Exception as exc:
+            if self.request.retries < VALIDATE_RETRIES:
+                raise self.retry(exc=exc, countdown=2 ** self.request.retries) from None
+            log.exception("validation kept failing", extra={"action": "validation_gave_up", "batch_id": batch_id})
+            return give_up_validation(ctx, batch_id)
+
+    @app.task(name="backfill.resend_stale_validations", shared=False)
+    def resend_stale_validations_task() -> int:
+        return resend_stale_validations(ctx)
 
     @app.task(name="backfill.relay_outbox", shared=False)
     def relay_outbox_task() -> int:

@@ -433,8 +433,11 @@ class _Checker:
 
 
 def _wrong_type(value: Any, expected: type, param: str) -> str | None:
-    """Say what is wrong with a required field (missing, or not of JSON type ``expected``), or None."""
+    """Say what is wrong with a required field (missing, not of JSON type ``expected``, or a string
+    holding NUL, which PostgreSQL text cannot store), or None."""
     if type(value) is expected:
+        if expected is str and "\x00" in value:
+            return f"Invalid value for '{param}': NUL characters are not allowed."
         return None
     if value is None:
         return f"Missing required parameter: '{param}'."

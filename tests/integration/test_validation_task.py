@@ -104,3 +104,32 @@ def test_outbox_relay_sends_what_the_broker_missed(gateway):
     assert gateway.wait_status(batch.id, ("in_progress",)).status == "in_progress"
     assert relay_outbox(gateway.celery.backfill) == 0
     assert validate_batch(gateway.celery.backfill, "batch_missing") == "missing"
+
+
+def test_validation_that_keeps_failing_fails_the_batch_and_stale_ones_are_resent(gateway, monkeypatch):
+    from workers import tasks
+
+    client = gateway.client()
+    uploaded = _upload(client, _line("a") + b"\n")
+    calls = []
+
+    def broken(ctx, batch_id):
+        calls.append(batch_id)
+        raise RuntimeError("store unreachable")
+
+    monkeypatch.setattr(tasks, "validate_batch", broken)
+    monkeypatch.setattr(tasks, "VALIDATE_RETRIES", 1)
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    failed = gateway.wait_status(batch.id, ("failed",))
+    assert failed.errors.data[0].code == "validation_error"
+    assert len(calls) >= 2  # tried, retried, then gave up
+
+    monkeypatch.undo()
+    second = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    gateway.wait_status(second.id, ("in_progress",))
+    with gateway.session() as session:  # as if its task had been lost ten minutes ago
+        session.execute(update(Batch).where(Batch.id == second.id).values(
+            status="validating", in_progress_at=None, created_at=Batch.created_at - 601))
+        session.commit()
+    assert tasks.resend_stale_validations(gateway.celery.backfill) == 1
+    assert gateway.wait_status(second.id, ("in_progress",)).status == "in_progress"
