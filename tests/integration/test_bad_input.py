@@ -479,7 +479,7 @@ def test_nul_characters_in_jsonl_fail_the_batch_instead_of_wedging_it(gateway):
     client = gateway.client()
     cases = {
         "custom_id": (line("r1") + b"\n" + line("a\u0000b") + b"\n", "invalid_request", 2, "custom_id"),
-        "duplicate custom_id": ((line("a\u0000b") + b"\n") * 2, "duplicate_custom_id", 2, "custom_id"),
+        "repeated custom_id": ((line("a\u0000b") + b"\n") * 2, "invalid_request", 1, "custom_id"),
         "model": (line("r1", model="m\u0000") + b"\n", "invalid_request", 1, "body.model"),
     }
     ids = {}
