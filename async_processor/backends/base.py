@@ -1,0 +1,181 @@
+"""The one protocol every queue backend implements, and the small pieces they share.
+
+Semantics every backend keeps (the contract suite ``tests/contract/test_queue_backends.py`` checks
+them on memory, Redis Streams, the Pub/Sub emulator and the Pub/Sub fake):
+
+- **At-least-once with leases.** :meth:`QueueBackend.receive` hands out messages under a lease of
+  ``lease_s`` seconds. A message neither acknowledged nor extended within its lease is delivered again
+  (to any consumer) with ``delivery_count`` one higher. ``delivery_count`` is 1 on first delivery.
+- **Ack after publish.** The processor calls :meth:`publish_results` and only then :meth:`ack`.
+- **Hand back.** :meth:`nack` makes a message deliverable again after ``delay_s`` (0 = now).
+- **Dead letter.** :meth:`dead_letter` moves a message to the lane's dead-letter queue and acks it.
+- **Dedup by id.** :meth:`admit` claims request ids before dispatch: ``NEW`` (claimed, run it),
+  ``RUNNING`` (claimed elsewhere and not lapsed: hand it back), ``DONE`` (a result was published:
+  just ack), ``CANCELLED`` (its batch carries a cancel marker). :meth:`finish` records ``DONE``
+  after the result is published; :meth:`release` drops a claim of a message handed back.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from async_processor.messages import RequestMessage, ResultMessage
+
+
+class Admission(enum.Enum):
+    """Answer of :meth:`QueueBackend.admit` for one request id."""
+
+    NEW = "new"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Delivery:
+    """One delivery of one message.
+
+    ``lane``: the lane it came from. ``body``: the raw message bytes. ``delivery_count``: 1 on the
+    first delivery. ``transport_id``: the backend's id (stream entry id, Pub/Sub message id).
+    ``handle``: backend-private (ack id, entry). ``received_at``: ``time.monotonic()`` at receipt,
+    ``extended_at`` the last lease extension. ``request_id``: the decoded message ``id``, set by the
+    processor (backends extend its claim with the lease).
+    """
+
+    lane: str
+    body: bytes
+    delivery_count: int
+    transport_id: str
+    handle: Any = None
+    request_id: str = ""
+    received_at: float = field(default_factory=time.monotonic)
+    extended_at: float = field(default_factory=time.monotonic)
+
+
+class ResultReader(Protocol):
+    """Reads results from one result queue, oldest first (for producers, ``--wait`` and tests)."""
+
+    async def read(self, timeout_s: float) -> list[ResultMessage]:
+        """Results that arrived since the last call; waits up to ``timeout_s`` for the first."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the reader holds (a Pub/Sub reader deletes its subscription)."""
+        ...
+
+
+class QueueBackend(Protocol):
+    """A request transport with leases, plus the result queue and the id claims."""
+
+    name: str
+
+    async def start(self) -> None:
+        """Create what is missing (streams and consumer group; topics and subscriptions)."""
+        ...
+
+    async def close(self) -> None:
+        """Close clients. Messages still held are redelivered after their lease."""
+        ...
+
+    async def receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
+        """Up to ``max_messages`` deliveries of ``lane``: lapsed leases first, then new messages.
+        Never blocks longer than a short poll. Raises :class:`~async_processor.errors.BackendError`."""
+        ...
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """Acknowledge: these messages are never delivered again."""
+        ...
+
+    async def nack(self, deliveries: Sequence[Delivery], delay_s: float = 0.0) -> None:
+        """Hand back: deliverable again after ``delay_s`` seconds."""
+        ...
+
+    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> None:
+        """Renew the leases (and the id claims of ``request_id``) to ``lease_s`` seconds from now."""
+        ...
+
+    async def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> None:
+        """Move to the lane's dead-letter queue (with ``reason``) and acknowledge."""
+        ...
+
+    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
+        """Publish ``(result, result_queue_name)`` pairs ("" = the default result queue); returns
+        once all are durable in the transport. Raises ``BackendError`` if any failed."""
+        ...
+
+    async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
+        """Put one request message on ``lane``; returns the transport id."""
+        ...
+
+    async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
+        """Claim each request id for ``lease_s`` seconds (see module docstring)."""
+        ...
+
+    async def finish(self, ids: Sequence[str]) -> None:
+        """Record these ids as done (their results are published)."""
+        ...
+
+    async def release(self, ids: Sequence[str]) -> None:
+        """Drop running claims of these ids (they were handed back)."""
+        ...
+
+    def result_reader(self, queue_name: str = "") -> ResultReader:
+        """A reader of ``queue_name`` ("" = the default result queue). Pub/Sub readers see only
+        results published after the reader was made."""
+        ...
+
+
+class ClaimTable:
+    """In-process id claims with expiry, for backends without a shared store (memory, Pub/Sub).
+
+    ``clock``: seconds, monotonic (default ``time.monotonic``). ``done_ttl_s``: how long a finished
+    id is remembered. ``cancelled``: batch ids whose messages answer ``CANCELLED``.
+    """
+
+    def __init__(self, done_ttl_s: float = 86400.0, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.done_ttl_s = done_ttl_s
+        self._claims: dict[str, tuple[str, float]] = {}
+        self.cancelled: set[str] = set()
+
+    def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
+        """See :meth:`QueueBackend.admit`."""
+        now = self.clock()
+        out = []
+        for request in requests:
+            state, until = self._claims.get(request.id, ("", 0.0))
+            if state == "done" and until > now:
+                out.append(Admission.DONE)
+            elif request.metadata.get("batch_id") in self.cancelled:
+                out.append(Admission.CANCELLED)
+            elif state == "running" and until > now:
+                out.append(Admission.RUNNING)
+            else:
+                self._claims[request.id] = ("running", now + lease_s)
+                out.append(Admission.NEW)
+        if len(self._claims) > 100_000:
+            self._claims = {k: v for k, v in self._claims.items() if v[1] > now}
+        return out
+
+    def extend(self, ids: Sequence[str], lease_s: float) -> None:
+        """Push the expiry of running claims to ``lease_s`` from now."""
+        until = self.clock() + lease_s
+        for id in ids:
+            if self._claims.get(id, ("",))[0] == "running":
+                self._claims[id] = ("running", until)
+
+    def finish(self, ids: Sequence[str]) -> None:
+        """Mark done for ``done_ttl_s``."""
+        until = self.clock() + self.done_ttl_s
+        for id in ids:
+            self._claims[id] = ("done", until)
+
+    def release(self, ids: Sequence[str]) -> None:
+        """Forget running claims."""
+        for id in ids:
+            if self._claims.get(id, ("",))[0] == "running":
+                del self._claims[id]

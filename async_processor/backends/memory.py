@@ -1,0 +1,145 @@
+"""In-memory queue backend: the same leases, redelivery, delivery counts and dead-lettering as the
+real transports, inside one process (unit tests, single-process mode, ``--backend memory``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from async_processor.backends.base import Admission, ClaimTable, Delivery
+from async_processor.messages import (
+    DEFAULT_RESULT_STREAM,
+    RequestMessage,
+    ResultMessage,
+    encode_request,
+)
+
+
+@dataclass(eq=False)
+class _Entry:
+    seq: int
+    body: bytes
+    deliveries: int = 0
+    visible_at: float = 0.0  # deliverable when now >= visible_at
+
+
+class MemoryBackend:
+    """Lanes as ordered dicts of entries; results as lists per queue name.
+
+    ``clock``: monotonic seconds (default ``time.monotonic``). ``dead``: lane -> list of
+    ``(body, reason)``. ``results``: queue name -> list of results ("" maps to
+    :data:`~async_processor.messages.DEFAULT_RESULT_STREAM`). :meth:`cancel` sets a cancel marker.
+    """
+
+    name = "memory"
+
+    def __init__(self, done_ttl_s: float = 86400.0, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.lanes: dict[str, dict[int, _Entry]] = {}
+        self.dead: dict[str, list[tuple[bytes, str]]] = {}
+        self.results: dict[str, list[ResultMessage]] = {}
+        self.claims = ClaimTable(done_ttl_s, clock)
+        self._seq = itertools.count(1)
+        self._result_event = asyncio.Event()
+
+    async def start(self) -> None:
+        """Nothing to create."""
+
+    async def close(self) -> None:
+        """Nothing to close; held messages come back after their lease."""
+
+    def cancel(self, batch_id: str) -> None:
+        """Set the cancel marker of ``batch_id``."""
+        self.claims.cancelled.add(batch_id)
+
+    def pending(self, lane: str) -> int:
+        """Messages of ``lane`` not yet acknowledged (held or waiting)."""
+        return len(self.lanes.get(lane, {}))
+
+    async def receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
+        """Oldest deliverable entries first (new ones and lapsed leases alike)."""
+        now = self.clock()
+        out = []
+        for entry in self.lanes.get(lane, {}).values():
+            if len(out) >= max_messages:
+                break
+            if entry.visible_at <= now:
+                entry.deliveries += 1
+                entry.visible_at = now + lease_s
+                out.append(Delivery(lane, entry.body, entry.deliveries, str(entry.seq), handle=entry))
+        return out
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """Remove the entries."""
+        for d in deliveries:
+            self.lanes.get(d.lane, {}).pop(d.handle.seq, None)
+
+    async def nack(self, deliveries: Sequence[Delivery], delay_s: float = 0.0) -> None:
+        """Visible again after ``delay_s``."""
+        for d in deliveries:
+            d.handle.visible_at = self.clock() + delay_s
+
+    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> None:
+        """Visible again only after ``lease_s`` from now; claims follow."""
+        for d in deliveries:
+            d.handle.visible_at = self.clock() + lease_s
+        self.claims.extend([d.request_id for d in deliveries if d.request_id], lease_s)
+
+    async def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> None:
+        """Append to ``dead[lane]`` and remove."""
+        for d in deliveries:
+            self.dead.setdefault(d.lane, []).append((d.body, reason))
+        await self.ack(deliveries)
+
+    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
+        """Append to ``results[name]``."""
+        for result, queue in results:
+            self.results.setdefault(queue or DEFAULT_RESULT_STREAM, []).append(result)
+        self._result_event.set()
+
+    async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
+        """Append a new entry; returns its sequence number as a string."""
+        body = message if isinstance(message, bytes) else encode_request(message)
+        entry = _Entry(next(self._seq), body)
+        self.lanes.setdefault(lane, {})[entry.seq] = entry
+        return str(entry.seq)
+
+    async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
+        """See :class:`~async_processor.backends.base.ClaimTable`."""
+        return self.claims.admit(requests, lease_s)
+
+    async def finish(self, ids: Sequence[str]) -> None:
+        """Mark done."""
+        self.claims.finish(ids)
+
+    async def release(self, ids: Sequence[str]) -> None:
+        """Drop running claims."""
+        self.claims.release(ids)
+
+    def result_reader(self, queue_name: str = "") -> _MemoryResultReader:
+        """A reader from the start of ``results[queue_name]``."""
+        return _MemoryResultReader(self, queue_name or DEFAULT_RESULT_STREAM)
+
+
+class _MemoryResultReader:
+    def __init__(self, backend: MemoryBackend, queue: str):
+        self.backend, self.queue, self.offset = backend, queue, 0
+
+    async def read(self, timeout_s: float) -> list[ResultMessage]:
+        loop_deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.backend.results.get(self.queue, [])[self.offset:]
+            if found or time.monotonic() >= loop_deadline:
+                self.offset += len(found)
+                return list(found)
+            self.backend._result_event.clear()
+            try:
+                await asyncio.wait_for(self.backend._result_event.wait(), loop_deadline - time.monotonic())
+            except TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,316 @@
+"""Google Pub/Sub backend, on the real ``google-cloud-pubsub`` client (synchronous pull, run in worker
+threads so the event loop never blocks).
+
+Layout in project ``pubsub_project`` (names from :mod:`async_processor.messages`):
+
+- per lane a topic ``backfill-requests-{pool}-{lane}``, its subscription ``…-processor`` shared by
+  every processor, and a dead-letter topic ``…-dead`` (with subscription ``…-dead-reader``, so dead
+  letters are kept); the subscription's dead-letter policy sends a message there after
+  ``max_deliveries + 2`` attempts (clamped to Pub/Sub's 5–100) as a backstop — the processor itself
+  dead-letters after ``max_deliveries`` and publishes a result first;
+- results to the topic named by the message's ``result_queue_name`` (topic id or full path) or
+  ``backfill-results``; data = result JSON, attribute ``id``. Missing result topics are created.
+
+Leases: after each pull the ack deadline of the pulled messages is set to the lease (seconds, rounded
+up, 1–600); :meth:`PubSubBackend.extend` renews it; :meth:`~PubSubBackend.nack` sets it to the delay.
+Delivery counts come from ``delivery_attempt`` (filled because of the dead-letter policy), else from an
+in-process count per message id. Id claims (dedup on redelivery) are kept in-process
+(:class:`~async_processor.backends.base.ClaimTable`): across processors, duplicates are caught by the
+result consumer keying on ``id``.
+
+``emulator_host`` (``host:port``, else ``PUBSUB_EMULATOR_HOST``) points the clients at Google's
+emulator or at :mod:`async_processor.backends.pubsub_fake` with anonymous credentials.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import os
+import secrets
+from collections.abc import Sequence
+
+import grpc
+from google.api_core import exceptions as gexc
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import pubsub_v1
+from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
+from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransport
+
+from async_processor.backends.base import Admission, ClaimTable, Delivery
+from async_processor.errors import BackendError
+from async_processor.messages import (
+    DEFAULT_POOL,
+    DEFAULT_RESULT_TOPIC,
+    RequestMessage,
+    ResultMessage,
+    decode_result,
+    encode_request,
+    encode_result,
+    pubsub_request_topic,
+)
+
+_API_ERRORS = (gexc.GoogleAPIError,)
+
+
+def make_clients(emulator_host: str = "") -> tuple[pubsub_v1.PublisherClient, pubsub_v1.SubscriberClient]:
+    """A publisher and a subscriber client; with ``emulator_host`` (or ``PUBSUB_EMULATOR_HOST``)
+    they talk plaintext gRPC to that address with anonymous credentials."""
+    host = emulator_host or os.environ.get("PUBSUB_EMULATOR_HOST", "")
+    if not host:
+        return pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    creds = AnonymousCredentials()
+    return (pubsub_v1.PublisherClient(transport=functools.partial(
+                PublisherGrpcTransport, channel=grpc.insecure_channel(host), credentials=creds)),
+            pubsub_v1.SubscriberClient(transport=functools.partial(
+                SubscriberGrpcTransport, channel=grpc.insecure_channel(host), credentials=creds)))
+
+
+def _seconds(value: float) -> int:
+    return max(0, min(600, math.ceil(value)))
+
+
+class PubSubBackend:
+    """See the module docstring. Durations in seconds."""
+
+    name = "pubsub"
+
+    def __init__(self, project: str, *, pool: str = DEFAULT_POOL, lanes: Sequence[str] = (),
+                 topic_prefix: str = "backfill-requests", result_topic: str = DEFAULT_RESULT_TOPIC,
+                 max_deliveries: int = 5, done_ttl_s: float = 86400.0, emulator_host: str = ""):
+        self.project = project
+        self.pool = pool
+        self.lanes = list(lanes)
+        self.topic_prefix = topic_prefix
+        self.result_topic = result_topic
+        self.max_attempts = min(100, max(5, max_deliveries + 2))
+        self.publisher, self.subscriber = make_clients(emulator_host)
+        self.claims = ClaimTable(done_ttl_s)
+        self._counts: dict[str, int] = {}
+        self._topics: set[str] = set()
+        self._ready: set[str] = set()
+
+    @classmethod
+    def from_settings(cls, settings) -> PubSubBackend:
+        """From :class:`~async_processor.settings.ProcessorSettings`."""
+        return cls(settings.pubsub_project, pool=settings.pool, lanes=settings.lanes,
+                   topic_prefix=settings.pubsub_topic_prefix, result_topic=settings.result_topic,
+                   max_deliveries=settings.max_deliveries, done_ttl_s=settings.dedup_ttl_s,
+                   emulator_host=settings.pubsub_emulator_host)
+
+    # names
+    def topic_id(self, lane: str) -> str:
+        """Topic id of ``lane``."""
+        return pubsub_request_topic(lane, self.pool, self.topic_prefix)
+
+    def topic_path(self, topic: str) -> str:
+        """Full path of a topic id (a full path is returned as it is)."""
+        return topic if topic.startswith("projects/") else f"projects/{self.project}/topics/{topic}"
+
+    def subscription_path(self, name: str) -> str:
+        """Full path of a subscription id."""
+        return f"projects/{self.project}/subscriptions/{name}"
+
+    def subscription(self, lane: str) -> str:
+        """Full path of the processors' subscription of ``lane``."""
+        return self.subscription_path(self.topic_id(lane) + "-processor")
+
+    # set-up
+    def _create_topic(self, path: str) -> None:
+        if path in self._topics:
+            return
+        try:
+            self.publisher.create_topic(request={"name": path})
+        except gexc.AlreadyExists:
+            pass
+        self._topics.add(path)
+
+    def _create_subscription(self, path: str, topic: str, ack_deadline_s: int = 10,
+                             dead_topic: str | None = None) -> None:
+        request = {"name": path, "topic": topic, "ack_deadline_seconds": ack_deadline_s}
+        if dead_topic:
+            request["dead_letter_policy"] = {"dead_letter_topic": dead_topic,
+                                             "max_delivery_attempts": self.max_attempts}
+        try:
+            self.subscriber.create_subscription(request=request)
+        except gexc.AlreadyExists:
+            pass
+
+    def _ensure_lane(self, lane: str) -> None:
+        if lane in self._ready:
+            return
+        topic, dead = self.topic_path(self.topic_id(lane)), self.topic_path(self.topic_id(lane) + "-dead")
+        self._create_topic(topic)
+        self._create_topic(dead)
+        self._create_subscription(self.subscription_path(self.topic_id(lane) + "-dead-reader"), dead)
+        self._create_subscription(self.subscription(lane), topic, dead_topic=dead)
+        self._ready.add(lane)
+
+    async def start(self) -> None:
+        """Create every lane's topics and subscriptions and the default result topic."""
+        def setup():
+            for lane in self.lanes:
+                self._ensure_lane(lane)
+            self._create_topic(self.topic_path(self.result_topic))
+        await self._call(setup)
+
+    async def close(self) -> None:
+        """Close both clients (held messages come back after their ack deadline)."""
+        await asyncio.to_thread(self.publisher.stop)
+        await asyncio.to_thread(self.subscriber.close)
+
+    async def _call(self, fn, *args, **kwargs):
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except _API_ERRORS as exc:
+            raise BackendError(f"pubsub: {exc}") from exc
+
+    # leases
+    async def receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
+        """One pull (returns at once when empty), then the ack deadline set to the lease."""
+        def pull():
+            self._ensure_lane(lane)
+            reply = self.subscriber.pull(request={"subscription": self.subscription(lane),
+                                                  "max_messages": max_messages, "return_immediately": True},
+                                         timeout=10)
+            received = list(reply.received_messages)
+            if received:
+                self.subscriber.modify_ack_deadline(request={
+                    "subscription": self.subscription(lane), "ack_ids": [m.ack_id for m in received],
+                    "ack_deadline_seconds": max(1, _seconds(lease_s))})
+            return received
+        try:
+            received = await self._call(pull)
+        except BackendError as exc:
+            if isinstance(exc.__cause__, gexc.DeadlineExceeded):
+                return []
+            raise
+        out = []
+        for m in received:
+            count = m.delivery_attempt
+            if not count:
+                count = self._counts[m.message.message_id] = self._counts.get(m.message.message_id, 0) + 1
+            out.append(Delivery(lane, bytes(m.message.data), count, m.message.message_id, handle=m.ack_id))
+        return out
+
+    def _by_lane(self, deliveries: Sequence[Delivery]) -> dict[str, list[str]]:
+        grouped: dict[str, list[str]] = {}
+        for d in deliveries:
+            grouped.setdefault(d.lane, []).append(d.handle)
+        return grouped
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """``Acknowledge`` per lane."""
+        if not deliveries:
+            return
+        def ack():
+            for lane, ids in self._by_lane(deliveries).items():
+                self.subscriber.acknowledge(request={"subscription": self.subscription(lane), "ack_ids": ids})
+        await self._call(ack)
+        for d in deliveries:
+            self._counts.pop(d.transport_id, None)
+
+    async def _modack(self, deliveries: Sequence[Delivery], seconds: int) -> None:
+        if not deliveries:
+            return
+        def modack():
+            for lane, ids in self._by_lane(deliveries).items():
+                self.subscriber.modify_ack_deadline(request={"subscription": self.subscription(lane),
+                                                             "ack_ids": ids, "ack_deadline_seconds": seconds})
+        await self._call(modack)
+
+    async def nack(self, deliveries: Sequence[Delivery], delay_s: float = 0.0) -> None:
+        """Ack deadline set to ``delay_s`` (rounded up to whole seconds)."""
+        await self._modack(deliveries, _seconds(delay_s))
+
+    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> None:
+        """Ack deadline set to ``lease_s`` from now; claims follow."""
+        await self._modack(deliveries, max(1, _seconds(lease_s)))
+        self.claims.extend([d.request_id for d in deliveries if d.request_id], lease_s)
+
+    async def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> None:
+        """Publish to the lane's ``-dead`` topic (attributes ``reason``, ``source_id``, ``deliveries``),
+        then ack."""
+        if not deliveries:
+            return
+        futures = [self.publisher.publish(self.topic_path(self.topic_id(d.lane) + "-dead"), d.body,
+                                          reason=reason[:1024], source_id=d.transport_id,
+                                          deliveries=str(d.delivery_count)) for d in deliveries]
+        await self._wait(futures)
+        await self.ack(deliveries)
+
+    async def _wait(self, futures) -> None:
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except _API_ERRORS as exc:
+            raise BackendError(f"pubsub publish: {exc}") from exc
+
+    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
+        """Publish each result (attribute ``id``) and wait until all are accepted."""
+        if not results:
+            return
+        topics = {self.topic_path(queue or self.result_topic) for _, queue in results}
+        await self._call(lambda: [self._create_topic(t) for t in topics])
+        await self._wait([self.publisher.publish(self.topic_path(queue or self.result_topic), encode_result(r),
+                                                 id=r.id) for r, queue in results])
+
+    async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
+        """Publish to the lane's topic; returns the Pub/Sub message id."""
+        body = message if isinstance(message, bytes) else encode_request(message)
+        await self._call(self._ensure_lane, lane)
+        try:
+            return await asyncio.wrap_future(self.publisher.publish(self.topic_path(self.topic_id(lane)), body))
+        except _API_ERRORS as exc:
+            raise BackendError(f"pubsub publish: {exc}") from exc
+
+    async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
+        """In-process claims (see module docstring)."""
+        return self.claims.admit(requests, lease_s)
+
+    async def finish(self, ids: Sequence[str]) -> None:
+        """Mark done in-process."""
+        self.claims.finish(ids)
+
+    async def release(self, ids: Sequence[str]) -> None:
+        """Drop in-process running claims."""
+        self.claims.release(ids)
+
+    def result_reader(self, queue_name: str = "") -> PubSubResultReader:
+        """Creates (blocking) a fresh subscription on the result topic; it sees results published
+        from now on and is deleted by ``close()``."""
+        topic = self.topic_path(queue_name or self.result_topic)
+        self._create_topic(topic)
+        name = self.subscription_path(topic.rsplit("/", 1)[-1] + "-reader-" + secrets.token_hex(4))
+        self._create_subscription(name, topic, ack_deadline_s=60)
+        return PubSubResultReader(self.subscriber, name)
+
+
+class PubSubResultReader:
+    """Pulls and acks results from its own subscription."""
+
+    def __init__(self, subscriber: pubsub_v1.SubscriberClient, subscription: str):
+        self.subscriber, self.subscription = subscriber, subscription
+
+    async def read(self, timeout_s: float) -> list[ResultMessage]:
+        """Results available now, or the first batch within ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        while True:
+            reply = await asyncio.to_thread(self.subscriber.pull, request={
+                "subscription": self.subscription, "max_messages": 1000, "return_immediately": True}, timeout=10)
+            received = list(reply.received_messages)
+            if received:
+                await asyncio.to_thread(self.subscriber.acknowledge, request={
+                    "subscription": self.subscription, "ack_ids": [m.ack_id for m in received]})
+                return [decode_result(bytes(m.message.data)) for m in received]
+            if loop.time() >= until:
+                return []
+            await asyncio.sleep(min(0.05, max(0.0, until - loop.time())))
+
+    async def close(self) -> None:
+        """Delete the subscription."""
+        try:
+            await asyncio.to_thread(self.subscriber.delete_subscription, request={"subscription": self.subscription})
+        except _API_ERRORS:
+            pass

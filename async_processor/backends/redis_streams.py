@@ -1,0 +1,351 @@
+"""Redis Streams backend (redis-py asyncio).
+
+Layout (names from :mod:`async_processor.messages`):
+
+- one stream per (pool, lane), ``backfill:requests:{pool}:{lane}``, entry field ``message`` = JSON;
+- one consumer group ``backfill-processors`` (setting ``consumer_group``) shared by every processor,
+  each processor one consumer (``{host}-{pid}-{random}`` unless named);
+- results ``XADD``-ed to the message's ``result_queue_name`` or ``backfill:results``, field ``result``;
+- dead letters ``XADD``-ed to ``{stream}:dead`` with fields ``message``, ``reason``, ``source_id``,
+  ``deliveries``;
+- id claims as keys ``backfill:claim:{id}`` (``running`` with the lease as TTL, then ``done`` for
+  ``dedup_ttl_s``); cancel markers as in :func:`~async_processor.messages.cancel_marker_key`.
+
+Receiving: ``XAUTOCLAIM`` of entries idle longer than the lease (at most every ``lease/4`` s per lane),
+their delivery counts from ``XPENDING``; then ``XREADGROUP >`` for new entries. Entries trimmed
+while pending (nil entries) are acknowledged and logged: Redis 7 reports their ids from
+``XAUTOCLAIM``; Redis 6.2 returns them as nil, and the consumer's own pending list is swept for
+entries without fields. Acks are ``XACK`` then (setting ``delete_acked``) ``XDEL``; the processor
+never trims a stream, so unacknowledged entries are never lost to trimming by us.
+
+Hand back (nack) sets the entry's idle time to ``lease - delay`` with ``XCLAIM … IDLE … JUSTID`` so
+the next ``XAUTOCLAIM`` past ``delay`` takes it; lease extension is ``XCLAIM … JUSTID`` to ourselves,
+which resets the idle time without counting a delivery.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from async_processor.backends.base import Admission, Delivery
+from async_processor.errors import BackendError
+from async_processor.messages import (
+    DEFAULT_POOL,
+    DEFAULT_RESULT_STREAM,
+    REQUEST_FIELD,
+    RESULT_FIELD,
+    RequestMessage,
+    ResultMessage,
+    cancel_marker_key,
+    dead_letter_stream,
+    decode_result,
+    encode_request,
+    encode_result,
+    request_stream,
+)
+
+log = logging.getLogger(__name__)
+
+CLAIM_PREFIX = "backfill:claim:"
+
+# KEYS: claim key, cancel key (or ""); ARGV: lease ms -> 0 new, 1 running, 2 done, 3 cancelled
+_ADMIT = """
+local state = redis.call('GET', KEYS[1])
+if state == 'done' then return 2 end
+if KEYS[2] ~= '' and redis.call('EXISTS', KEYS[2]) == 1 then return 3 end
+if state then return 1 end
+redis.call('SET', KEYS[1], 'running', 'PX', ARGV[1])
+return 0
+"""
+# KEYS: claim key; ARGV: lease ms -> extend a running claim
+_EXTEND = "if redis.call('GET', KEYS[1]) == 'running' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end return 0"
+_RELEASE = "if redis.call('GET', KEYS[1]) == 'running' then redis.call('DEL', KEYS[1]) end return 0"
+_ADMISSIONS = [Admission.NEW, Admission.RUNNING, Admission.DONE, Admission.CANCELLED]
+
+
+def default_consumer_name() -> str:
+    """``{host}-{pid}-{4 random hex bytes}``: unique per process start."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class RedisStreamsBackend:
+    """See the module docstring. ``client``: a ``redis.asyncio.Redis`` (bytes responses) owned by
+    this backend and closed by :meth:`close`. Durations in seconds."""
+
+    name = "redis"
+
+    def __init__(self, client: aioredis.Redis, *, pool: str = DEFAULT_POOL, lanes: Sequence[str] = (),
+                 group: str = "backfill-processors", consumer: str = "", stream_prefix: str = "backfill:requests",
+                 result_stream: str = DEFAULT_RESULT_STREAM, delete_acked: bool = True,
+                 done_ttl_s: float = 86400.0):
+        self.client = client
+        self.pool = pool
+        self.lanes = list(lanes)
+        self.group = group
+        self.consumer = consumer or default_consumer_name()
+        self.stream_prefix = stream_prefix
+        self.result_stream = result_stream
+        self.delete_acked = delete_acked
+        self.done_ttl_s = done_ttl_s
+        self._cursor: dict[str, str] = {}
+        self._claimed_at: dict[str, float] = {}
+        self._ready: set[str] = set()
+        self._lease_s = 30.0
+        self._admit = client.register_script(_ADMIT)
+        self._extend = client.register_script(_EXTEND)
+        self._release = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_settings(cls, settings) -> RedisStreamsBackend:
+        """From :class:`~async_processor.settings.ProcessorSettings`."""
+        return cls(aioredis.Redis.from_url(settings.redis_url), pool=settings.pool, lanes=settings.lanes,
+                   group=settings.consumer_group, consumer=settings.consumer_name,
+                   stream_prefix=settings.stream_prefix, result_stream=settings.result_stream,
+                   delete_acked=settings.delete_acked, done_ttl_s=settings.dedup_ttl_s)
+
+    def stream(self, lane: str) -> str:
+        """The stream of ``lane`` in this pool."""
+        return request_stream(lane, self.pool, self.stream_prefix)
+
+    async def _ensure(self, lane: str) -> None:
+        if lane in self._ready:
+            return
+        try:
+            await self.client.xgroup_create(self.stream(lane), self.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise BackendError(f"cannot create group on {self.stream(lane)}: {exc}") from exc
+        self._ready.add(lane)
+
+    async def start(self) -> None:
+        """Create the streams and the consumer group of every configured lane."""
+        try:
+            for lane in self.lanes:
+                await self._ensure(lane)
+        except RedisError as exc:
+            raise BackendError(f"redis: {exc}") from exc
+
+    async def close(self) -> None:
+        """Close the client (pending entries stay for other consumers)."""
+        await self.client.aclose()
+
+    async def receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
+        """Lapsed entries (``XAUTOCLAIM``) then new ones (``XREADGROUP >``), up to ``max_messages``."""
+        self._lease_s = lease_s
+        try:
+            await self._ensure(lane)
+            out: list[Delivery] = []
+            now = time.monotonic()
+            if now - self._claimed_at.get(lane, 0.0) >= min(1.0, lease_s / 4):
+                self._claimed_at[lane] = now
+                out = await self._reclaim(lane, max_messages, lease_s)
+            if len(out) < max_messages:
+                found = await self.client.xreadgroup(self.group, self.consumer, {self.stream(lane): ">"},
+                                                     count=max_messages - len(out))
+                for _stream, entries in found or []:
+                    for entry_id, fields in entries:
+                        out.append(Delivery(lane, fields.get(REQUEST_FIELD.encode(), b""), 1,
+                                            entry_id.decode(), handle=entry_id))
+            return out
+        except RedisError as exc:
+            raise BackendError(f"redis receive on {lane}: {exc}") from exc
+
+    async def _reclaim(self, lane: str, count: int, lease_s: float) -> list[Delivery]:
+        stream = self.stream(lane)
+        reply = await self.client.xautoclaim(stream, self.group, self.consumer, int(lease_s * 1000),
+                                             start_id=self._cursor.get(lane, "0-0"), count=count)
+        cursor, entries = reply[0], reply[1]
+        self._cursor[lane] = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+        deleted = reply[2] if len(reply) > 2 else []
+        if deleted:  # Redis 7: already removed from the pending list
+            log.warning("nil entries dropped from pending list", extra={"action": "nil_entries", "lane": lane,
+                                                                         "ids": [i.decode() for i in deleted]})
+        live = [(i, f) for i, f in entries if i is not None and f]
+        if len(live) != len(entries):  # Redis 6.2 nil entries
+            await self._sweep_nil_entries(lane)
+        if not live:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for entry_id, _ in live:
+                pipe.xpending_range(stream, self.group, entry_id, entry_id, 1)
+            pending = await pipe.execute()
+        out = []
+        for (entry_id, fields), info in zip(live, pending):
+            count_seen = info[0]["times_delivered"] if info else 1
+            out.append(Delivery(lane, fields.get(REQUEST_FIELD.encode(), b""), count_seen, entry_id.decode(),
+                                handle=entry_id))
+        return out
+
+    async def _sweep_nil_entries(self, lane: str) -> None:
+        """Ack our pending entries whose data was trimmed (Redis 6.2 shows them without fields)."""
+        stream = self.stream(lane)
+        found = await self.client.xreadgroup(self.group, self.consumer, {stream: "0"}, count=10_000)
+        gone = [entry_id for _s, entries in found or [] for entry_id, fields in entries if not fields]
+        if gone:
+            await self.client.xack(stream, self.group, *gone)
+            log.warning("nil entries dropped from pending list",
+                        extra={"action": "nil_entries", "lane": lane, "ids": [i.decode() for i in gone]})
+
+    def _by_stream(self, deliveries: Sequence[Delivery]) -> dict[str, list]:
+        grouped: dict[str, list] = {}
+        for d in deliveries:
+            grouped.setdefault(self.stream(d.lane), []).append(d.handle)
+        return grouped
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """``XACK`` (then ``XDEL`` when ``delete_acked``)."""
+        if not deliveries:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for stream, ids in self._by_stream(deliveries).items():
+                    pipe.xack(stream, self.group, *ids)
+                    if self.delete_acked:
+                        pipe.xdel(stream, *ids)
+                await pipe.execute()
+        except RedisError as exc:
+            raise BackendError(f"redis ack: {exc}") from exc
+
+    async def _set_idle(self, deliveries: Sequence[Delivery], idle_ms: int) -> None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for stream, ids in self._by_stream(deliveries).items():
+                pipe.xclaim(stream, self.group, self.consumer, 0, ids, idle=max(0, idle_ms), justid=True)
+            await pipe.execute()
+
+    async def nack(self, deliveries: Sequence[Delivery], delay_s: float = 0.0) -> None:
+        """Make the entries look idle for ``lease - delay_s`` (lease: the one of the last
+        :meth:`receive`) so ``XAUTOCLAIM`` takes them after ``delay_s``."""
+        if not deliveries:
+            return
+        try:
+            await self._set_idle(deliveries, int((self._lease_s - delay_s) * 1000))
+            for lane in {d.lane for d in deliveries}:
+                self._claimed_at[lane] = 0.0
+                self._cursor[lane] = "0-0"
+        except RedisError as exc:
+            raise BackendError(f"redis nack: {exc}") from exc
+
+    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> None:
+        """Reset the idle time (``XCLAIM … JUSTID``, no delivery counted) and extend the claims."""
+        if not deliveries:
+            return
+        try:
+            await self._set_idle(deliveries, 0)
+            async with self.client.pipeline(transaction=False) as pipe:
+                for d in deliveries:
+                    if d.request_id:
+                        self._extend(keys=[CLAIM_PREFIX + d.request_id], args=[int(lease_s * 1000)], client=pipe)
+                await pipe.execute()
+        except RedisError as exc:
+            raise BackendError(f"redis extend: {exc}") from exc
+
+    async def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> None:
+        """``XADD {stream}:dead`` then ack."""
+        if not deliveries:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for d in deliveries:
+                    pipe.xadd(dead_letter_stream(self.stream(d.lane)),
+                              {REQUEST_FIELD: d.body, "reason": reason, "source_id": d.transport_id,
+                               "deliveries": d.delivery_count})
+                await pipe.execute()
+        except RedisError as exc:
+            raise BackendError(f"redis dead letter: {exc}") from exc
+        await self.ack(deliveries)
+
+    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
+        """One ``XADD`` per result, pipelined; raises ``BackendError`` if any failed."""
+        if not results:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for result, queue in results:
+                    pipe.xadd(queue or self.result_stream, {RESULT_FIELD: encode_result(result)})
+                replies = await pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            raise BackendError(f"redis publish: {exc}") from exc
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if errors:
+            raise BackendError(f"redis publish: {errors[0]}")
+
+    async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
+        """``XADD`` to the lane's stream; returns the entry id."""
+        body = message if isinstance(message, bytes) else encode_request(message)
+        try:
+            entry_id = await self.client.xadd(self.stream(lane), {REQUEST_FIELD: body})
+        except RedisError as exc:
+            raise BackendError(f"redis publish request: {exc}") from exc
+        return entry_id.decode()
+
+    async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
+        """One script call per id (claim, done and cancel checks), pipelined."""
+        if not requests:
+            return []
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for r in requests:
+                    batch_id = r.metadata.get("batch_id", "")
+                    self._admit(keys=[CLAIM_PREFIX + r.id, cancel_marker_key(batch_id) if batch_id else ""],
+                                args=[max(1, int(lease_s * 1000))], client=pipe)
+                replies = await pipe.execute()
+        except RedisError as exc:
+            raise BackendError(f"redis admit: {exc}") from exc
+        return [_ADMISSIONS[int(r)] for r in replies]
+
+    async def finish(self, ids: Sequence[str]) -> None:
+        """``SET backfill:claim:{id} done EX dedup_ttl_s``."""
+        if not ids:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for id in ids:
+                    pipe.set(CLAIM_PREFIX + id, "done", ex=max(1, int(self.done_ttl_s)))
+                await pipe.execute()
+        except RedisError as exc:
+            raise BackendError(f"redis finish: {exc}") from exc
+
+    async def release(self, ids: Sequence[str]) -> None:
+        """Delete running claims."""
+        if not ids:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for id in ids:
+                    self._release(keys=[CLAIM_PREFIX + id], args=[], client=pipe)
+                await pipe.execute()
+        except RedisError as exc:
+            raise BackendError(f"redis release: {exc}") from exc
+
+    def result_reader(self, queue_name: str = "") -> RedisResultReader:
+        """Reads the result stream from its start (``XREAD``)."""
+        return RedisResultReader(self.client, queue_name or self.result_stream)
+
+
+class RedisResultReader:
+    """``XREAD``s one result stream from ``start_id`` ("0-0" = the beginning)."""
+
+    def __init__(self, client: aioredis.Redis, stream: str, start_id: str = "0-0"):
+        self.client, self.stream, self.last_id = client, stream, start_id
+
+    async def read(self, timeout_s: float) -> list[ResultMessage]:
+        """Results after the last one read; blocks up to ``timeout_s`` for the first."""
+        found = await self.client.xread({self.stream: self.last_id}, count=1000,
+                                        block=max(1, int(timeout_s * 1000)))
+        out = []
+        for _s, entries in found or []:
+            for entry_id, fields in entries:
+                self.last_id = entry_id.decode()
+                out.append(decode_result(fields[RESULT_FIELD.encode()]))
+        return out
+
+    async def close(self) -> None:
+        """The client belongs to the backend."""

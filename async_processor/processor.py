@@ -1,0 +1,389 @@
+"""The pump: queue -> lanes -> gates -> POST to the router -> publish result -> ack.
+
+One :class:`Processor` runs five asyncio tasks around one :class:`~async_processor.lanes.LaneBuffer`:
+
+- **reader**: while the buffer has room, receives from each lane in priority order; decodes; an
+  undecodable message gets an ``INVALID_REQUEST`` result and is dead-lettered; a message delivered
+  more than ``max_deliveries`` times gets an ``INFERENCE_ERROR`` result and is dead-lettered; the
+  rest are claimed by id (:meth:`~async_processor.backends.base.QueueBackend.admit`): duplicates
+  of finished ids are acked, of running ids handed back, of cancelled batches answered ``CANCELLED``.
+- **dispatcher**: answers ``DEADLINE_EXCEEDED`` for held work past its deadline without dispatching,
+  and starts an attempt for each item the gates admit, highest lane and earliest deadline first.
+- **attempts**: one POST ``{router_url}{endpoint}`` each, with the llm-d headers; a retryable answer
+  releases the gate slot and puts the work back with a backoff (:mod:`async_processor.retry`).
+- **settler**: publishes results in batches, marks their ids done, then acks (never before).
+- **lease keeper** and **gate refresher**: extend leases of held messages every ``lease/3`` seconds,
+  re-read gate signals every ``saturation_poll_s``.
+
+On stop (SIGTERM in the CLI): the reader stops, held work not started is handed back at once, work
+in flight may finish within ``grace_s`` and is then cancelled and handed back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import orjson
+
+from async_processor.backends.base import Admission, Delivery, QueueBackend
+from async_processor.errors import InvalidMessage, ProcessorError
+from async_processor.gates import AllGates, ConcurrencyGate, Gate, SaturationGate, TenantQuotaGate
+from async_processor.lanes import LaneBuffer, Work
+from async_processor.messages import (
+    ErrorCode,
+    RequestMessage,
+    ResultMessage,
+    decode_request,
+    error_result,
+    http_result,
+    invalid_request_result,
+)
+from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
+from async_processor.settings import ProcessorSettings
+
+log = logging.getLogger(__name__)
+
+#: Header names sent to the router (llm-d names; shared/contracts/queue-and-headers.md).
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
+SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
+SESSION_HEADER = "x-session-id"
+TRACEPARENT_HEADER = "traceparent"
+
+
+@dataclass(eq=False)
+class _Settle:
+    delivery: Delivery
+    result: ResultMessage | None  # None: ack only (a duplicate of a finished id)
+    queue: str = ""
+    request_id: str = ""  # marked done once the result is published ("" for undecodable messages)
+    dead_reason: str = ""  # dead-letter instead of ack
+
+
+def request_headers(request: RequestMessage, lane: str, time_left_s: float) -> dict[str, str]:
+    """Headers of one attempt: the message's ``headers``, then the objective (``metadata.objective``
+    or the lane), the fairness id (``metadata.tenant``, replacing any producer value), the ms left to
+    the deadline, ``x-session-id`` and ``traceparent`` from metadata when present."""
+    headers = dict(request.headers)
+    headers["content-type"] = "application/json"
+    meta = request.metadata
+    headers[OBJECTIVE_HEADER] = meta.get("objective") or lane
+    if meta.get("tenant"):
+        headers[FAIRNESS_HEADER] = meta["tenant"][:256]
+    headers[SLO_TTFT_HEADER] = str(max(0, int(time_left_s * 1000)))
+    if meta.get("session_id"):
+        headers[SESSION_HEADER] = meta["session_id"]
+    if meta.get("traceparent"):
+        headers[TRACEPARENT_HEADER] = meta["traceparent"]
+    return headers
+
+
+def build_gates(settings: ProcessorSettings, client: httpx.AsyncClient) -> AllGates:
+    """The gates the settings ask for: always the fixed concurrency; a tenant quota when
+    ``tenant_limit`` > 0; the router saturation gate when ``saturation_gate``."""
+    gates: list[Gate] = [ConcurrencyGate(settings.concurrency)]
+    if settings.tenant_limit:
+        gates.append(TenantQuotaGate(settings.tenant_limit))
+    if settings.saturation_gate:
+        gates.append(SaturationGate(client, settings.router_url, max_age_s=settings.saturation_max_age_s))
+    return AllGates(gates)
+
+
+class Processor:
+    """See the module docstring. ``backend`` must be started; ``http`` and ``backend`` belong to the
+    caller. ``counts``: outcome label -> number (``success``, ``http_error``, ``retried``,
+    ``deadline_exceeded``, ``invalid``, ``dead_lettered``, ``duplicate``, ``handed_back``,
+    ``cancelled``)."""
+
+    def __init__(self, settings: ProcessorSettings, backend: QueueBackend, http: httpx.AsyncClient,
+                 gate: Gate | None = None, *, rng: random.Random | None = None):
+        self.settings = settings
+        self.backend = backend
+        self.http = http
+        self.gate = gate or build_gates(settings, http)
+        self.rng = rng or random.Random()
+        self.buffer = LaneBuffer(settings.lanes, settings.buffer_size)
+        self.router_url = settings.router_url.rstrip("/")
+        self.in_flight: dict[Work, asyncio.Task] = {}
+        self.counts: Counter[str] = Counter()
+        self._settle: list[_Settle] = []
+        self._settle_event = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    # ---------------------------------------------------------------- run
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Pump until ``stop`` is set, then shut down within ``grace_s`` (see module docstring)."""
+        helpers = [asyncio.create_task(self._settler(), name="settler"),
+                   asyncio.create_task(self._lease_keeper(), name="lease-keeper"),
+                   asyncio.create_task(self._gate_refresher(), name="gate-refresher")]
+        reader = asyncio.create_task(self._reader(stop), name="reader")
+        dispatcher = asyncio.create_task(self._dispatcher(), name="dispatcher")
+        try:
+            await stop.wait()
+        finally:
+            self._stopping = True
+            for task in (reader, dispatcher):
+                task.cancel()
+            await asyncio.gather(reader, dispatcher, return_exceptions=True)
+            await self._hand_back(self.buffer.drain())
+            if self.in_flight:
+                await asyncio.wait(list(self.in_flight.values()), timeout=self.settings.grace_s)
+            leftover = list(self.in_flight)
+            for task in self.in_flight.values():
+                task.cancel()
+            await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+            await self._hand_back(leftover + self.buffer.drain())
+            await self._flush()
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            await self._flush()
+
+    async def _hand_back(self, works: Sequence[Work]) -> None:
+        if not works:
+            return
+        self.counts["handed_back"] += len(works)
+        try:
+            await self.backend.release([w.request.id for w in works])
+            await self.backend.nack([w.delivery for w in works])
+        except ProcessorError as exc:
+            log.warning("hand back failed; leases will lapse", extra={"action": "hand_back_failed", "error": str(exc)})
+
+    # ---------------------------------------------------------------- reader
+
+    async def _reader(self, stop: asyncio.Event) -> None:
+        settings = self.settings
+        while not stop.is_set():
+            got = 0
+            try:
+                for lane in self.buffer.order:
+                    free = self.buffer.free()
+                    if free <= 0:
+                        break
+                    deliveries = await self.backend.receive(lane, min(free, settings.receive_batch),
+                                                            settings.lease_s)
+                    got += len(deliveries)
+                    await self._intake(deliveries)
+            except ProcessorError as exc:
+                log.warning("receive failed", extra={"action": "receive_failed", "error": str(exc)})
+                await asyncio.sleep(min(1.0, settings.lease_s / 4))
+                continue
+            if not got:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), settings.poll_interval_s)
+
+    async def _intake(self, deliveries: Sequence[Delivery]) -> None:
+        settings = self.settings
+        fresh: list[tuple[RequestMessage, Delivery]] = []
+        for d in deliveries:
+            try:
+                request = decode_request(d.body)
+            except InvalidMessage as exc:
+                self.counts["invalid"] += 1
+                self._add_settle(_Settle(d, invalid_request_result(exc), exc.result_queue_name, "",
+                                         dead_reason=ErrorCode.INVALID_REQUEST))
+                continue
+            d.request_id = request.id
+            if d.delivery_count > settings.max_deliveries:
+                self.counts["dead_lettered"] += 1
+                message = f"dead-lettered after {d.delivery_count - 1} deliveries"
+                self._add_settle(_Settle(d, error_result(request.id, ErrorCode.INFERENCE_ERROR, message,
+                                                         request.metadata),
+                                         request.result_queue_name, request.id, dead_reason=message))
+                continue
+            fresh.append((request, d))
+        if not fresh:
+            return
+        admissions = await self.backend.admit([r for r, _ in fresh], settings.lease_s)
+        running: list[Delivery] = []
+        for (request, d), admission in zip(fresh, admissions):
+            if admission is Admission.NEW:
+                self.buffer.push(Work(request, d, d.lane))
+            elif admission is Admission.DONE:
+                self.counts["duplicate"] += 1
+                self._add_settle(_Settle(d, None))
+            elif admission is Admission.CANCELLED:
+                self.counts["cancelled"] += 1
+                self._add_settle(_Settle(d, error_result(request.id, ErrorCode.CANCELLED, "batch cancelled",
+                                                         request.metadata), request.result_queue_name,
+                                         request.id))
+            else:
+                running.append(d)
+        if running:
+            self.counts["handed_back"] += len(running)
+            await self.backend.nack(running, delay_s=settings.lease_s / 2)
+        self._wake.set()
+
+    # ---------------------------------------------------------------- dispatcher
+
+    async def _dispatcher(self) -> None:
+        while True:
+            for work in self.buffer.expired(time.time()):
+                self._finish(work, self._deadline_result(work))
+            now = time.monotonic()
+            while True:
+                work = self.buffer.pop(now, self.gate.admits)
+                if work is None:
+                    break
+                self.gate.acquire(work)
+                self.in_flight[work] = asyncio.create_task(self._attempt(work))
+            next_at = self.buffer.next_ready_at(now)
+            timeout = 0.1 if next_at is None else max(0.001, min(0.1, next_at - now))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _deadline_result(self, work: Work) -> ResultMessage:
+        self.counts["deadline_exceeded"] += 1
+        if work.last_status:  # retries ran out: the last answer is the most useful result
+            return http_result(work.request, work.last_status, work.last_body)
+        return error_result(work.request.id, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded",
+                            work.request.metadata)
+
+    def _finish(self, work: Work, result: ResultMessage) -> None:
+        self._add_settle(_Settle(work.delivery, result, work.request.result_queue_name, work.request.id))
+
+    async def _attempt(self, work: Work) -> None:
+        request = work.request
+        released = False
+        try:
+            time_left = request.deadline - time.time()
+            if time_left <= 0:
+                self._finish(work, self._deadline_result(work))
+                return
+            if not work.body:
+                work.body = orjson.dumps(request.payload)
+            work.attempts += 1
+            status, body, retry_after = 0, b"", None
+            try:
+                resp = await self.http.post(
+                    self.router_url + request.endpoint, content=work.body,
+                    headers=request_headers(request, work.lane, time_left),
+                    timeout=min(self.settings.request_timeout_s, time_left))
+                status, body = resp.status_code, resp.content
+                retry_after = parse_retry_after(resp.headers.get("retry-after"))
+            except httpx.HTTPError as exc:
+                body = f"{type(exc).__name__}: {exc}".encode()
+            if not is_retryable(status):
+                self.counts["success" if status < 400 else "http_error"] += 1
+                self._finish(work, http_result(request, status, body))
+                return
+            if status:
+                work.last_status, work.last_body = status, body
+            delay = backoff_delay(work.attempts, request.deadline - time.time(), retry_after,
+                                  base_s=self.settings.backoff_base_s, cap_s=self.settings.backoff_cap_s,
+                                  rng=self.rng)
+            if delay is None:
+                if not status:
+                    self.counts["deadline_exceeded"] += 1
+                    self._finish(work, error_result(request.id, ErrorCode.INFERENCE_ERROR,
+                                                    f"no answer before the deadline: {body.decode()}",
+                                                    request.metadata))
+                else:
+                    self._finish(work, self._deadline_result(work))
+                return
+            self.counts["retried"] += 1
+            self.gate.release(work)
+            released = True
+            del self.in_flight[work]
+            work.not_before = time.monotonic() + delay
+            self.buffer.push(work)
+            self._wake.set()
+        finally:
+            if not released:
+                self.gate.release(work)
+                self.in_flight.pop(work, None)
+                self._wake.set()
+
+    # ---------------------------------------------------------------- settling
+
+    def _add_settle(self, item: _Settle) -> None:
+        self._settle.append(item)
+        self._settle_event.set()
+
+    async def _settler(self) -> None:
+        while True:
+            await self._settle_event.wait()
+            self._settle_event.clear()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        while self._settle:
+            batch, self._settle = self._settle, []
+            try:
+                await self.backend.publish_results([(s.result, s.queue) for s in batch if s.result is not None])
+                await self.backend.finish([s.request_id for s in batch if s.request_id and s.result is not None])
+            except ProcessorError as exc:
+                log.warning("result publish failed; handing back", extra={"action": "publish_failed",
+                                                                          "error": str(exc)})
+                with contextlib.suppress(ProcessorError):
+                    await self.backend.release([s.request_id for s in batch if s.request_id])
+                    await self.backend.nack([s.delivery for s in batch], delay_s=1.0)
+                continue
+            try:
+                await self.backend.ack([s.delivery for s in batch if not s.dead_reason])
+                by_reason: dict[str, list[Delivery]] = {}
+                for s in batch:
+                    if s.dead_reason:
+                        by_reason.setdefault(s.dead_reason, []).append(s.delivery)
+                for reason, deliveries in by_reason.items():
+                    await self.backend.dead_letter(deliveries, reason)
+            except ProcessorError as exc:  # results are out and ids done: a redelivery is acked as duplicate
+                log.warning("ack failed", extra={"action": "ack_failed", "error": str(exc)})
+
+    # ---------------------------------------------------------------- leases and gates
+
+    async def _lease_keeper(self) -> None:
+        lease = self.settings.lease_s
+        while True:
+            await asyncio.sleep(lease / 3)
+            cutoff = time.monotonic() - lease / 3
+            held = [w.delivery for w in (*self.buffer, *self.in_flight) if w.delivery.extended_at <= cutoff]
+            if not held:
+                continue
+            try:
+                await self.backend.extend(held, lease)
+            except ProcessorError as exc:
+                log.warning("lease extension failed", extra={"action": "extend_failed", "error": str(exc)})
+                continue
+            now = time.monotonic()
+            for d in held:
+                d.extended_at = now
+
+    async def _gate_refresher(self) -> None:
+        while True:
+            try:
+                await self.gate.refresh()
+            except Exception as exc:  # a gate's bug must not stop the pump; the gate stays closed
+                log.warning("gate refresh failed", extra={"action": "gate_refresh_failed", "error": str(exc)})
+            self._wake.set()
+            await asyncio.sleep(self.settings.saturation_poll_s)
+
+
+async def run_processor(settings: ProcessorSettings, stop: asyncio.Event, backend: QueueBackend | None = None) -> Processor:
+    """Build the backend (unless given), HTTP client and gates from ``settings``, pump until ``stop``,
+    close what was built here, and return the processor (for its ``counts``)."""
+    from async_processor.backends import make_backend
+
+    own_backend = backend is None
+    backend = backend or make_backend(settings)
+    await backend.start()
+    limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
+    try:
+        async with httpx.AsyncClient(limits=limits, timeout=settings.request_timeout_s) as http:
+            processor = Processor(settings, backend, http)
+            await processor.run(stop)
+            return processor
+    finally:
+        if own_backend:
+            await backend.close()

@@ -1,0 +1,55 @@
+"""Which router answers are retried, and how long to wait (``shared/contracts/queue-and-headers.md``,
+after llm-d-async's ``retryMessage``).
+
+- Retryable: 429 and 503 (the router's "not now"), 408, 500, 502, 504, and no HTTP answer at all
+  (connection refused or reset, timeout). Everything else (2xx, 400, 401, 404, 422, other 4xx) is
+  final and becomes the result as it is.
+- Delay of retry ``n`` (1-based): ``min(base * 2**(n-1), cap, time_left)`` times a jitter factor
+  uniform in [0.5, 1). A ``Retry-After`` larger than that wins, clamped to half the time left (a
+  server's guess may cost at most half the budget); the result never reaches the deadline.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import random
+import time
+
+RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def is_retryable(status_code: int) -> bool:
+    """True for statuses retried with backoff (0 = no HTTP answer counts as retryable)."""
+    return status_code == 0 or status_code in RETRYABLE_STATUSES
+
+
+def parse_retry_after(value: str | None, now_unix: float | None = None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), None if absent or bad."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - (time.time() if now_unix is None else now_unix)
+    return max(0.0, seconds) if seconds == seconds else None
+
+
+def backoff_delay(attempt: int, time_left_s: float, retry_after_s: float | None = None, *,
+                  base_s: float = 2.0, cap_s: float = 60.0, rng: random.Random | None = None) -> float | None:
+    """Seconds to wait before retry number ``attempt`` (>= 1), or None when no time is left.
+
+    ``time_left_s``: seconds to the deadline. ``retry_after_s``: the server's ``Retry-After``.
+    Always < ``time_left_s`` when a number is returned.
+    """
+    if time_left_s <= 0:
+        return None
+    rng = rng or random
+    delay = min(base_s * 2 ** (attempt - 1), cap_s, time_left_s) * rng.uniform(0.5, 1.0)
+    if retry_after_s is not None and retry_after_s > delay:
+        delay = max(delay, min(retry_after_s, time_left_s / 2))
+    return min(delay, time_left_s * 0.999)

@@ -1,0 +1,72 @@
+"""Settings of ``backfill processor``: one pydantic-settings class, environment prefix
+``BACKFILL_PROCESSOR_``, built by :func:`build_settings` (never at import).
+
+Durations are seconds. Defaults come from ``shared/contracts/queue-and-headers.md`` (backoff base 2 s,
+cap 60 s) and ``shared/RELIABILITY.md`` (dead-letter after 5 deliveries, leases in tens of seconds).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from async_processor.messages import DEFAULT_POOL, DEFAULT_RESULT_STREAM, DEFAULT_RESULT_TOPIC, LANE_PRIORITIES
+
+
+class ProcessorSettings(BaseSettings):
+    """Everything the processor reads from its environment or command line."""
+
+    model_config = SettingsConfigDict(env_prefix="BACKFILL_PROCESSOR_", extra="forbid")
+
+    backend: Literal["redis", "pubsub", "memory"] = "redis"
+    redis_url: str = Field("redis://127.0.0.1:6379/0",
+                           validation_alias=AliasChoices("redis_url", "BACKFILL_PROCESSOR_REDIS_URL", "REDIS_URL"))
+    pool: str = DEFAULT_POOL
+    lanes: list[str] = Field(default_factory=lambda: list(LANE_PRIORITIES))
+    router_url: str = "http://127.0.0.1:8000"
+
+    concurrency: int = Field(64, ge=1, description="requests in flight at most (fixed gate)")
+    tenant_limit: int = Field(0, ge=0, description="in flight per tenant; 0 = no tenant gate")
+    saturation_gate: bool = Field(False, description="gate lanes below interactive on the router's saturation")
+    saturation_poll_s: float = Field(0.25, gt=0)
+    saturation_max_age_s: float = Field(2.0, gt=0, description="older readings count as saturated")
+
+    buffer_size: int = Field(256, ge=1, description="messages held in memory (leased, not yet started)")
+    receive_batch: int = Field(128, ge=1, description="messages asked for per receive call")
+    lease_s: float = Field(30.0, gt=0, description="a held message is redelivered after this much silence")
+    max_deliveries: int = Field(5, ge=1, description="dead-letter on the delivery after this many")
+    backoff_base_s: float = Field(2.0, gt=0)
+    backoff_cap_s: float = Field(60.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, description="one HTTP attempt at most (and the deadline)")
+    grace_s: float = Field(20.0, ge=0, description="on SIGTERM, in-flight work may finish this long")
+    poll_interval_s: float = Field(0.02, gt=0, description="sleep when every lane was empty")
+    dedup_ttl_s: float = Field(86400.0, gt=0, description="how long a finished id is remembered")
+
+    stream_prefix: str = "backfill:requests"
+    result_stream: str = DEFAULT_RESULT_STREAM
+    consumer_group: str = "backfill-processors"
+    consumer_name: str = ""
+    delete_acked: bool = Field(True, description="XDEL entries once acknowledged (one group per stream)")
+
+    pubsub_project: str = "backfill-local"
+    pubsub_topic_prefix: str = "backfill-requests"
+    result_topic: str = DEFAULT_RESULT_TOPIC
+    pubsub_emulator_host: str = Field(
+        "", validation_alias=AliasChoices("pubsub_emulator_host", "BACKFILL_PROCESSOR_PUBSUB_EMULATOR_HOST",
+                                          "PUBSUB_EMULATOR_HOST"))
+
+    @field_validator("lanes")
+    @classmethod
+    def _known_lanes(cls, lanes: list[str]) -> list[str]:
+        unknown = [lane for lane in lanes if lane not in LANE_PRIORITIES]
+        if unknown or not lanes:
+            raise ValueError(f"lanes must be among {sorted(LANE_PRIORITIES)}, got {lanes}")
+        return lanes
+
+
+def build_settings(**overrides) -> ProcessorSettings:
+    """Settings from the environment (``BACKFILL_PROCESSOR_*``, ``REDIS_URL``) with ``overrides``
+    (``None`` values ignored) on top. Raises ``pydantic.ValidationError`` on bad values."""
+    return ProcessorSettings(**{k: v for k, v in overrides.items() if v is not None})
