@@ -357,3 +357,171 @@ def mark_published(session: Session, event_ids: Sequence[int]) -> None:
     """Record that these outbox entries reached the broker."""
     if event_ids:
         session.execute(update(Event).where(Event.id.in_(list(event_ids))).values(published_at=func.now()))
+
+
+# --- batch requests (the workers' lifecycle) ---------------------------------------------------
+
+TERMINAL_REQUEST_STATES = ("succeeded", "failed", "cancelled", "expired")
+
+
+def feedable_batches(session: Session, limit: int = 100) -> list:
+    """``in_progress`` batches, earliest deadline first, with how many of their requests are queued:
+    rows ``(id, tenant_id, endpoint, model, expires_at, storage_key, queued)``."""
+    queued = (select(func.count()).select_from(BatchRequest)
+              .where(BatchRequest.batch_id == Batch.id, BatchRequest.state == "queued")
+              .scalar_subquery())
+    return list(session.execute(
+        select(Batch.id, Batch.tenant_id, Batch.endpoint, Batch.model, Batch.expires_at,
+               File.storage_key, queued.label("queued"))
+        .join(File, File.id == Batch.input_file_id)
+        .where(Batch.status == "in_progress", Batch.deadline > func.now())
+        .order_by(Batch.deadline, Batch.seq)
+        .limit(limit)
+    ).all())
+
+
+def claim_pending(session: Session, batch_id: str, count: int, lease_seconds: float) -> list:
+    """Move up to ``count`` pending requests of the batch to ``queued`` with a new lease token and
+    ``lease_expires_at`` = now + ``lease_seconds``, in prefix order (``prefix_key``, then line);
+    rows ``(custom_id, line, byte_offset, byte_length, lease_token, attempts)`` in that order."""
+    # A MATERIALIZED CTE runs the LIMIT … SKIP LOCKED once; as an IN (subquery) Postgres may run it
+    # again per row and, skipping the rows it just locked, claim more than ``count``.
+    picked = (select(BatchRequest.custom_id)
+              .where(BatchRequest.batch_id == batch_id, BatchRequest.state == "pending")
+              .order_by(BatchRequest.prefix_key, BatchRequest.line)
+              .limit(count)
+              .with_for_update(skip_locked=True)
+              .cte("picked").prefix_with("MATERIALIZED"))
+    rows = session.execute(
+        update(BatchRequest)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.custom_id == picked.c.custom_id)
+        .values(state="queued", attempts=BatchRequest.attempts + 1,
+                lease_token=func.gen_random_uuid(),
+                lease_expires_at=func.now() + text(f"interval '{float(lease_seconds)} seconds'"))
+        .returning(BatchRequest.custom_id, BatchRequest.line, BatchRequest.byte_offset,
+                   BatchRequest.byte_length, BatchRequest.lease_token, BatchRequest.attempts,
+                   BatchRequest.prefix_key)
+        .execution_options(synchronize_session=False)
+    ).all()
+    return sorted(rows, key=lambda r: (r.prefix_key, r.line))
+
+
+def record_outcome(session: Session, batch_id: str, custom_id: str, lease_token: str, *, state: str,
+                   status_code: int | None = None, request_id: str | None = None,
+                   response_body: bytes | None = None, error_code: str | None = None,
+                   error_message: str | None = None, prompt_tokens: int = 0, cached_tokens: int = 0,
+                   completion_tokens: int = 0, reasoning_tokens: int = 0) -> bool:
+    """Record one request's outcome with a compare-and-set on ``state = 'queued'`` and the lease
+    token, so a late or duplicate result is refused (returns False). ``state`` ``pending`` hands the
+    request back to the feeder (a retryable failure); a terminal state also adds to the batch's
+    ``request_counts`` and ``usage`` in the same transaction."""
+    values: dict = {"state": state, "lease_token": None, "lease_expires_at": None}
+    if state in TERMINAL_REQUEST_STATES:
+        values.update(status_code=status_code, request_id=request_id, response_body=response_body,
+                      error_code=error_code, error_message=error_message, prompt_tokens=prompt_tokens,
+                      cached_tokens=cached_tokens, completion_tokens=completion_tokens,
+                      finished_at=func.now())
+    won = session.execute(
+        update(BatchRequest)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.custom_id == custom_id,
+               BatchRequest.state == "queued", BatchRequest.lease_token == lease_token)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    ).rowcount == 1
+    if won and state in TERMINAL_REQUEST_STATES:
+        succeeded = state == "succeeded"
+        session.execute(
+            update(Batch).where(Batch.id == batch_id).values(
+                request_completed=Batch.request_completed + int(succeeded),
+                request_failed=Batch.request_failed + int(not succeeded),
+                usage_input_tokens=Batch.usage_input_tokens + prompt_tokens,
+                usage_cached_tokens=Batch.usage_cached_tokens + cached_tokens,
+                usage_output_tokens=Batch.usage_output_tokens + completion_tokens,
+                usage_reasoning_tokens=Batch.usage_reasoning_tokens + reasoning_tokens,
+            ).execution_options(synchronize_session=False)
+        )
+    return won
+
+
+def count_requests(session: Session, batch_id: str, state: str) -> int:
+    """How many requests of the batch are in ``state``."""
+    return session.execute(
+        select(func.count()).select_from(BatchRequest)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == state)
+    ).scalar_one()
+
+
+def lapsed_leases(session: Session, limit: int = 1000) -> list:
+    """Queued requests whose lease ran out (their message or result was lost), locked:
+    rows ``(batch_id, custom_id, lease_token, attempts)``."""
+    return list(session.execute(
+        select(BatchRequest.batch_id, BatchRequest.custom_id, BatchRequest.lease_token, BatchRequest.attempts)
+        .where(BatchRequest.state == "queued", BatchRequest.lease_expires_at < func.now())
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all())
+
+
+def batches_to_finalize(session: Session, limit: int = 100) -> list[str]:
+    """Ids of batches with work left to end: ``in_progress`` with every request terminal,
+    ``cancelling`` with nothing queued any more, ``finalizing`` (a finalisation that died), or any
+    of these past their deadline (to expire)."""
+    open_requests = (select(func.count()).select_from(BatchRequest)
+                     .where(BatchRequest.batch_id == Batch.id,
+                            BatchRequest.state.not_in(TERMINAL_REQUEST_STATES))
+                     .scalar_subquery())
+    queued = (select(func.count()).select_from(BatchRequest)
+              .where(BatchRequest.batch_id == Batch.id, BatchRequest.state == "queued")
+              .scalar_subquery())
+    return list(session.execute(
+        select(Batch.id).where(or_(
+            (Batch.status == "in_progress") & (Batch.request_completed + Batch.request_failed >= Batch.request_total)
+            & (open_requests == 0),
+            (Batch.status == "cancelling") & (queued == 0),
+            Batch.status == "finalizing",
+            Batch.status.in_(("in_progress", "cancelling", "validating")) & (Batch.deadline <= func.now()),
+        )).order_by(Batch.seq).limit(limit)
+    ).scalars())
+
+
+def end_open_requests(session: Session, batch_id: str, states: Sequence[str], to: str, error_code: str) -> int:
+    """Give every request of the batch in ``states`` the terminal state ``to`` with a top-level
+    ``error_code`` (``batch_expired``, ``batch_cancelled``), counting them as failed; returns how
+    many."""
+    ended = session.execute(
+        update(BatchRequest)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.state.in_(tuple(states)))
+        .values(state=to, error_code=error_code, lease_token=None, lease_expires_at=None,
+                finished_at=func.now())
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if ended:
+        session.execute(update(Batch).where(Batch.id == batch_id)
+                        .values(request_failed=Batch.request_failed + ended)
+                        .execution_options(synchronize_session=False))
+    return ended
+
+
+def request_outcomes(session: Session, batch_id: str, chunk: int = 1000):
+    """Every request of the batch in input-file order, streamed in chunks (server-side cursor):
+    rows ``(custom_id, state, status_code, request_id, response_body, error_code, error_message)``."""
+    return session.execute(
+        select(BatchRequest.custom_id, BatchRequest.state, BatchRequest.status_code, BatchRequest.request_id,
+               BatchRequest.response_body, BatchRequest.error_code, BatchRequest.error_message)
+        .where(BatchRequest.batch_id == batch_id)
+        .order_by(BatchRequest.line)
+        .execution_options(yield_per=chunk)
+    )
+
+
+def upsert_output_file(session: Session, *, file_id: str, tenant_id: str, size: int, filename: str,
+                       storage_key: str, sha256: str, expires_after_seconds: int) -> None:
+    """Register an output or error file (purpose ``batch_output``); a second call with the same id
+    (a repeated finalisation) changes nothing."""
+    session.execute(
+        pg_insert(File)
+        .values(id=file_id, tenant_id=tenant_id, bytes=size, filename=filename, purpose="batch_output",
+                storage_key=storage_key, sha256=sha256,
+                expires_at=text(f"extract(epoch from now())::bigint + {int(expires_after_seconds)}"))
+        .on_conflict_do_nothing(index_elements=[File.id])
+    )

@@ -182,6 +182,7 @@ def gateway(gateway_settings) -> Iterator[Gateway]:
     celery = create_celery(worker_settings(
         database_url=settings.database_url, redis_url=settings.redis_url, data_dir=settings.data_dir,
         task_queue=settings.task_queue, max_requests_per_batch=settings.max_requests_per_batch,
+        pool=settings.task_queue, result_stream=f"backfill:results:{settings.task_queue}",
         default_enqueued_token_limit=settings.default_enqueued_token_limit,
     ))
     port = free_port()

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from batch_gateway.db import make_engine, make_sessionmaker
 from batch_gateway.outbox import TaskPublisher, celery_broker_url
 from batch_gateway.storage import LocalFileStore
+from workers.queue import BatchQueue
 from workers.settings import WorkerSettings
 
 
@@ -32,6 +33,7 @@ class WorkerContext:
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:  # inherited from the parent: start afresh
             self.__dict__.pop("sessionmaker", None)
+            self.__dict__.pop("queue", None)
             self._pid = os.getpid()
 
     @cached_property
@@ -48,6 +50,12 @@ class WorkerContext:
     def store(self) -> LocalFileStore:
         """The file store under ``DATA_DIR/files``."""
         return LocalFileStore(self.settings.files_dir)
+
+    @cached_property
+    def queue(self) -> BatchQueue:
+        """Redis Streams I/O of the batch lane and its results."""
+        return BatchQueue(self.settings.redis_url, pool=self.settings.pool,
+                          result_stream=self.settings.result_stream, consumer=f"collector-{os.getpid()}")
 
     @cached_property
     def publisher(self) -> TaskPublisher:
@@ -77,6 +85,14 @@ def create_celery(settings: WorkerSettings) -> Celery:
                 "task": "backfill.resend_stale_validations",
                 "schedule": settings.relay_interval_seconds,
                 "options": {"queue": settings.task_queue},
+            },
+            **{
+                name: {"task": f"backfill.{name}", "schedule": interval,
+                       "options": {"queue": settings.task_queue, "expires": interval * 4}}
+                for name, interval in (("feed", settings.feed_interval_seconds),
+                                       ("collect", settings.collect_interval_seconds),
+                                       ("sweep", settings.sweep_interval_seconds),
+                                       ("finalize_due", settings.finalize_interval_seconds))
             },
             "purge-files": {
                 "task": "backfill.purge_files",

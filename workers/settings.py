@@ -25,6 +25,21 @@ class WorkerSettings(SharedSettings):
     relay_after_seconds: float = 5.0
     read_chunk_bytes: int = 1024 * 1024
     purge_interval_seconds: float = 300.0
+    pool: str = "default"
+    """Pool of the request streams (``backfill:requests:{pool}:batch``)."""
+    result_stream: str = "backfill:results:batch"
+    """Redis stream the processors write batch results to (set in each message)."""
+    feed_window: int = 1000
+    """Requests of one batch queued at a time (the rest wait in Postgres, so a cancel or an
+    expiry drops little from the queue)."""
+    lease_seconds: float = 600.0
+    """How long a queued request may stay without a result before the sweeper hands it back."""
+    max_attempts: int = 3
+    """Deliveries of one request before it ends as ``request_timeout`` (RELIABILITY.md F6)."""
+    feed_interval_seconds: float = 1.0
+    collect_interval_seconds: float = 0.5
+    sweep_interval_seconds: float = 10.0
+    finalize_interval_seconds: float = 2.0
     validation_stale_seconds: float = 600.0
 
 

@@ -23,6 +23,7 @@ from sqlalchemy import delete, select
 from batch_gateway import queries
 from batch_gateway.errors import token_limit_message
 from batch_gateway.models import Batch, BatchRequest, File
+from workers import lifecycle
 from workers.app import WorkerContext
 from workers.validation import LineError, ValidationReport, validate_batch_file
 
@@ -163,6 +164,22 @@ def register(app: Celery) -> None:
     @app.task(name="backfill.relay_outbox", shared=False)
     def relay_outbox_task() -> int:
         return relay_outbox(ctx)
+
+    @app.task(name="backfill.feed", shared=False)
+    def feed_task() -> int:
+        return lifecycle.feed(ctx)
+
+    @app.task(name="backfill.collect", shared=False)
+    def collect_task() -> int:
+        return lifecycle.collect(ctx)
+
+    @app.task(name="backfill.sweep", shared=False)
+    def sweep_task() -> int:
+        return lifecycle.sweep(ctx)
+
+    @app.task(name="backfill.finalize_due", shared=False)
+    def finalize_due_task() -> list[str]:
+        return lifecycle.finalize_due(ctx)
 
     @app.task(name="backfill.purge_files", shared=False)
     def purge_files_task() -> int:

@@ -1,0 +1,229 @@
+"""The batch lifecycle after validation, with a stand-in processor that answers from the request
+stream: feed in prefix order within a window, collect once per custom_id (duplicates and late
+results refused), finalize into OpenAI's output and error files, cancel and expiry with partial
+output, and the sweeper handing back lost requests."""
+
+from __future__ import annotations
+
+import orjson
+from openai.types import Batch as SdkBatch
+from openai.types.chat import ChatCompletion
+from sqlalchemy import select, update
+
+from async_processor.messages import (
+    REQUEST_FIELD,
+    ErrorCode,
+    decode_request,
+    encode_result,
+    error_result,
+    http_result,
+)
+from batch_gateway.models import Batch, BatchRequest
+from workers import lifecycle
+
+
+def _line(custom_id: str, system: str = "sys", model: str = "m") -> bytes:
+    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": model, "messages": [{"role": "system", "content": system},
+                                                                {"role": "user", "content": custom_id}]}})
+
+
+def _completion(request, prompt_tokens: int = 10, cached: int = 4, completion: int = 3) -> bytes:
+    return orjson.dumps({
+        "id": f"chatcmpl-{request.metadata['custom_id']}", "object": "chat.completion", "created": 1,
+        "model": request.payload["model"],
+        "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                     "message": {"role": "assistant", "content": "ok", "refusal": None}}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": prompt_tokens + completion,
+                  "prompt_tokens_details": {"cached_tokens": cached}},
+    })
+
+
+class StandInProcessor:
+    """Reads the batch request stream and writes results, as the async processor would."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.redis = ctx.queue.redis
+        self.last = "0-0"
+
+    def take(self) -> list:
+        entries = self.redis.xrange(self.ctx.queue.request_stream, min=f"({self.last}", max="+") \
+            if self.last != "0-0" else self.redis.xrange(self.ctx.queue.request_stream)
+        if entries:
+            self.last = entries[-1][0].decode()
+        return [decode_request(fields[REQUEST_FIELD.encode()]) for _, fields in entries]
+
+    def answer(self, request, result) -> None:
+        self.redis.xadd(request.result_queue_name, {"result": encode_result(result)})
+
+    def ok(self, request, **usage) -> None:
+        self.answer(request, http_result(request, 200, _completion(request, **usage)))
+
+
+def _submit(gateway, lines: list[bytes], window: str = "24h"):
+    client = gateway.client()
+    uploaded = client.files.create(file=("in.jsonl", b"\n".join(lines) + b"\n"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window=window)
+    gateway.wait_status(batch.id, ("in_progress",))
+    return client, batch
+
+
+def _lines(client, file_id) -> dict:
+    return {row["custom_id"]: row for row in map(orjson.loads, client.files.content(file_id).read().splitlines())}
+
+
+def test_feed_collect_finalize_writes_openai_files(gateway):
+    ctx = gateway.celery.backfill
+    ctx.settings.feed_window = 3
+    lines = [_line(f"r{i}", system="B-shared" if i % 2 else "A-shared") for i in range(5)]
+    lines.append(orjson.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"model": "m", "messages": [{"role": "user", "content": "A-zzz"}]}}))
+    client, batch = _submit(gateway, lines)
+    proc = StandInProcessor(ctx)
+
+    assert lifecycle.feed(ctx) == 3
+    assert lifecycle.feed(ctx) == 0  # the window is full
+    first = proc.take()
+    assert [m.metadata["custom_id"] for m in first] == ["r0", "r2", "r4"]  # prefix order: all "A-shared"
+    assert all(m.metadata["objective"] == "batch" and m.deadline == batch.expires_at for m in first)
+    assert first[0].payload["messages"][1]["content"] == "r0"
+    for request in first:
+        proc.ok(request)
+    proc.ok(first[0])  # a duplicate delivery: refused
+    assert lifecycle.collect(ctx) == 3
+    live = client.batches.retrieve(batch.id)
+    assert (live.request_counts.completed, live.request_counts.failed, live.request_counts.total) == (3, 0, 6)
+    assert live.usage.input_tokens == 30 and live.usage.input_tokens_details.cached_tokens == 12
+
+    assert lifecycle.feed(ctx) == 3
+    rest = {m.metadata["custom_id"]: m for m in proc.take()}
+    assert set(rest) == {"bad", "r1", "r3"}
+    proc.ok(rest["r1"])
+    proc.answer(rest["bad"], http_result(rest["bad"], 400, orjson.dumps({"error": {
+        "message": "This model's maximum context length is 16 tokens.", "type": "invalid_request_error",
+        "param": "messages", "code": "context_length_exceeded"}})))
+    assert lifecycle.collect(ctx) == 2
+    assert lifecycle.finalize_due(ctx) == []  # r3 still out
+    proc.ok(rest["r3"])
+    lifecycle.collect(ctx)
+    assert lifecycle.finalize_due(ctx) == [batch.id]
+
+    done = client.batches.retrieve(batch.id)
+    assert isinstance(done, SdkBatch) and done.status == "completed"
+    assert done.finalizing_at is not None and done.completed_at >= done.finalizing_at >= done.in_progress_at
+    assert (done.request_counts.completed, done.request_counts.failed) == (5, 1)
+    out, err = _lines(client, done.output_file_id), _lines(client, done.error_file_id)
+    assert set(out) == {f"r{i}" for i in range(5)} and set(err) == {"bad"}
+    for row in out.values():
+        assert row["error"] is None and row["response"]["status_code"] == 200 and row["id"].startswith("batch_req_")
+        ChatCompletion.model_validate(row["response"]["body"])
+    assert err["bad"]["error"] is None
+    assert err["bad"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    assert done.usage.input_tokens == sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in out.values())
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+    # finalising again changes nothing
+    assert lifecycle.finalize(ctx, batch.id) == "completed"
+    assert _lines(client, done.output_file_id) == out
+
+
+def test_all_failed_has_no_output_file(gateway):
+    ctx = gateway.celery.backfill
+    client, batch = _submit(gateway, [_line("x"), _line("y")])
+    proc = StandInProcessor(ctx)
+    lifecycle.feed(ctx)
+    for request in proc.take():
+        proc.answer(request, http_result(request, 404, b'{"error": {"message": "The model `m` does not exist.", '
+                                                       b'"type": "NotFoundError", "param": null, "code": 404}}'))
+    lifecycle.collect(ctx)
+    lifecycle.finalize_due(ctx)
+    done = client.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.output_file_id is None and done.error_file_id
+    assert set(_lines(client, done.error_file_id)) == {"x", "y"}
+
+
+def test_cancel_midway_keeps_partial_output(gateway):
+    ctx = gateway.celery.backfill
+    ctx.settings.feed_window = 2
+    client, batch = _submit(gateway, [_line(f"c{i}") for i in range(4)])
+    proc = StandInProcessor(ctx)
+    assert lifecycle.feed(ctx) == 2
+    running = proc.take()
+    proc.ok(running[0])
+    lifecycle.collect(ctx)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    assert lifecycle.feed(ctx) == 0  # nothing more is fed
+    lifecycle.sweep(ctx)
+    assert ctx.queue.redis.exists(f"backfill:cancel:batch:{batch.id}")
+    assert lifecycle.finalize_due(ctx) == []  # c1 still in flight
+    proc.answer(running[1], error_result(running[1].id, ErrorCode.CANCELLED, "batch cancelled", running[1].metadata))
+    assert lifecycle.collect(ctx) == 1
+    assert lifecycle.finalize_due(ctx) == [batch.id]
+    done = client.batches.retrieve(batch.id)
+    assert done.status == "cancelled" and done.cancelled_at >= done.cancelling_at
+    assert set(_lines(client, done.output_file_id)) == {"c0"}
+    errors = _lines(client, done.error_file_id)
+    assert set(errors) == {"c1", "c2", "c3"}
+    assert all(e["response"] is None and e["error"]["code"] == "batch_cancelled" for e in errors.values())
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 3)
+    assert client.batches.cancel(batch.id).model_dump() == done.model_dump()  # cancelling again: same object
+
+
+def test_expiry_ends_unfinished_requests_as_batch_expired(gateway):
+    ctx = gateway.celery.backfill
+    client, batch = _submit(gateway, [_line(f"e{i}") for i in range(3)])
+    proc = StandInProcessor(ctx)
+    lifecycle.feed(ctx)
+    proc.ok(proc.take()[0])
+    lifecycle.collect(ctx)
+    with gateway.session() as session:
+        session.execute(update(Batch).where(Batch.id == batch.id).values(
+            deadline=Batch.deadline - __import__("datetime").timedelta(days=2)))
+        session.commit()
+    assert lifecycle.feed(ctx) == 0  # no dispatch after expiry
+    assert lifecycle.finalize_due(ctx) == [batch.id]
+    done = client.batches.retrieve(batch.id)
+    assert done.status == "expired" and done.expired_at
+    assert set(_lines(client, done.output_file_id)) == {"e0"}
+    errors = _lines(client, done.error_file_id)
+    assert {k: v["error"]["code"] for k, v in errors.items()} == {"e1": "batch_expired", "e2": "batch_expired"}
+
+
+def test_sweeper_hands_back_lost_requests_and_refuses_the_late_result(gateway):
+    ctx = gateway.celery.backfill
+    ctx.settings.max_attempts = 2
+    client, batch = _submit(gateway, [_line("s0"), _line("s1")])
+    proc = StandInProcessor(ctx)
+    lifecycle.feed(ctx)
+    lost = {m.metadata["custom_id"]: m for m in proc.take()}
+    ctx.queue.redis.delete(ctx.queue.request_stream)  # Redis lost its queue
+    with gateway.session() as session:
+        session.execute(update(BatchRequest).where(BatchRequest.batch_id == batch.id)
+                        .values(lease_expires_at=BatchRequest.lease_expires_at - __import__("datetime").timedelta(hours=1)))
+        session.commit()
+    assert lifecycle.sweep(ctx) == 2
+    assert lifecycle.feed(ctx) == 2
+    again = {m.metadata["custom_id"]: m for m in StandInProcessor(ctx).take()}
+    assert again["s0"].metadata["attempt"] == "2" and again["s0"].metadata["lease_token"] != lost["s0"].metadata["lease_token"]
+    proc.ok(lost["s0"])  # the late result of the first delivery: refused
+    proc.ok(again["s0"])
+    assert lifecycle.collect(ctx) == 1
+    with gateway.session() as session:  # s1 is lost a second time: it ends as request_timeout
+        session.execute(update(BatchRequest).where(BatchRequest.batch_id == batch.id, BatchRequest.custom_id == "s1")
+                        .values(lease_expires_at=BatchRequest.lease_expires_at - __import__("datetime").timedelta(hours=1)))
+        session.commit()
+    lifecycle.sweep(ctx)
+    assert lifecycle.finalize_due(ctx) == [batch.id]
+    done = client.batches.retrieve(batch.id)
+    errors = _lines(client, done.error_file_id)
+    assert errors["s1"]["error"]["code"] == "request_timeout" and errors["s1"]["response"] is None
+    assert set(_lines(client, done.output_file_id)) == {"s0"}
+    with gateway.session() as session:
+        assert session.execute(select(BatchRequest.attempts).where(
+            BatchRequest.batch_id == batch.id, BatchRequest.custom_id == "s0")).scalar_one() == 2

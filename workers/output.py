@@ -1,0 +1,91 @@
+"""OpenAI's output and error lines, rendered from request rows (pure: rows in, bytes out).
+
+One line per request, joined by ``custom_id`` (OpenAI promises no order; we keep input order)::
+
+    {"id": "batch_req_…", "custom_id": "…", "response": {"status_code": 200, "request_id": "…",
+     "body": {…}}, "error": null}
+
+- a 2xx response goes to the **output** file;
+- an HTTP error keeps ``error: null`` and the API error object inside ``response.body.error``
+  (error file);
+- a request that got no HTTP response has ``response: null`` and a top-level ``error``
+  ``{code, message}`` — ``batch_expired``, ``batch_cancelled`` (llm-d's extension),
+  ``batch_failed``, ``request_timeout`` (error file).
+
+The upstream body is copied byte for byte (it was checked to be JSON when the result was recorded),
+so building a file costs one pass over the rows. Line ids are derived from ``(batch_id, custom_id)``,
+so finalising twice writes identical files (RELIABILITY.md promise 4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import orjson
+
+NO_RESPONSE_MESSAGES = {
+    "batch_expired": "This request could not be executed before the completion window expired.",
+    "batch_cancelled": "This request was not executed because the batch was cancelled.",
+    "batch_failed": "This request was not executed because the batch failed.",
+    "request_timeout": "This request did not receive a response in time.",
+}
+"""Top-level ``error.message`` for each code with no HTTP response (wording ours; codes OpenAI's and
+llm-d's)."""
+
+
+def request_line_id(batch_id: str, custom_id: str) -> str:
+    """``batch_req_`` + 24 hex characters of SHA-256 over the batch id and custom_id."""
+    digest = hashlib.sha256(f"{batch_id}\x00{custom_id}".encode()).hexdigest()
+    return "batch_req_" + digest[:24]
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """What a request row holds at the end: an HTTP response (``status_code`` > 0 with the raw JSON
+    ``body`` bytes and ``request_id``) or a top-level ``error_code`` with an optional message."""
+
+    custom_id: str
+    status_code: int | None
+    request_id: str | None
+    body: bytes | None
+    error_code: str | None
+    error_message: str | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        """True for a 2xx response (its line goes to the output file)."""
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+
+def render_line(batch_id: str, outcome: RequestOutcome) -> bytes:
+    """One output or error line (with its ``\\n``). Raises ``ValueError`` for an outcome with neither
+    a response nor an error code."""
+    line_id = orjson.dumps(request_line_id(batch_id, outcome.custom_id))
+    custom_id = orjson.dumps(outcome.custom_id)
+    if outcome.status_code:
+        body = outcome.body if outcome.body else b"null"
+        return b"".join((
+            b'{"id":', line_id, b',"custom_id":', custom_id, b',"response":{"status_code":',
+            str(int(outcome.status_code)).encode(), b',"request_id":', orjson.dumps(outcome.request_id or ""),
+            b',"body":', body, b'},"error":null}\n',
+        ))
+    if not outcome.error_code:
+        raise ValueError(f"request {outcome.custom_id!r} has neither a response nor an error")
+    error = {"code": outcome.error_code,
+             "message": outcome.error_message or NO_RESPONSE_MESSAGES.get(outcome.error_code, outcome.error_code)}
+    return b"".join((b'{"id":', line_id, b',"custom_id":', custom_id, b',"response":null,"error":',
+                     orjson.dumps(error), b"}\n"))
+
+
+def json_body(raw: bytes | str | None, status_code: int) -> bytes:
+    """The upstream body as JSON bytes for ``response.body``: the body itself when it is a JSON
+    value; otherwise (an HTML 502 page, empty, …) an OpenAI error object wrapping its text."""
+    data = raw.encode() if isinstance(raw, str) else (raw or b"")
+    try:
+        orjson.loads(data)
+        return data
+    except orjson.JSONDecodeError:
+        text = data.decode("utf-8", errors="replace")[:2000] or f"HTTP {status_code} with an empty body"
+        return orjson.dumps({"error": {"message": text, "type": "server_error" if status_code >= 500
+                                       else "invalid_request_error", "param": None, "code": None}})
