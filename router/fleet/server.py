@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
+import logging
 import random
 import struct
 from collections.abc import AsyncIterator, Awaitable
@@ -21,6 +23,8 @@ from typing import Any, TypeVar
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from router.fleet.engine import Outcome, SimEngine
 from router.fleet.errors import BadRequestError, EngineSimError
@@ -40,6 +44,7 @@ from router.fleet.settings import EngineSimSettings
 from router.fleet.tokenizer import render_chat
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 SIM_VERSION = "0.0.0+backfill-sim"
 
 
@@ -62,25 +67,76 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T], engine: SimEngine) -> T:
-    """Await ``work``; cancel it when the client disconnects first (vLLM's ``with_cancellation``),
-    which aborts the request and frees its blocks. At ``time_scale`` 0 nothing waits, so no watch."""
-    if engine.settings.time_scale == 0:
-        return await work
+async def _disconnect(receive: Receive) -> None:
+    """Return when ``receive`` yields ``http.disconnect``. Called only after the body has been read,
+    so any ``http.request`` message it sees is an empty trailer and is dropped."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work`` while watching ``receive`` for the client's disconnect (vLLM's
+    ``with_cancellation``).
+
+    Returns ``work``'s result. On a disconnect the work is cancelled and awaited, so the engine's
+    ``finally`` has aborted the request and freed its blocks before this raises
+    :class:`starlette.requests.ClientDisconnect`. A watch that fails for any other reason is logged
+    and the work runs to its end unwatched: only a real ``http.disconnect`` aborts a request.
+    """
     task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
+    watcher = asyncio.ensure_future(_disconnect(receive))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watcher.done() and not watcher.cancelled():
+            if (error := watcher.exception()) is None:
+                raise ClientDisconnect()  # the finally below cancels and awaits the work first
+            logger.warning("disconnect watch failed (%r); the request runs to its end", error)
+        return await task
     finally:
         watcher.cancel()
-        if not task.done():
+        if not task.done():  # this handler itself was cancelled (server shutdown): stop the work too
             task.cancel()
-    return task.result()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T], engine: SimEngine) -> T:
+    """:func:`_unless_disconnected` on ``request``. At ``time_scale`` 0 the engine never sleeps and a
+    request admitted on arrival finishes without yielding, so the watch is skipped (``backfill bench
+    engine-sim`` measures that path); a request queued behind ``--max-num-seqs`` or a full cache is
+    then not aborted by a disconnect."""
+    if engine.settings.time_scale == 0:
+        return await work
+    return await _unless_disconnected(request.receive, work)
+
+
+class _ClientGone(Response):
+    """The answer to a client that has gone: sent for form's sake. ASGI < 2.4 servers drop it; 2.4
+    servers raise ``OSError`` on the send, which is swallowed (nothing is logged)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with contextlib.suppress(OSError):
+            await super().__call__(scope, receive, send)
+
+
+class EngineStream(StreamingResponse):
+    """An SSE response that aborts its engine request as soon as the client goes away.
+
+    Starlette's ``StreamingResponse`` watches for ``http.disconnect`` only under ASGI spec < 2.4 and
+    never closes its body iterator; this one always races the body against :func:`_disconnect`
+    (uvicorn's h11 and httptools alike) and always closes the iterator, so the engine's ``finally``
+    frees the request's blocks at once. A client that goes away gets nothing more; no error is raised.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await _unless_disconnected(receive, self.stream_response(send))
+        except (ClientDisconnect, OSError):  # OSError: an ASGI 2.4 server's send to a gone client
+            pass
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def create_app(settings: EngineSimSettings) -> FastAPI:
@@ -102,6 +158,10 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
     async def _error(request: Request, exc: EngineSimError) -> Response:
         return _json(exc.body(), exc.status)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        return _ClientGone(status_code=499)  # nginx's "client closed request"; nobody reads it
+
     def engine_of(request: Request) -> SimEngine:
         return request.app.state.engine
 
@@ -116,7 +176,7 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
     async def chat(request: Request) -> Response:
         engine, spec = await generation(request, parse_chat)
         if spec.stream:
-            return StreamingResponse(_chat_stream(engine, spec), media_type="text/event-stream")
+            return EngineStream(_chat_stream(engine, spec), media_type="text/event-stream")
         [out] = await _until_disconnect(request, engine.run(spec), engine)
         pieces = engine.pieces(out.generated)
         text = "".join(pieces)
@@ -140,7 +200,7 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
         if spec.stream:
             if len(spec.prompts) > 1:
                 raise BadRequestError("the simulator streams one prompt per request", "prompt")
-            return StreamingResponse(_completion_stream(engine, spec), media_type="text/event-stream")
+            return EngineStream(_completion_stream(engine, spec), media_type="text/event-stream")
         outs: list[Outcome] = await _until_disconnect(request, engine.run(spec), engine)
         choices = []
         for p, out in enumerate(outs):
@@ -167,7 +227,7 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
         engine, spec = await generation(request, parse_response)
         response_id = new_id("resp_")
         if spec.stream:
-            return StreamingResponse(_responses_stream(engine, spec, response_id), media_type="text/event-stream")
+            return EngineStream(_responses_stream(engine, spec, response_id), media_type="text/event-stream")
         [out] = await _until_disconnect(request, engine.run(spec), engine)
         return _json(_response_object(engine, spec, response_id, out, "".join(engine.pieces(out.generated))))
 
