@@ -1,5 +1,7 @@
-"""KV events on a real ZMQ subscriber, tiers, metrics, batching, priority, aborts and faults."""
+"""KV events on a real ZMQ subscriber, tiers, metrics, batching, priority over HTTP, client disconnects
+(streamed and not, h11 and httptools) and faults."""
 
+import asyncio
 import json
 import subprocess
 import threading
@@ -122,20 +124,118 @@ def test_metrics_have_vllm_names_and_labels(sim):
     assert float(hits.split()[-1]) > 0
 
 
-def test_priority_requests_are_accepted_with_the_priority_policy(make_sim):
-    sim = make_sim(scheduling_policy="priority")
-    r = httpx.post(f"{sim.url}/v1/completions",
-                   json={"model": sim.settings.model, "prompt": "x", "max_tokens": 2, "priority": -5})
-    assert r.status_code == 200  # ordering itself: tests/unit/fleet/test_fleet_scheduler.py
+def metric(sim, name):
+    """The value of an unlabelled-by-us vLLM gauge or counter from ``/metrics``."""
+    for line in httpx.get(f"{sim.url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing from /metrics")
 
 
-def test_client_that_gives_up_leaves_no_blocks_held(make_sim):
+def data_lines(lines):
+    """``data:`` payloads of an SSE stream until ``[DONE]`` (inclusive)."""
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[6:]
+            if line == "data: [DONE]":
+                return
+
+
+def test_queued_http_requests_run_in_priority_order(make_sim):
+    """One running slot, a nonzero time scale, five queued requests: lowest priority value first, ties
+    in arrival order. The slot is held by a stream closed once all five wait, so nothing is timed."""
+    sim = make_sim(time_scale=1.0, scheduling_policy="priority", max_num_seqs=1)
+    url = f"{sim.url}/v1/completions"
+    arrivals = [("a", 3), ("b", -1), ("c", 2), ("d", 0), ("e", -1)]
+    finished = []
+
+    async def main():
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def queued(label, priority):
+                r = await client.post(url, json={"model": sim.settings.model, "prompt": f"queued {label}",
+                                                 "max_tokens": 4, "priority": priority})
+                assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+                finished.append(label)
+
+            async def waiting():
+                return (await client.get(f"{sim.url}/sim/state")).json()["waiting"]
+
+            tasks = []
+            async with client.stream("POST", url, json={"model": sim.settings.model, "prompt": "blocker",
+                                                        "max_tokens": 10_000, "stream": True}) as blocker:
+                # keep the iterator: a dropped httpx line iterator closes the connection (a disconnect)
+                lines = blocker.aiter_lines()
+                await anext(lines)  # first token: the blocker holds the slot
+                for k, (label, priority) in enumerate(arrivals, 1):
+                    tasks.append(asyncio.create_task(queued(label, priority)))
+                    while await waiting() < k:
+                        await asyncio.sleep(0.01)
+            # leaving the block closed the blocker mid-stream: it is aborted and the queue drains
+            await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert finished == ["b", "e", "d", "c", "a"]
+    assert sim.state()["running"] == 0 and sim.errors == []
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_streaming_client_that_disconnects_is_aborted_while_another_gets_its_full_stream(make_sim, http):
+    sim = make_sim(time_scale=1.0, http=http)
+    url = f"{sim.url}/v1/chat/completions"
+
+    def body(text, max_tokens):
+        return {"model": sim.settings.model, "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens, "stream": True}
+
+    with httpx.Client(timeout=30) as stays_client, httpx.Client(timeout=30) as leaves_client:
+        with stays_client.stream("POST", url, json=body("I stay " * 20, 60)) as stays:
+            kept = data_lines(stays.iter_lines())
+            received = [next(kept), next(kept)]  # role chunk, first token
+            with leaves_client.stream("POST", url, json=body("I leave " * 20, 5000)) as leaves:
+                left = data_lines(leaves.iter_lines())
+                next(left), next(left)
+                assert metric(sim, "vllm:num_requests_running") == 2
+                usage_both = metric(sim, "vllm:kv_cache_usage_perc")
+            # closed after its first token: the engine aborts it and frees its blocks
+            until(lambda: metric(sim, "vllm:num_requests_running") == 1)
+            assert 0 < metric(sim, "vllm:kv_cache_usage_perc") < usage_both
+            received += list(kept)
+    chunks = [json.loads(x) for x in received[:-1]]
+    assert received[-1] == "[DONE]"
+    content = [c["choices"][0]["delta"]["content"] for c in chunks[1:]]
+    assert "".join(content) == "".join(sim.engine.pieces(60)) and len(content) == 60
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    until(lambda: metric(sim, "vllm:num_requests_running") == 0)
+    assert metric(sim, "vllm:kv_cache_usage_perc") == 0.0
+    assert sim.errors == []
+
+
+def test_non_streamed_requests_complete_at_time_scale_one(make_sim):
+    sim = make_sim(time_scale=1.0)
+    chat = httpx.post(f"{sim.url}/v1/chat/completions", timeout=30, json={
+        "model": sim.settings.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8}).json()
+    assert chat["choices"][0]["message"]["content"] == "".join(sim.engine.pieces(8))
+    assert chat["usage"]["completion_tokens"] == 8
+    done = httpx.post(f"{sim.url}/v1/completions", timeout=30, json={
+        "model": sim.settings.model, "prompt": ["one", "two"], "max_tokens": 3}).json()
+    assert [c["finish_reason"] for c in done["choices"]] == ["length", "length"]
+    response = httpx.post(f"{sim.url}/v1/responses", timeout=30, json={
+        "model": sim.settings.model, "input": "hi", "max_output_tokens": 3}).json()
+    assert response["status"] == "completed" and response["usage"]["output_tokens"] == 3
+    assert sim.errors == []
+
+
+def test_non_streamed_client_that_gives_up_is_aborted_cleanly(make_sim):
     sim = make_sim(time_scale=1.0)
     body = {"model": sim.settings.model, "prompt": PROMPT, "max_tokens": 2000}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{sim.url}/v1/completions", json=body, timeout=0.5)
     until(lambda: sim.state()["running"] == 0)
     assert sim.state()["kv_usage"] == 0.0
+    aborted = [line for line in httpx.get(f"{sim.url}/metrics").text.splitlines()
+               if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line]
+    assert float(aborted[0].split()[-1]) == 1.0
+    assert sim.errors == []  # the abort is no "Exception in ASGI application"
 
 
 def test_faults_answer_errors_hang_and_unhealthy(make_sim):
