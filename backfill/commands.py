@@ -136,3 +136,46 @@ def keys_revoke(key: str, data_dir: Path) -> None:
     if not revoked:
         raise click.ClickException("no such active key")
     click.echo("revoked")
+
+
+@click.group("tenants")
+def tenants_group() -> None:
+    """Manage tenants: webhooks and quotas."""
+
+
+@tenants_group.command("webhook")
+@click.option("--tenant", required=True, help="Tenant name (created if new).")
+@click.option("--url", help="Endpoint receiving signed batch.* events.")
+@click.option("--disable", is_flag=True, help="Stop sending webhooks to this tenant.")
+@DATA_DIR_OPTION
+def tenants_webhook(tenant: str, url: str | None, disable: bool, data_dir: Path) -> None:
+    """Set TENANT's webhook URL and print its new signing secret (whsec_…)."""
+    from batch_gateway import queries
+    from workers.webhooks import new_secret
+
+    if disable == bool(url):
+        raise click.UsageError("give exactly one of --url or --disable")
+    if url and not url.startswith(("http://", "https://")):
+        raise click.UsageError("--url must be an http(s) URL")
+    secret = None if disable else new_secret()
+    with _session(data_dir) as session:
+        queries.set_webhook(session, tenant, url, secret)
+    click.echo(secret or "webhook disabled")
+
+
+@tenants_group.command("quota")
+@click.option("--tenant", required=True, help="Tenant name (created if new).")
+@click.option("--enqueued-tokens", type=click.IntRange(min=1), help="Limit of enqueued batch tokens "
+              "(omit to use the default).")
+@DATA_DIR_OPTION
+def tenants_quota(tenant: str, enqueued_tokens: int | None, data_dir: Path) -> None:
+    """Set TENANT's enqueued-token quota (token_limit_exceeded past it)."""
+    from sqlalchemy import update
+
+    from batch_gateway import queries
+    from batch_gateway.models import Tenant
+
+    with _session(data_dir) as session:
+        row = queries.ensure_tenant(session, tenant)
+        session.execute(update(Tenant).where(Tenant.id == row.id).values(enqueued_token_limit=enqueued_tokens))
+    click.echo(f"{tenant}: enqueued token limit {enqueued_tokens or 'default'}")

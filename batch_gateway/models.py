@@ -51,13 +51,16 @@ class Base(DeclarativeBase):
 
 
 class Tenant(Base):
-    """A customer: owns keys, files and batches. ``enqueued_token_limit`` null = the default."""
+    """A customer: owns keys, files and batches. ``enqueued_token_limit`` null = the default;
+    ``webhook_url``/``webhook_secret`` (``whsec_…``) receive signed terminal-state events."""
 
     __tablename__ = "tenants"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(256), unique=True)
     enqueued_token_limit: Mapped[int | None] = mapped_column(BigInteger)
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    webhook_secret: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[int] = mapped_column(BigInteger, server_default=EPOCH_NOW)
 
 
@@ -196,7 +199,9 @@ class BatchRequest(Base):
 
 class Event(Base):
     """Outbox and timeline: one row per status change or task to hand off, written in the same
-    transaction as the change. ``published_at`` null = not yet handed to the broker."""
+    transaction as the change. ``published_at`` null = not yet handed to the broker. Terminal batch
+    events are also webhook deliveries: ``webhook_next_at`` set = due then, ``webhook_done_at`` set =
+    delivered (or given up)."""
 
     __tablename__ = "events"
 
@@ -208,8 +213,13 @@ class Event(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     needs_publish: Mapped[bool] = mapped_column(Boolean, server_default="false")
     published_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    webhook_attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    webhook_next_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    webhook_done_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         Index(None, "batch_id", "id"),
         Index("ix_events_unpublished", "id", postgresql_where=text("needs_publish AND published_at IS NULL")),
+        Index("ix_events_webhook_due", "webhook_next_at",
+              postgresql_where=text("webhook_next_at IS NOT NULL AND webhook_done_at IS NULL")),
     )

@@ -29,6 +29,9 @@ from batch_gateway.models import (
 
 KEY_PREFIX = "sk-bf-"
 
+WEBHOOK_EVENTS = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
+"""Events sent to a tenant's webhook (OpenAI's batch event names)."""
+
 VALIDATE_BATCH_TASK = "backfill.validate_batch"
 """Celery task name of batch validation (``workers.tasks``); the outbox carries it."""
 
@@ -192,6 +195,10 @@ def add_event(session: Session, batch: Batch | None, type_: str, payload: dict |
     """Append an event (timeline entry; an outbox entry when ``publish``)."""
     event = Event(batch_id=batch.id if batch else None, tenant_id=batch.tenant_id if batch else None,
                   type=type_, payload=payload or {}, needs_publish=publish)
+    if batch is not None and type_ in WEBHOOK_EVENTS:  # due now when the tenant has a webhook
+        event.webhook_next_at = (select(func.now()).where(Tenant.id == batch.tenant_id,
+                                                          Tenant.webhook_url.is_not(None))
+                                 .scalar_subquery())
     session.add(event)
     session.flush()
     return event
@@ -307,6 +314,36 @@ def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | Non
     )
     return transition(session, batch_id, ("validating", "in_progress"), "cancelled",
                       cancelling_at=EPOCH_NOW)
+
+
+def set_webhook(session: Session, tenant_name: str, url: str | None, secret: str | None) -> Tenant:
+    """Set (or with ``url`` None, clear) the tenant's webhook endpoint and signing secret."""
+    tenant = ensure_tenant(session, tenant_name)
+    session.execute(update(Tenant).where(Tenant.id == tenant.id).values(webhook_url=url, webhook_secret=secret))
+    return tenant
+
+
+def due_webhooks(session: Session, limit: int = 50) -> list:
+    """Webhook deliveries due now, locked (``SKIP LOCKED``): rows ``(event, url, secret)``."""
+    return list(session.execute(
+        select(Event, Tenant.webhook_url, Tenant.webhook_secret)
+        .join(Tenant, Tenant.id == Event.tenant_id)
+        .where(Event.webhook_next_at <= func.now(), Event.webhook_done_at.is_(None))
+        .order_by(Event.webhook_next_at)
+        .limit(limit)
+        .with_for_update(of=Event, skip_locked=True)
+    ).all())
+
+
+def webhook_attempted(session: Session, event_id: int, delivered: bool, retry_in_seconds: float | None) -> None:
+    """Record one delivery attempt: done when ``delivered`` or when ``retry_in_seconds`` is None
+    (given up), else due again after ``retry_in_seconds``."""
+    values: dict = {"webhook_attempts": Event.webhook_attempts + 1}
+    if delivered or retry_in_seconds is None:
+        values["webhook_done_at"] = func.now()
+    else:
+        values["webhook_next_at"] = func.now() + text(f"interval '{float(retry_in_seconds)} seconds'")
+    session.execute(update(Event).where(Event.id == event_id).values(**values))
 
 
 def stale_validating_batches(session: Session, older_than_seconds: float, limit: int = 100) -> list[str]:

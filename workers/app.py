@@ -92,7 +92,8 @@ def create_celery(settings: WorkerSettings) -> Celery:
                 for name, interval in (("feed", settings.feed_interval_seconds),
                                        ("collect", settings.collect_interval_seconds),
                                        ("sweep", settings.sweep_interval_seconds),
-                                       ("finalize_due", settings.finalize_interval_seconds))
+                                       ("finalize_due", settings.finalize_interval_seconds),
+                                       ("deliver_webhooks", settings.webhook_interval_seconds))
             },
             "purge-files": {
                 "task": "backfill.purge_files",

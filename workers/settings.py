@@ -40,6 +40,7 @@ class WorkerSettings(SharedSettings):
     collect_interval_seconds: float = 0.5
     sweep_interval_seconds: float = 10.0
     finalize_interval_seconds: float = 2.0
+    webhook_interval_seconds: float = 2.0
     validation_stale_seconds: float = 600.0
 
 

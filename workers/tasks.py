@@ -9,6 +9,8 @@
 - ``backfill.resend_stale_validations()``: resend the validate task of batches ``validating`` for
   too long (a task lost with its worker).
 - ``backfill.relay_outbox()``: resend outbox events that never reached the broker.
+- ``backfill.feed``, ``collect``, ``sweep``, ``finalize_due``: the lifecycle (``workers.lifecycle``).
+- ``backfill.deliver_webhooks()``: signed terminal-state events (``workers.webhooks``).
 - ``backfill.purge_files()``: remove the bytes of deleted or expired files once no running batch
   reads them.
 """
@@ -23,7 +25,7 @@ from sqlalchemy import delete, select
 from batch_gateway import queries
 from batch_gateway.errors import token_limit_message
 from batch_gateway.models import Batch, BatchRequest, File
-from workers import lifecycle
+from workers import lifecycle, webhooks
 from workers.app import WorkerContext
 from workers.validation import LineError, ValidationReport, validate_batch_file
 
@@ -180,6 +182,10 @@ def register(app: Celery) -> None:
     @app.task(name="backfill.finalize_due", shared=False)
     def finalize_due_task() -> list[str]:
         return lifecycle.finalize_due(ctx)
+
+    @app.task(name="backfill.deliver_webhooks", shared=False)
+    def deliver_webhooks_task() -> int:
+        return webhooks.deliver_webhooks(ctx)
 
     @app.task(name="backfill.purge_files", shared=False)
     def purge_files_task() -> int:

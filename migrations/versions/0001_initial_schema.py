@@ -20,6 +20,8 @@ def upgrade() -> None:
     sa.Column('id', sa.String(length=64), nullable=False),
     sa.Column('name', sa.String(length=256), nullable=False),
     sa.Column('enqueued_token_limit', sa.BigInteger(), nullable=True),
+    sa.Column('webhook_url', sa.Text(), nullable=True),
+    sa.Column('webhook_secret', sa.String(length=128), nullable=True),
     sa.Column('created_at', sa.BigInteger(), server_default=sa.text('extract(epoch from now())::bigint'), nullable=False),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_tenants')),
     sa.UniqueConstraint('name', name=op.f('uq_tenants_name'))
@@ -136,14 +138,19 @@ def upgrade() -> None:
     sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
     sa.Column('needs_publish', sa.Boolean(), server_default='false', nullable=False),
     sa.Column('published_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('webhook_attempts', sa.Integer(), server_default='0', nullable=False),
+    sa.Column('webhook_next_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('webhook_done_at', sa.DateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['batch_id'], ['batches.id'], name=op.f('fk_events_batch_id_batches'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_events'))
     )
     op.create_index(op.f('ix_events_batch_id_id'), 'events', ['batch_id', 'id'], unique=False)
     op.create_index('ix_events_unpublished', 'events', ['id'], unique=False, postgresql_where=sa.text('needs_publish AND published_at IS NULL'))
+    op.create_index('ix_events_webhook_due', 'events', ['webhook_next_at'], unique=False, postgresql_where=sa.text('webhook_next_at IS NOT NULL AND webhook_done_at IS NULL'))
 
 
 def downgrade() -> None:
+    op.drop_index('ix_events_webhook_due', table_name='events', postgresql_where=sa.text('webhook_next_at IS NOT NULL AND webhook_done_at IS NULL'))
     op.drop_index('ix_events_unpublished', table_name='events', postgresql_where=sa.text('needs_publish AND published_at IS NULL'))
     op.drop_index(op.f('ix_events_batch_id_id'), table_name='events')
     op.drop_table('events')
