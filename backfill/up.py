@@ -42,6 +42,8 @@ class Stack:
     gateway_url: str
     api_key: str
     data_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of the children (``DATABASE_URL``, ``REDIS_URL``, ``BACKFILL_DATA_DIR``, …)."""
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     engine_urls: list[str] = field(default_factory=list)
 
@@ -137,7 +139,7 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         upgrade(stores.database_url)
         env = dict(os.environ, DATABASE_URL=stores.database_url, REDIS_URL=stores.redis_url,
                    BACKFILL_DATA_DIR=str(data_dir), BACKFILL_API_KEY=api_key)
-        stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir)
+        stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)
         try:
             start_engines(stack, env, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [])
             stack.children["worker"] = _spawn(_backfill("worker"), env, logs, "worker")

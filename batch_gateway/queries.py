@@ -539,16 +539,19 @@ def end_open_requests(session: Session, batch_id: str, states: Sequence[str], to
     return ended
 
 
+OUTCOME_COLUMNS = "custom_id, state, status_code, request_id, response_body, error_code, error_message"
+
+
 def request_outcomes(session: Session, batch_id: str, chunk: int = 1000):
-    """Every request of the batch in input-file order, streamed in chunks (server-side cursor):
-    rows ``(custom_id, state, status_code, request_id, response_body, error_code, error_message)``."""
-    return session.execute(
-        select(BatchRequest.custom_id, BatchRequest.state, BatchRequest.status_code, BatchRequest.request_id,
-               BatchRequest.response_body, BatchRequest.error_code, BatchRequest.error_message)
-        .where(BatchRequest.batch_id == batch_id)
-        .order_by(BatchRequest.line)
-        .execution_options(yield_per=chunk)
-    )
+    """Every request of the batch in input-file order, streamed through a server-side cursor in the
+    binary protocol (``bytea`` bodies arrive as raw bytes, not hex text: half the bytes on the wire):
+    tuples ``(custom_id, state, status_code, request_id, response_body, error_code, error_message)``."""
+    raw = session.connection().connection.driver_connection
+    with raw.cursor(name=f"outcomes_{secrets.token_hex(4)}", binary=True) as cursor:
+        cursor.itersize = chunk
+        cursor.execute(f"SELECT {OUTCOME_COLUMNS} FROM batch_requests WHERE batch_id = %s ORDER BY line",
+                       (batch_id,))
+        yield from cursor
 
 
 def upsert_output_file(session: Session, *, file_id: str, tenant_id: str, size: int, filename: str,

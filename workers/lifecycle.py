@@ -180,10 +180,10 @@ def _write_files(ctx: WorkerContext, batch: Batch) -> dict:
     succeeded = total = 0
     try:
         with ctx.session() as session:
-            for row in queries.request_outcomes(session, batch.id):
+            for custom_id, _, status_code, request_id, body, error_code, error_message in \
+                    queries.request_outcomes(session, batch.id):
                 total += 1
-                outcome = RequestOutcome(row.custom_id, row.status_code, row.request_id, row.response_body,
-                                         row.error_code, row.error_message)
+                outcome = RequestOutcome(custom_id, status_code, request_id, body, error_code, error_message)
                 kind = "output" if outcome.succeeded else "errors"
                 succeeded += outcome.succeeded
                 line = render_line(batch.id, outcome)
