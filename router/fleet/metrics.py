@@ -21,6 +21,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                20.0, 40.0, 80.0)
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM 0.32's series, in its order
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -33,8 +34,9 @@ class _LiveCollector(Collector):
         self.scheduler = scheduler
         self.labels = {"model_name": settings.model, "engine": settings.engine_index}
 
-    def _gauge(self, name: str, doc: str, value: float, extra: dict[str, str] | None = None) -> Metric:
-        labels = {**self.labels, **(extra or {})}
+    def _gauge(self, name: str, doc: str, value: float, extra: dict[str, str] | None = None,
+               base: dict[str, str] | None = None) -> Metric:
+        labels = {**(self.labels if base is None else base), **(extra or {})}
         family = GaugeMetricFamily(name, doc, labels=list(labels))
         family.add_metric(list(labels.values()), value)
         return family
@@ -53,11 +55,12 @@ class _LiveCollector(Collector):
                           sched.waiting)
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                           sched.cache.usage)
+        # vLLM labels this one with ``engine`` and CacheConfig fields only (no model_name)
         yield self._gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1.0, {
             "block_size": str(s.block_size), "num_gpu_blocks": str(s.num_gpu_blocks),
             "num_cpu_blocks": str(s.cpu_offload_blocks), "enable_prefix_caching": "True",
             "prefix_caching_hash_algo": "sha256_cbor", "cache_dtype": "auto",
-        })
+        }, base={"engine": self.labels["engine"]})
         yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", stats.queries_tokens)
         yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", stats.hits_tokens)
         yield self._counter("vllm:external_prefix_cache_queries",
@@ -83,6 +86,8 @@ class EngineMetrics:
                                          labels, registry=reg).labels(*self._values)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 [*labels, "finished_reason"], registry=reg)
+        for reason in FINISHED_REASONS:  # vLLM exports every reason from the start, at 0
+            self._success.labels(*self._values, reason)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               labels, buckets=TTFT_BUCKETS, registry=reg).labels(*self._values)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",

