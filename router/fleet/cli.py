@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 
@@ -99,11 +100,18 @@ def engine_sim_command(args: tuple[str, ...]) -> None:
 @click.option("--cpu-offload-bytes", type=int, default=0, show_default=True, help="CPU KV tier size")
 @click.option("--hash-seed", default="0", show_default=True, help="PYTHONHASHSEED for reproducible hashes")
 @click.option("--python", default=None, help="interpreter of the vLLM virtualenv (default: this one)")
+@click.option("--print-args", is_flag=True, help="print the engine's command line as JSON and exit")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
 def engine_command(model: str, port: int, host: str, served: tuple[str, ...], kv_events_endpoint: str | None,
-                   cpu_offload_bytes: int, hash_seed: str, python: str | None, extra: tuple[str, ...]) -> None:
+                   cpu_offload_bytes: int, hash_seed: str, python: str | None, print_args: bool,
+                   extra: tuple[str, ...]) -> None:
     """One real vLLM engine with the fleet's settings (needs ``pip install 'backfill[vllm]'`` or
     ``--python`` pointing at a virtualenv with vLLM). Extra arguments go to vLLM unchanged."""
+    if print_args:
+        click.echo(json.dumps(vllm_engine_argv(model, port, list(served) or [model], kv_events_endpoint, host=host,
+                                               python=python or "python3", cpu_offload_bytes=cpu_offload_bytes,
+                                               extra=extra)))
+        return
     if python is None and importlib.util.find_spec("vllm") is None:
         raise click.ClickException(
             "vLLM is not installed in this environment. Install it with `pip install 'backfill[vllm]'` "
