@@ -118,11 +118,15 @@ class Processor:
         self._settle_event = asyncio.Event()
         self._wake = asyncio.Event()
         self._stopping = False
+        self._closed = asyncio.Event()
 
     # ---------------------------------------------------------------- run
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Pump until ``stop`` is set, then shut down within ``grace_s`` (see module docstring)."""
+        """Pump until ``stop`` is set, then shut down within ``grace_s`` (see module docstring).
+
+        Loops end on flags rather than by cancellation (redis-py may swallow a cancellation that
+        lands inside a command); a task still running a second after its flag is cancelled."""
         helpers = [asyncio.create_task(self._settler(), name="settler"),
                    asyncio.create_task(self._lease_keeper(), name="lease-keeper"),
                    asyncio.create_task(self._gate_refresher(), name="gate-refresher")]
@@ -132,21 +136,17 @@ class Processor:
             await stop.wait()
         finally:
             self._stopping = True
-            for task in (reader, dispatcher):
-                task.cancel()
-            await asyncio.gather(reader, dispatcher, return_exceptions=True)
+            self._wake.set()
+            await _finish_tasks([reader, dispatcher])
             await self._hand_back(self.buffer.drain())
             if self.in_flight:
                 await asyncio.wait(list(self.in_flight.values()), timeout=self.settings.grace_s)
             leftover = list(self.in_flight)
-            for task in self.in_flight.values():
-                task.cancel()
-            await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+            await _finish_tasks(list(self.in_flight.values()), patience_s=0)
             await self._hand_back(leftover + self.buffer.drain())
-            await self._flush()
-            for task in helpers:
-                task.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+            self._closed.set()
+            self._settle_event.set()
+            await _finish_tasks(helpers)
             await self._flush()
 
     async def _hand_back(self, works: Sequence[Work]) -> None:
@@ -178,7 +178,7 @@ class Processor:
                 log.warning("receive failed", extra={"action": "receive_failed", "error": str(exc)})
                 await asyncio.sleep(min(1.0, settings.lease_s / 4))
                 continue
-            if not got:
+            if not got and not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), settings.poll_interval_s)
 
@@ -227,7 +227,7 @@ class Processor:
     # ---------------------------------------------------------------- dispatcher
 
     async def _dispatcher(self) -> None:
-        while True:
+        while not self._stopping:
             for work in self.buffer.expired(time.time()):
                 self._finish(work, self._deadline_result(work))
             now = time.monotonic()
@@ -240,6 +240,8 @@ class Processor:
             next_at = self.buffer.next_ready_at(now)
             timeout = 0.1 if next_at is None else max(0.001, min(0.1, next_at - now))
             self._wake.clear()
+            if self._stopping:
+                return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
@@ -312,7 +314,7 @@ class Processor:
         self._settle_event.set()
 
     async def _settler(self) -> None:
-        while True:
+        while not self._closed.is_set():
             await self._settle_event.wait()
             self._settle_event.clear()
             await self._flush()
@@ -345,8 +347,10 @@ class Processor:
 
     async def _lease_keeper(self) -> None:
         lease = self.settings.lease_s
-        while True:
-            await asyncio.sleep(lease / 3)
+        while not self._closed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), lease / 3)
+                return
             cutoff = time.monotonic() - lease / 3
             held = [w.delivery for w in (*self.buffer, *self.in_flight) if w.delivery.extended_at <= cutoff]
             if not held:
@@ -361,13 +365,29 @@ class Processor:
                 d.extended_at = now
 
     async def _gate_refresher(self) -> None:
-        while True:
+        while not self._closed.is_set():
             try:
                 await self.gate.refresh()
             except Exception as exc:  # a gate's bug must not stop the pump; the gate stays closed
                 log.warning("gate refresh failed", extra={"action": "gate_refresh_failed", "error": str(exc)})
             self._wake.set()
-            await asyncio.sleep(self.settings.saturation_poll_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), self.settings.saturation_poll_s)
+
+
+async def _finish_tasks(tasks: Sequence[asyncio.Task], patience_s: float = 1.0) -> None:
+    """Wait up to ``patience_s`` for ``tasks`` to end by themselves, then cancel the rest and wait."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=patience_s) if patience_s else (set(), set(tasks))
+    for task in pending:
+        task.cancel()
+    for task in pending:
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(task), 5)
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            log.error("processor task failed", exc_info=task.exception(), extra={"action": "task_failed"})
 
 
 async def run_processor(settings: ProcessorSettings, stop: asyncio.Event, backend: QueueBackend | None = None) -> Processor:

@@ -19,8 +19,8 @@ entries without fields. Acks are ``XACK`` then (setting ``delete_acked``) ``XDEL
 never trims a stream, so unacknowledged entries are never lost to trimming by us.
 
 Hand back (nack) sets the entry's idle time to ``lease - delay`` with ``XCLAIM … IDLE … JUSTID`` so
-the next ``XAUTOCLAIM`` past ``delay`` takes it; lease extension is ``XCLAIM … JUSTID`` to ourselves,
-which resets the idle time without counting a delivery.
+the next ``XAUTOCLAIM`` past ``delay`` takes it; lease extension resets the idle time to 0 the same
+way. ``JUSTID`` counts no delivery. Every processor of a group must use the same lease.
 """
 
 from __future__ import annotations
@@ -215,6 +215,8 @@ class RedisStreamsBackend:
             raise BackendError(f"redis ack: {exc}") from exc
 
     async def _set_idle(self, deliveries: Sequence[Delivery], idle_ms: int) -> None:
+        """Set the entries' idle time to ``idle_ms`` (>= 0; Redis clamps delivery times to now) with
+        ``XCLAIM … IDLE … JUSTID`` (no delivery counted)."""
         async with self.client.pipeline(transaction=False) as pipe:
             for stream, ids in self._by_stream(deliveries).items():
                 pipe.xclaim(stream, self.group, self.consumer, 0, ids, idle=max(0, idle_ms), justid=True)
@@ -234,7 +236,11 @@ class RedisStreamsBackend:
             raise BackendError(f"redis nack: {exc}") from exc
 
     async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> None:
-        """Reset the idle time (``XCLAIM … JUSTID``, no delivery counted) and extend the claims."""
+        """Reset the entries' idle time to 0 (``XCLAIM … IDLE 0 … JUSTID``) and extend the claims.
+
+        On Redis a lease is the consumer group's ``XAUTOCLAIM`` idle threshold, the same ``lease_s``
+        for every processor: extension renews that lease from now; a longer ``lease_s`` than the
+        receivers' is not expressible (Redis clamps delivery times to the present)."""
         if not deliveries:
             return
         try:
@@ -242,7 +248,7 @@ class RedisStreamsBackend:
             async with self.client.pipeline(transaction=False) as pipe:
                 for d in deliveries:
                     if d.request_id:
-                        self._extend(keys=[CLAIM_PREFIX + d.request_id], args=[int(lease_s * 1000)], client=pipe)
+                        await self._extend(keys=[CLAIM_PREFIX + d.request_id], args=[int(lease_s * 1000)], client=pipe)
                 await pipe.execute()
         except RedisError as exc:
             raise BackendError(f"redis extend: {exc}") from exc
@@ -294,7 +300,7 @@ class RedisStreamsBackend:
             async with self.client.pipeline(transaction=False) as pipe:
                 for r in requests:
                     batch_id = r.metadata.get("batch_id", "")
-                    self._admit(keys=[CLAIM_PREFIX + r.id, cancel_marker_key(batch_id) if batch_id else ""],
+                    await self._admit(keys=[CLAIM_PREFIX + r.id, cancel_marker_key(batch_id) if batch_id else ""],
                                 args=[max(1, int(lease_s * 1000))], client=pipe)
                 replies = await pipe.execute()
         except RedisError as exc:
@@ -320,7 +326,7 @@ class RedisStreamsBackend:
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 for id in ids:
-                    self._release(keys=[CLAIM_PREFIX + id], args=[], client=pipe)
+                    await self._release(keys=[CLAIM_PREFIX + id], args=[], client=pipe)
                 await pipe.execute()
         except RedisError as exc:
             raise BackendError(f"redis release: {exc}") from exc
