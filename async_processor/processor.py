@@ -375,6 +375,17 @@ class Processor:
                 await asyncio.wait_for(self._closed.wait(), self.settings.saturation_poll_s)
 
 
+def make_http_client(settings: ProcessorSettings) -> httpx.AsyncClient:
+    """The client to the router: httpx API, wire per ``settings.http_transport`` (see
+    :mod:`async_processor.http_transport`), ``concurrency`` connections, ``request_timeout_s``."""
+    if settings.http_transport == "aiohttp":
+        from async_processor.http_transport import AiohttpTransport
+
+        return httpx.AsyncClient(transport=AiohttpTransport(settings.concurrency), timeout=settings.request_timeout_s)
+    limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
+    return httpx.AsyncClient(limits=limits, timeout=settings.request_timeout_s)
+
+
 async def _finish_tasks(tasks: Sequence[asyncio.Task], patience_s: float = 1.0) -> None:
     """Wait up to ``patience_s`` for ``tasks`` to end by themselves, then cancel the rest and wait."""
     if not tasks:
@@ -398,9 +409,8 @@ async def run_processor(settings: ProcessorSettings, stop: asyncio.Event, backen
     own_backend = backend is None
     backend = backend or make_backend(settings)
     await backend.start()
-    limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
     try:
-        async with httpx.AsyncClient(limits=limits, timeout=settings.request_timeout_s) as http:
+        async with make_http_client(settings) as http:
             processor = Processor(settings, backend, http)
             await processor.run(stop)
             return processor

@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("backfill.bench:bench_group", "Run a benchmark."),
     "engine-sim": ("router.fleet.cli:engine_sim_command", "Serve one simulated vLLM engine."),
     "engine": ("router.fleet.cli:engine_command", "Run a real vLLM engine for the fleet."),
+    "processor": ("async_processor.cli:processor_command", "Pump queued requests to the router, publish results."),
+    "enqueue": ("async_processor.cli:enqueue_command", "Put one request on a queue lane (--wait: print its result)."),
 }
 
 

@@ -269,13 +269,16 @@ class RedisStreamsBackend:
         await self.ack(deliveries)
 
     async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
-        """One ``XADD`` per result, pipelined; raises ``BackendError`` if any failed."""
+        """``XADD`` each result and mark its id done, all in one ``MULTI``/``EXEC``: a crash leaves
+        either both or neither, so a redelivered message never yields a second result."""
         if not results:
             return
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
+            async with self.client.pipeline(transaction=True) as pipe:
                 for result, queue in results:
                     pipe.xadd(queue or self.result_stream, {RESULT_FIELD: encode_result(result)})
+                    if result.id:
+                        pipe.set(CLAIM_PREFIX + result.id, "done", ex=max(1, int(self.done_ttl_s)))
                 replies = await pipe.execute(raise_on_error=False)
         except RedisError as exc:
             raise BackendError(f"redis publish: {exc}") from exc
@@ -308,7 +311,8 @@ class RedisStreamsBackend:
         return [_ADMISSIONS[int(r)] for r in replies]
 
     async def finish(self, ids: Sequence[str]) -> None:
-        """``SET backfill:claim:{id} done EX dedup_ttl_s``."""
+        """``SET backfill:claim:{id} done EX dedup_ttl_s`` (already done by :meth:`publish_results`;
+        kept for callers that publish elsewhere)."""
         if not ids:
             return
         try:

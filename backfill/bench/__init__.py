@@ -10,6 +10,7 @@ from backfill.cli import LazyGroup
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "ingest": ("backfill.bench.ingest:ingest_command", "Upload + validate a 200 MB batch file."),
     "engine-sim": ("router.fleet.bench:bench_engine_sim_command", "Requests/s of one simulator."),
+    "processor": ("async_processor.bench:bench_processor_command", "Messages/s through one processor."),
 }
 
 

@@ -1,0 +1,137 @@
+"""``backfill processor`` (the pump) and ``backfill enqueue`` (put one request on a lane, optionally
+wait for its result). Options override ``BACKFILL_PROCESSOR_*`` settings
+(:mod:`async_processor.settings`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import sys
+import time
+
+import click
+import orjson
+
+from async_processor.messages import LANE_PRIORITIES, RequestMessage, encode_result
+from async_processor.settings import build_settings
+
+_BACKENDS = click.Choice(["redis", "pubsub", "memory"])
+
+
+@click.command("processor")
+@click.option("--backend", type=_BACKENDS, help="queue transport (default: redis)")
+@click.option("--redis-url", help="redis-py URL (default: REDIS_URL, else redis://127.0.0.1:6379/0)")
+@click.option("--router-url", help="where requests are POSTed: router, llm-d gateway or one engine")
+@click.option("--pool", help="pool name in stream/topic names (default: default)")
+@click.option("--lanes", help="comma-separated lanes to read (default: interactive,async,batch)")
+@click.option("--concurrency", type=int, help="requests in flight at most (default 64)")
+@click.option("--tenant-limit", type=int, help="requests in flight per tenant (default 0 = no limit)")
+@click.option("--saturation-gate/--no-saturation-gate", default=None,
+              help="gate lanes below interactive on the router's /admin/state (fails closed)")
+@click.option("--lease", "lease_s", type=float, help="lease in seconds (default 30)")
+@click.option("--max-deliveries", type=int, help="dead-letter after this many deliveries (default 5)")
+@click.option("--buffer", "buffer_size", type=int, help="messages held in memory (default 256)")
+@click.option("--grace", "grace_s", type=float, help="seconds in-flight work may finish on SIGTERM (default 20)")
+@click.option("--backoff-base", "backoff_base_s", type=float, help="retry backoff base in seconds (default 2)")
+@click.option("--pubsub-project", help="Pub/Sub project (default backfill-local)")
+@click.option("--pubsub-emulator-host", help="host:port of a Pub/Sub emulator (default PUBSUB_EMULATOR_HOST)")
+@click.option("--log-level", default="INFO", show_default=True)
+def processor_command(lanes: str | None, log_level: str, **options) -> None:
+    """Pump queued requests to the router and publish their results (SIGTERM: drain and exit 0)."""
+    from async_processor.processor import run_processor
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = build_settings(lanes=lanes.split(",") if lanes else None, **options)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        logging.getLogger("async_processor").info(
+            "processor started", extra={"action": "started", "backend": settings.backend,
+                                        "router_url": settings.router_url, "lanes": settings.lanes})
+        processor = await run_processor(settings, stop)
+        logging.getLogger("async_processor").info("processor stopped",
+                                                  extra={"action": "stopped", "counts": dict(processor.counts)})
+
+    asyncio.run(main())
+
+
+def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--metadata")
+        out[key] = value
+    return out
+
+
+@click.command("enqueue")
+@click.option("--backend", type=click.Choice(["redis", "pubsub"]), help="queue transport (default: redis)")
+@click.option("--redis-url", help="redis-py URL (default: REDIS_URL, else redis://127.0.0.1:6379/0)")
+@click.option("--pool", help="pool name (default: default)")
+@click.option("--lane", type=click.Choice(list(LANE_PRIORITIES)), default="batch", show_default=True)
+@click.option("--payload", required=True, help="the OpenAI request body, as JSON")
+@click.option("--endpoint", default="/v1/chat/completions", show_default=True)
+@click.option("--id", "request_id", help="request id (default: a random one)")
+@click.option("--deadline-in", type=float, default=3600.0, show_default=True, help="seconds from now")
+@click.option("--tenant", default="", help="metadata.tenant (fairness id)")
+@click.option("--metadata", multiple=True, help="extra metadata KEY=VALUE (repeatable)")
+@click.option("--result-queue", default="", help="result stream/topic (default: the shared one, or a private "
+                                                  "stream with --wait on Redis)")
+@click.option("--wait/--no-wait", default=False, help="wait for the result and print it as JSON")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="seconds to wait with --wait")
+@click.option("--pubsub-project", help="Pub/Sub project (default backfill-local)")
+@click.option("--pubsub-emulator-host", help="host:port of a Pub/Sub emulator (default PUBSUB_EMULATOR_HOST)")
+def enqueue_command(lane: str, payload: str, endpoint: str, request_id: str | None, deadline_in: float,
+                    tenant: str, metadata: tuple[str, ...], result_queue: str, wait: bool, timeout: float,
+                    **options) -> None:
+    """Put one request on a lane; print its transport id, or with --wait its result JSON
+    (exit status 1 if no result came within --timeout)."""
+    from async_processor.backends import make_backend
+
+    try:
+        body = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--payload") from None
+    if not isinstance(body, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--payload")
+    settings = build_settings(lanes=[lane], **options)
+    request_id = request_id or f"req-{secrets.token_hex(8)}"
+    private = wait and not result_queue and settings.backend == "redis"
+    if private:
+        result_queue = f"{settings.result_stream}:enqueue:{request_id}"
+    meta = {"objective": lane, **({"tenant": tenant} if tenant else {}), **_metadata(metadata)}
+    message = RequestMessage(id=request_id, created=int(time.time()), deadline=int(time.time() + deadline_in),
+                             payload=body, endpoint=endpoint, metadata=meta, result_queue_name=result_queue)
+
+    async def main() -> int:
+        backend = make_backend(settings)
+        await backend.start()
+        try:
+            reader = backend.result_reader(result_queue) if wait else None
+            transport_id = await backend.publish_request(lane, message)
+            if reader is None:
+                click.echo(orjson.dumps({"id": request_id, "transport_id": transport_id}).decode())
+                return 0
+            try:
+                until = time.monotonic() + timeout
+                while time.monotonic() < until:
+                    for result in await reader.read(min(1.0, max(0.01, until - time.monotonic()))):
+                        if result.id == request_id:
+                            click.echo(encode_result(result).decode())
+                            return 0
+                click.echo(f"no result for {request_id} within {timeout} s", err=True)
+                return 1
+            finally:
+                await reader.close()
+                if private:
+                    await backend.client.delete(result_queue)
+        finally:
+            await backend.close()
+
+    sys.exit(asyncio.run(main()))
