@@ -1,0 +1,270 @@
+"""The processor against real targets over real Redis Streams: a simulated vLLM engine
+(``backfill engine-sim`` at ``--time-scale 0``) and small in-test stub apps.
+
+F1-style crash (kill -9 with requests in flight, restart: one result per id), F5 duplicates, poison
+answers, 429 + Retry-After retried then served, llm-d headers, strict lane priority and EDF order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from async_processor.messages import RESULT_FIELD, RequestMessage, decode_result, encode_request, request_stream
+from async_processor.processor import run_processor
+from async_processor.settings import build_settings
+from backfill.up import free_port
+from router.fleet.launch import backfill_executable, sim_engine_argv, wait_ready
+from tests.conftest import serve
+
+LANES = ["interactive", "async", "batch"]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[str]:
+    """Base URL of one simulated engine serving model ``m`` (time scale 0: answers at once)."""
+    port = free_port()
+    proc = subprocess.Popen(sim_engine_argv(port, ["m"], time_scale=0), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", timeout=60, process=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+class Ns:
+    """Unique stream names for one test, plus helpers over a sync redis client."""
+
+    def __init__(self, redis_url: str):
+        self.redis_url = redis_url
+        self.prefix = f"it{secrets.token_hex(4)}"
+        self.client = redis.Redis.from_url(redis_url)
+
+    @property
+    def results(self) -> str:
+        return f"{self.prefix}:results"
+
+    def settings(self, router_url: str, **overrides):
+        base = dict(backend="redis", redis_url=self.redis_url, router_url=router_url, lanes=LANES,
+                    stream_prefix=f"{self.prefix}:requests", result_stream=self.results,
+                    consumer_group=f"{self.prefix}-g", lease_s=1.0, backoff_base_s=0.05, poll_interval_s=0.01,
+                    grace_s=2.0)
+        return build_settings(**{**base, **overrides})
+
+    def put(self, lane: str, message: RequestMessage | bytes) -> None:
+        body = message if isinstance(message, bytes) else encode_request(message)
+        self.client.xadd(request_stream(lane, "default", f"{self.prefix}:requests"), {"message": body})
+
+    def read_results(self) -> list:
+        return [decode_result(f[RESULT_FIELD.encode()]) for _, f in self.client.xrange(self.results)]
+
+    def wait_results(self, n: int, timeout_s: float = 30.0) -> list:
+        until = time.monotonic() + timeout_s
+        while self.client.xlen(self.results) < n:
+            assert time.monotonic() < until, f"{self.client.xlen(self.results)} of {n} results"
+            time.sleep(0.02)
+        return self.read_results()
+
+
+@pytest.fixture
+def ns(stores) -> Ns:
+    return Ns(stores.redis_url)
+
+
+def message(id: str | None = None, deadline_in: float = 300, lane: str = "batch", **meta) -> RequestMessage:
+    return RequestMessage(id=id or f"r-{secrets.token_hex(6)}", created=int(time.time()),
+                          deadline=int(time.time() + deadline_in),
+                          payload={"model": "m", "messages": [{"role": "user", "content": "hello there"}],
+                                   "max_tokens": 4},
+                          metadata={"tenant": "acme", "objective": lane, **meta})
+
+
+class InProcess:
+    """``run_processor`` in a thread with its own loop, until :meth:`stop`."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self.stop_event: asyncio.Event | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.ready = threading.Event()
+        self.processor = None
+
+    def _run(self):
+        async def main():
+            self.stop_event = asyncio.Event()
+            self.ready.set()
+            self.processor = await run_processor(self.settings, self.stop_event)
+        self.loop.run_until_complete(main())
+
+    def __enter__(self):
+        self.thread.start()
+        self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def test_requests_through_redis_come_back_with_the_engine_body(ns, engine):
+    sent = [message() for _ in range(20)] + [message(lane="interactive") for _ in range(5)]
+    for m in sent:
+        ns.put(m.metadata["objective"], m)
+    with InProcess(ns.settings(engine)):
+        results = ns.wait_results(len(sent))
+    assert sorted(r.id for r in results) == sorted(m.id for m in sent)
+    for r in results:
+        assert r.status_code == 200 and r.error_code == "" and r.metadata["tenant"] == "acme"
+        assert '"choices"' in r.payload and '"model":"m"' in r.payload.replace(" ", "")
+
+
+def test_duplicate_deliveries_give_one_result_each(ns, engine):
+    sent = [message() for _ in range(30)]
+    for m in sent * 2:  # F5: every message delivered twice
+        ns.put("batch", m)
+    stream = request_stream("batch", "default", f"{ns.prefix}:requests")
+    with InProcess(ns.settings(engine)):
+        ns.wait_results(len(sent))
+        until = time.monotonic() + 30
+        while ns.client.xlen(stream) and time.monotonic() < until:  # duplicates acked (and deleted) too
+            time.sleep(0.05)
+    results = ns.read_results()
+    assert sorted(r.id for r in results) == sorted(m.id for m in sent)
+    assert ns.client.xlen(stream) == 0
+
+
+def _stub(behaviour) -> tuple[FastAPI, list]:
+    seen: list = []
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        seen.append((body.get("id_hint"), dict(request.headers)))
+        return await behaviour(body, request, seen)
+    return app, seen
+
+
+def test_429_with_retry_after_is_retried_then_served_with_llm_d_headers(ns):
+    attempts: dict[str, int] = {}
+
+    async def behaviour(body, request, seen):
+        n = attempts[body["id_hint"]] = attempts.get(body["id_hint"], 0) + 1
+        if n <= 2:
+            return JSONResponse({"error": "busy"}, status_code=429,
+                                headers={"retry-after": "1", "x-llm-d-request-dropped-reason": "rejected-saturated"})
+        return JSONResponse({"ok": True, "attempt": n})
+    app, seen = _stub(behaviour)
+    port = free_port()
+    m = RequestMessage(id="r429", deadline=int(time.time() + 60), payload={"model": "m", "id_hint": "r429"},
+                       metadata={"tenant": "acme", "objective": "batch", "session_id": "s-1",
+                                 "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+                       headers={"x-custom": "kept", "x-llm-d-inference-fairness-id": "spoofed"})
+    ns.put("batch", m)
+    with serve(app, port), InProcess(ns.settings(f"http://127.0.0.1:{port}")):
+        results = ns.wait_results(1)
+    assert [(r.id, r.status_code, r.error_code) for r in results] == [("r429", 200, "")]
+    assert '"attempt":3' in results[0].payload.replace(" ", "")
+    assert len(seen) == 3
+    for _, headers in seen:
+        assert headers["x-llm-d-inference-objective"] == "batch"
+        assert headers["x-llm-d-inference-fairness-id"] == "acme"
+        assert headers["x-session-id"] == "s-1" and headers["traceparent"].startswith("00-0af7")
+        assert headers["x-custom"] == "kept"
+    budgets = [int(h["x-llm-d-slo-ttft-ms"]) for _, h in seen]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1] and budgets[0] <= 60_000
+
+
+def test_final_errors_and_poison_answers_end_with_one_result(ns):
+    async def behaviour(body, request, seen):
+        if body["id_hint"] == "bad":
+            return JSONResponse({"error": {"message": "bad model"}}, status_code=400)
+        return JSONResponse({"error": "boom"}, status_code=500)  # always fails: retried to the deadline
+    app, seen = _stub(behaviour)
+    port = free_port()
+    ns.put("batch", RequestMessage(id="bad", deadline=int(time.time() + 60), payload={"id_hint": "bad"}))
+    ns.put("batch", RequestMessage(id="poison", deadline=int(time.time() + 3), payload={"id_hint": "poison"}))
+    with serve(app, port), InProcess(ns.settings(f"http://127.0.0.1:{port}")):
+        results = {r.id: r for r in ns.wait_results(2)}
+    assert results["bad"].status_code == 400 and "bad model" in results["bad"].payload
+    assert results["poison"].status_code == 500 and results["poison"].error_code == ""
+    assert sum(1 for hint, _ in seen if hint == "bad") == 1
+    assert sum(1 for hint, _ in seen if hint == "poison") >= 2
+
+
+def test_strict_lane_priority_and_earliest_deadline_first(ns):
+    async def behaviour(body, request, seen):
+        return JSONResponse({"ok": True})
+    app, seen = _stub(behaviour)
+    port = free_port()
+    now = int(time.time())
+    plan = [("batch", 500), ("batch", 300), ("async", 400), ("interactive", 600), ("batch", 300),
+            ("interactive", 200), ("async", 100), ("batch", 100), ("interactive", 200)]
+    for i, (lane, deadline_in) in enumerate(plan):
+        ns.put(lane, RequestMessage(id=f"m{i}", deadline=now + deadline_in, payload={"id_hint": f"m{i}"},
+                                    metadata={"objective": lane}))
+    with serve(app, port), InProcess(ns.settings(f"http://127.0.0.1:{port}", concurrency=1)):
+        ns.wait_results(len(plan))
+    order = [hint for hint, _ in seen]
+    expected = [f"m{i}" for i, _ in sorted(enumerate(plan), key=lambda p: (
+        -{"interactive": 100, "async": 10, "batch": -10}[p[1][0]], p[1][1], p[0]))]
+    assert order == expected
+
+
+def test_kill_9_with_requests_in_flight_then_restart_gives_one_result_per_id(ns):
+    async def behaviour(body, request, seen):
+        await asyncio.sleep(0.05)
+        return JSONResponse({"ok": True})
+    app, seen = _stub(behaviour)
+    port = free_port()
+    sent = [message() for _ in range(200)]
+    for m in sent:
+        ns.put("batch", m)
+    settings = ns.settings(f"http://127.0.0.1:{port}")
+    argv = [*backfill_executable(), "processor", "--backend", "redis", "--redis-url", ns.redis_url,
+            "--router-url", settings.router_url, "--lease", "1", "--concurrency", "16", "--backoff-base", "0.05",
+            "--log-level", "WARNING"]
+    env = {**os.environ, "BACKFILL_PROCESSOR_STREAM_PREFIX": settings.stream_prefix,
+           "BACKFILL_PROCESSOR_RESULT_STREAM": settings.result_stream,
+           "BACKFILL_PROCESSOR_CONSUMER_GROUP": settings.consumer_group}
+    with serve(app, port):
+        first = subprocess.Popen(argv, env=env)
+        try:
+            until = time.monotonic() + 60
+            while ns.client.xlen(ns.results) < 40:
+                assert time.monotonic() < until and first.poll() is None
+                time.sleep(0.01)
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+            done_before = ns.client.xlen(ns.results)
+            assert done_before < len(sent)  # work was left in flight or queued
+            second = subprocess.Popen(argv, env=env)
+            try:
+                results = ns.wait_results(len(sent), timeout_s=60)
+                time.sleep(1.5)  # past one more lease: nothing else may appear
+                results = ns.read_results()
+            finally:
+                second.send_signal(signal.SIGTERM)
+                assert second.wait(30) == 0
+        finally:
+            if first.poll() is None:
+                first.kill()
+    ids = [r.id for r in results]
+    assert sorted(ids) == sorted(m.id for m in sent)  # every id exactly once
+    assert all(r.status_code == 200 for r in results)
+
