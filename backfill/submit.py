@@ -110,6 +110,18 @@ def submit_command(file: Path, endpoint: str | None, window: str, wait: bool, ou
 @click.option("--port", default=8000, show_default=True, type=int)
 def demo_command(file: Path, data_dir: Path, output_dir: Path, port: int) -> None:
     """Start the stack, run FILE through it, print where the results are, and stop."""
+    from backfill.up import Stop, stop_on_signals
+
+    stop_on_signals()
+    try:
+        batch = _demo(file, data_dir, output_dir, port)
+    except Stop:
+        click.echo("backfill demo stopped", err=True)
+        sys.exit(130)
+    sys.exit(0 if batch.status != "failed" else 1)
+
+
+def _demo(file: Path, data_dir: Path, output_dir: Path, port: int):
     import openai
 
     from backfill.up import run_stack
@@ -129,4 +141,4 @@ def demo_command(file: Path, data_dir: Path, output_dir: Path, port: int) -> Non
                 "built yet (issues 4 and 5), so the demo stops here; once they are, the output and "
                 f"error files will be written to {output_dir.resolve()}/"
             )
-    sys.exit(0 if batch.status != "failed" else 1)
+    return batch

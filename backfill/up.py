@@ -4,8 +4,10 @@ Starts the stores (embedded PostgreSQL and Redis under ``--data-dir`` unless ``D
 ``REDIS_URL`` are set), applies migrations, starts ``--engines`` simulated vLLM engines (or uses the
 real ones given with ``--engine-url``), the Celery worker, beat and the gateway as child
 processes, waits until the gateway and engines answer, and prints one line beginning ``backfill ready`` with
-``gateway=http://HOST:PORT/v1``. On SIGINT or SIGTERM it stops every child (SIGTERM, then SIGKILL
-after the grace period) and the stores, and exits 0. If a child dies on its own, everything is
+``gateway=http://HOST:PORT/v1``. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then
+SIGKILL after the grace period) and the stores, and exits 0; children also get SIGTERM from the
+kernel if ``backfill up`` itself is killed. One stack at a time may use a data directory (a lock
+file), and a busy port is refused before anything starts. If a child dies on its own, everything is
 stopped and the exit code is 1.
 
 The processor and router join this list in later issues.
@@ -75,9 +77,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when ``backfill up`` dies, even by SIGKILL."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _spawn(argv: list[str], env: dict, log_dir: Path, name: str) -> subprocess.Popen:
     with open(log_dir / f"{name}.log", "ab") as log:
-        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
 
 def _backfill(*args: str) -> list[str]:
@@ -121,6 +133,69 @@ def start_engines(stack: Stack, env: dict, count: int, served_model_names: list[
             raise click.ClickException(f"engine-{index}: {exc}; see {stack.data_dir / 'logs'}") from None
 
 
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            raise click.ClickException(f"port {port} on {host} is in use; choose another with --port") from None
+
+
+@contextlib.contextmanager
+def _data_dir_lock(data_dir: Path) -> Iterator[None]:
+    """Hold ``DATA_DIR/backfill.lock`` (an exclusive ``flock``) while a stack runs: a second stack on
+    the same directory would share, and on exit stop, the first one's embedded stores."""
+    import fcntl
+
+    handle = open(data_dir / "backfill.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise click.ClickException(f"the data directory {data_dir} is in use by {owner}; stop it first "
+                                   "or give another --data-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"backfill (pid {os.getpid()})")
+    handle.flush()
+    try:
+        yield
+    finally:
+        handle.close()
+
+
+@contextlib.contextmanager
+def _stores(data_dir: Path):
+    from backfill.stores import start_stores
+
+    try:
+        stores = start_stores(data_dir)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    with stores:
+        yield stores
+
+
+def _register_key(database_url: str, api_key: str) -> None:
+    """Accept ``api_key`` for the ``default`` tenant (refused clearly when another tenant owns it)."""
+    from batch_gateway import queries
+    from batch_gateway.db import make_engine, make_sessionmaker
+    from batch_gateway.settings import sqlalchemy_url
+
+    engine = make_engine(sqlalchemy_url(database_url), pool_size=1)
+    try:
+        with make_sessionmaker(engine)() as session:
+            queries.add_api_key(session, "default", api_key)
+            session.commit()
+    except ValueError as exc:
+        raise click.ClickException(f"--api-key: {exc}") from None
+    finally:
+        engine.dispose()
+
+
 @contextlib.contextmanager
 def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engines: int = 2,
               served_model_names: list[str] | None = None,
@@ -128,15 +203,16 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
     """Start the stack, yield it once the gateway and the engines answer, and stop everything on
     exit. ``engines`` simulated engines serve ``served_model_names`` unless ``engine_urls`` name
     real ones."""
-    from backfill.stores import start_stores
     from migrations.config import upgrade
 
     data_dir = data_dir.resolve()
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     api_key = api_key or "sk-bf-" + secrets.token_urlsafe(24)
-    with start_stores(data_dir) as stores:
+    _check_port_free(host, port)
+    with _data_dir_lock(data_dir), _stores(data_dir) as stores:
         upgrade(stores.database_url)
+        _register_key(stores.database_url, api_key)
         env = dict(os.environ, DATABASE_URL=stores.database_url, REDIS_URL=stores.redis_url,
                    BACKFILL_DATA_DIR=str(data_dir), BACKFILL_API_KEY=api_key)
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)
@@ -152,12 +228,19 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
             stack.stop()
 
 
-class _Stop(Exception):
-    pass
+class Stop(Exception):
+    """Raised in the main thread by SIGINT, SIGTERM or SIGHUP while :func:`stop_on_signals` is active."""
 
 
 def _raise_stop(signum, frame) -> None:
-    raise _Stop(signum)
+    raise Stop(signum)
+
+
+def stop_on_signals() -> None:
+    """Turn SIGINT, SIGTERM and SIGHUP (a closed terminal) into :class:`Stop`, so ``with`` blocks
+    unwind and every child and store is stopped."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_stop)
 
 
 @click.command("up")
@@ -178,8 +261,7 @@ def up_command(data_dir: Path, host: str, port: int, api_key: str | None, engine
                served_model_names: tuple[str, ...], engine_urls: tuple[str, ...]) -> None:
     """Run the whole stack on this machine until SIGINT/SIGTERM."""
     names = [name.strip() for value in served_model_names for name in value.split(",") if name.strip()]
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
+    stop_on_signals()
     code = 0
     try:
         with run_stack(data_dir, host, port, api_key, engines=engines, served_model_names=names,
@@ -195,7 +277,7 @@ def up_command(data_dir: Path, host: str, port: int, api_key: str | None, engine
                     code = 1
                     break
                 time.sleep(0.5)
-    except _Stop:
+    except Stop:
         pass
     click.echo("backfill stopped", err=True)
     sys.exit(code)

@@ -76,8 +76,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
-        if exc.status_code == 404:
-            message = f"Unknown request URL: {request.method} {request.url.path}."
+        if exc.status_code in (404, 405):  # no such route (or not with this method): OpenAI's wording
+            message = f"Invalid URL ({request.method} {request.url.path})"
         return JSONResponse(error_body(message, _STATUS_TYPES.get(exc.status_code, "invalid_request_error")),
                               status_code=exc.status_code, headers=getattr(exc, "headers", None))
 

@@ -94,6 +94,15 @@ def add_api_key(session: Session, tenant_name: str, key: str | None = None) -> s
     return key
 
 
+def list_api_keys(session: Session, tenant_name: str | None = None) -> list:
+    """Rows ``(tenant name, key prefix, created_at, revoked_at)``, oldest first."""
+    stmt = (select(Tenant.name, ApiKey.prefix, ApiKey.created_at, ApiKey.revoked_at)
+            .join(Tenant, Tenant.id == ApiKey.tenant_id).order_by(ApiKey.id))
+    if tenant_name is not None:
+        stmt = stmt.where(Tenant.name == tenant_name)
+    return list(session.execute(stmt).all())
+
+
 def revoke_api_key(session: Session, key: str) -> bool:
     """Revoke ``key``; returns whether an active key was revoked."""
     result = session.execute(
@@ -207,9 +216,10 @@ def add_event(session: Session, batch: Batch | None, type_: str, payload: dict |
 def insert_batch(session: Session, *, tenant_id: str, endpoint: str, input_file_id: str,
                  completion_window: str, window_seconds: int, metadata: dict | None,
                  output_expires_after: dict | None, idempotency_key: str | None,
-                 request_hash: str | None) -> Batch:
+                 request_hash: str | None, reserved_tokens: int = 0) -> Batch:
     """Insert a batch in ``validating`` with its outbox event (validate task) in the same
-    transaction. ``expires_at``/``deadline`` = database now + ``window_seconds``.
+    transaction. ``expires_at``/``deadline`` = database now + ``window_seconds``;
+    ``reserved_tokens`` hold the tenant's quota until validation counts the real estimate.
 
     Raises ``sqlalchemy.exc.IntegrityError`` when the tenant already used ``idempotency_key``.
     """
@@ -222,7 +232,7 @@ def insert_batch(session: Session, *, tenant_id: str, endpoint: str, input_file_
             expires_at=text(f"extract(epoch from now())::bigint + {int(window_seconds)}"),
             deadline=text(f"now() + interval '{int(window_seconds)} seconds'"),
             metadata_=metadata, output_expires_after=output_expires_after,
-            idempotency_key=idempotency_key, request_hash=request_hash,
+            idempotency_key=idempotency_key, request_hash=request_hash, enqueued_tokens=reserved_tokens,
         )
         .returning(Batch)
     ).scalar_one()
@@ -253,13 +263,14 @@ def list_batches(session: Session, tenant_id: str, *, limit: int,
     return _page(session, stmt, Batch, tenant_id, after, limit, True)
 
 
-def enqueued_tokens(session: Session, tenant_id: str) -> int:
-    """Estimated prompt tokens of the tenant's batches that have not ended."""
-    return session.execute(
-        select(func.coalesce(func.sum(Batch.enqueued_tokens), 0)).where(
-            Batch.tenant_id == tenant_id, Batch.status.in_(ACTIVE_BATCH_STATUSES)
-        )
-    ).scalar_one()
+def enqueued_tokens(session: Session, tenant_id: str, exclude: str | None = None) -> int:
+    """Estimated prompt tokens of the tenant's batches that have not ended (other than
+    ``exclude``)."""
+    stmt = select(func.coalesce(func.sum(Batch.enqueued_tokens), 0)).where(
+        Batch.tenant_id == tenant_id, Batch.status.in_(ACTIVE_BATCH_STATUSES))
+    if exclude is not None:
+        stmt = stmt.where(Batch.id != exclude)
+    return session.execute(stmt).scalar_one()
 
 
 def lock_tenant(session: Session, tenant_id: str) -> Tenant:
@@ -351,7 +362,7 @@ def stale_validating_batches(session: Session, older_than_seconds: float, limit:
     return list(session.execute(
         select(Batch.id)
         .where(Batch.status == "validating",
-               Batch.created_at < text(f"extract(epoch from now())::bigint - {int(older_than_seconds)}"))
+               Batch.created_at <= text(f"extract(epoch from now())::bigint - {int(older_than_seconds)}"))
         .order_by(Batch.seq)
         .limit(limit)
     ).scalars())

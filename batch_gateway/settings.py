@@ -2,7 +2,7 @@
 
 Environment variables use the prefix ``BACKFILL_GATEWAY_`` except the shared ones: ``DATABASE_URL``
 (or ``BACKFILL_DATABASE_URL``), ``REDIS_URL`` (or ``BACKFILL_REDIS_URL``), ``BACKFILL_DATA_DIR``,
-``BACKFILL_API_KEY`` and ``BACKFILL_ADMIN_KEY``.
+and ``BACKFILL_API_KEY``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import os
 from functools import cached_property
 
 from celery import Celery
+from celery.signals import worker_ready
 from sqlalchemy.orm import Session, sessionmaker
 
 from batch_gateway.db import make_engine, make_sessionmaker
@@ -106,4 +107,12 @@ def create_celery(settings: WorkerSettings) -> Celery:
     from workers import tasks
 
     tasks.register(app)
+
+    @worker_ready.connect(weak=False)
+    def resend_on_start(sender=None, **_) -> None:
+        # A validation killed with its worker is not redelivered before the visibility timeout:
+        # resend every batch still validating (validation is idempotent).
+        if getattr(sender, "app", None) is app:
+            tasks.resend_stale_validations(app.backfill, older_than_seconds=0)
+
     return app

@@ -15,7 +15,8 @@ class WorkerSettings(SharedSettings):
     worker's task comes back sooner). ``relay_interval_seconds``: how often beat resends outbox
     events older than ``relay_after_seconds`` that never reached the broker; ``purge_interval_seconds``:
     how often the bytes of deleted or expired files are removed; ``validation_stale_seconds``: a batch
-    ``validating`` for longer has its validate task sent again (checked every relay interval).
+    ``validating`` for longer has its validate task sent again (checked every relay interval; a
+    starting worker resends every ``validating`` batch at once).
     """
 
     model_config = SettingsConfigDict(env_prefix="BACKFILL_WORKER_", extra="ignore", populate_by_name=True)
@@ -41,7 +42,7 @@ class WorkerSettings(SharedSettings):
     sweep_interval_seconds: float = 10.0
     finalize_interval_seconds: float = 2.0
     webhook_interval_seconds: float = 2.0
-    validation_stale_seconds: float = 600.0
+    validation_stale_seconds: float = 120.0
 
 
 def load_settings(**overrides) -> WorkerSettings:

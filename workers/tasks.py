@@ -73,7 +73,7 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
 
         tenant = queries.lock_tenant(session, tenant_id)
         limit = tenant.enqueued_token_limit or ctx.settings.default_enqueued_token_limit
-        if queries.enqueued_tokens(session, tenant_id) + report.est_tokens > limit:
+        if queries.enqueued_tokens(session, tenant_id, exclude=batch_id) + report.est_tokens > limit:
             error = LineError("token_limit_exceeded", token_limit_message(tenant.name, limit, report.model), None, None)
             return _fail(session, batch_id, [error])
 
@@ -113,11 +113,12 @@ def give_up_validation(ctx: WorkerContext, batch_id: str) -> str:
         return _fail(session, batch_id, [error])
 
 
-def resend_stale_validations(ctx: WorkerContext) -> int:
-    """Send the validate task again for batches ``validating`` longer than
-    ``validation_stale_seconds`` (a lost task); returns how many. Validation is idempotent."""
+def resend_stale_validations(ctx: WorkerContext, older_than_seconds: float | None = None) -> int:
+    """Send the validate task again for batches ``validating`` longer than ``older_than_seconds``
+    (default ``validation_stale_seconds``: a lost task); returns how many. Validation is idempotent."""
+    age = ctx.settings.validation_stale_seconds if older_than_seconds is None else older_than_seconds
     with ctx.session() as session:
-        stale = queries.stale_validating_batches(session, ctx.settings.validation_stale_seconds)
+        stale = queries.stale_validating_batches(session, age)
     for batch_id in stale:
         ctx.celery.send_task(queries.VALIDATE_BATCH_TASK, args=[batch_id], queue=ctx.settings.task_queue)
     return len(stale)

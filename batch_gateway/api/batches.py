@@ -2,7 +2,8 @@
 
 Validation of the input file is asynchronous: create answers ``validating`` and the worker's
 validate task moves the batch on. ``POST /v1/batches`` itself answers 400 only for its own bad
-arguments and 429 ``token_limit_exceeded`` when the tenant's enqueued tokens are at the quota.
+arguments and 429 ``token_limit_exceeded`` when the tenant's enqueued tokens plus this batch's
+reservation (from its file size) would pass the quota.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ async def json_body(request: Request, max_bytes: int) -> dict:
     return value
 
 
+def reserved_tokens(file_bytes: int) -> int:
+    """Tokens a new batch holds against the quota until validated: ``ceil(file bytes / 4)``, an
+    upper bound of validation's estimate (prompt bytes / 4, OpenAI's ~4 characters per token),
+    since the prompts are part of the file."""
+    return -(-file_bytes // 4)
+
+
 def _validation_error(exc: ValidationError) -> InvalidRequestError:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
@@ -109,7 +117,8 @@ async def create_batch(request: Request, tenant: TenantDep, session: SessionDep,
             )
         locked = queries.lock_tenant(session, tenant.id)
         limit = locked.enqueued_token_limit or settings.default_enqueued_token_limit
-        if queries.enqueued_tokens(session, tenant.id) >= limit:
+        reserved = reserved_tokens(source.bytes)
+        if queries.enqueued_tokens(session, tenant.id) + reserved > limit:
             raise RateLimitError(token_limit_message(tenant.name, limit), headers={"retry-after": "60"})
         try:
             with session.begin_nested():
@@ -120,6 +129,7 @@ async def create_batch(request: Request, tenant: TenantDep, session: SessionDep,
                     output_expires_after=(args.output_expires_after.model_dump()
                                           if args.output_expires_after else None),
                     idempotency_key=idempotency_key, request_hash=request_hash,
+                    reserved_tokens=reserved,
                 )
         except IntegrityError:  # a concurrent create with the same Idempotency-Key won
             session.rollback()

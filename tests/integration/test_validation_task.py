@@ -61,31 +61,54 @@ def test_validate_twice_is_harmless(gateway):
         assert len(session.execute(select(BatchRequest).where(BatchRequest.batch_id == batch.id)).all()) == 2
 
 
-def test_token_quota_refuses_create_and_fails_oversized_batch(gateway):
-    client = gateway.client()
-    big = _upload(client, _line("a", "y" * 4000) + b"\n")
+def _set_limit(gateway, tokens: int) -> None:
     with gateway.session() as session:
-        session.execute(update(Tenant).where(Tenant.name == "default").values(enqueued_token_limit=900))
+        session.execute(update(Tenant).where(Tenant.name == "default").values(enqueued_token_limit=tokens))
         session.commit()
-    over = client.batches.create(input_file_id=big.id, endpoint="/v1/chat/completions", completion_window="24h")
-    failed = gateway.wait_status(over.id, ("failed",))
-    assert failed.errors.data[0].code == "token_limit_exceeded"
-    assert "Enqueued token limit reached" in failed.errors.data[0].message
 
-    small = _upload(client, _line("b", "z" * 4000) + b"\n")
-    with gateway.session() as session:
-        session.execute(update(Tenant).where(Tenant.name == "default").values(enqueued_token_limit=1000))
-        session.commit()
-    first = client.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
-    assert gateway.wait_status(first.id, ("in_progress",)).status == "in_progress"
+
+def test_token_quota_refuses_create_and_releases_when_a_batch_ends(gateway):
+    client = gateway.client()
+    data = _line("b", "z" * 4000) + b"\n"  # ~1,025 tokens reserved at create (file bytes / 4), 1,000 after validation
+    small = _upload(client, data)
+    _set_limit(gateway, 900)
     with pytest.raises(openai.RateLimitError) as refused:
         client.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
-    assert refused.value.body["code"] == "token_limit_exceeded"
+    assert refused.value.status_code == 429 and refused.value.body["code"] == "token_limit_exceeded"
+    assert "Enqueued token limit reached" in refused.value.body["message"]
     assert refused.value.response.headers["retry-after"]
+
+    _set_limit(gateway, 2000)
+    first = client.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert gateway.wait_status(first.id, ("in_progress",)).status == "in_progress"
+    with gateway.session() as session:
+        assert session.get(Batch, first.id).enqueued_tokens == 1000
+    with pytest.raises(openai.RateLimitError):  # 1,000 enqueued + 1,025 reserved > 2,000
+        client.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
 
     client.batches.cancel(first.id)  # the quota is released when a batch ends
     again = client.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert again.status == "validating"
+
+
+def test_validation_fails_a_batch_over_the_quota_it_meets_then(gateway):
+    from workers.tasks import validate_batch
+
+    client = gateway.client()
+    uploaded = _upload(client, _line("a", "y" * 4000) + b"\n")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    gateway.wait_status(batch.id, ("in_progress",))
+    with gateway.session() as session:  # the quota was lowered while the batch waited for validation
+        session.execute(update(Batch).where(Batch.id == batch.id).values(status="validating", in_progress_at=None))
+        session.execute(BatchRequest.__table__.delete().where(BatchRequest.batch_id == batch.id))
+        session.commit()
+    _set_limit(gateway, 900)
+    assert validate_batch(gateway.celery.backfill, batch.id) == "failed"
+    failed = client.batches.retrieve(batch.id)
+    assert failed.errors.data[0].code == "token_limit_exceeded"
+    assert "Enqueued token limit reached" in failed.errors.data[0].message
+    with gateway.session() as session:
+        assert session.execute(select(BatchRequest).where(BatchRequest.batch_id == batch.id)).first() is None
 
 
 def test_outbox_relay_sends_what_the_broker_missed(gateway):
