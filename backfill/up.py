@@ -2,15 +2,15 @@
 
 Starts the stores (embedded PostgreSQL and Redis under ``--data-dir`` unless ``DATABASE_URL`` /
 ``REDIS_URL`` are set), applies migrations, starts ``--engines`` simulated vLLM engines (or uses the
-real ones given with ``--engine-url``), the Celery worker, beat and the gateway as child
-processes, waits until the gateway and engines answer, and prints one line beginning ``backfill ready`` with
+real ones given with ``--engine-url``), the async processor (sending to the first engine until
+the router exists), the Celery worker, beat and the gateway as child processes, waits until the gateway and engines answer, and prints one line beginning ``backfill ready`` with
 ``gateway=http://HOST:PORT/v1``. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then
 SIGKILL after the grace period) and the stores, and exits 0; children also get SIGTERM from the
 kernel if ``backfill up`` itself is killed. One stack at a time may use a data directory (a lock
 file), and a busy port is refused before anything starts. If a child dies on its own, everything is
 stopped and the exit code is 1.
 
-The processor and router join this list in later issues.
+The router joins this list in a later issue.
 """
 
 from __future__ import annotations
@@ -218,6 +218,10 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)
         try:
             start_engines(stack, env, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [])
+            if stack.engine_urls:  # until the router exists, the processor sends to the first engine
+                stack.children["processor"] = _spawn(
+                    _backfill("processor", "--backend", "redis", "--router-url", stack.engine_urls[0],
+                              "--no-saturation-gate", "--log-level", "WARNING"), env, logs, "processor")
             stack.children["worker"] = _spawn(_backfill("worker"), env, logs, "worker")
             stack.children["beat"] = _spawn(_backfill("beat", "--data-dir", str(data_dir)), env, logs, "beat")
             stack.children["gateway"] = _spawn(_backfill("gateway", "--host", host, "--port", str(port)),
