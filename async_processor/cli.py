@@ -34,6 +34,8 @@ _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
               help="gate lanes below interactive on the router's /admin/state (fails closed)")
 @click.option("--lease", "lease_s", type=float, help="lease in seconds (default 30)")
 @click.option("--max-deliveries", type=int, help="dead-letter after this many deliveries (default 5)")
+@click.option("--max-error-attempts", type=int, help="attempts of a request answered 500/502/504/408 or not at "
+              "all before its last answer is final (default 5; 429/503 retry until the deadline)")
 @click.option("--buffer", "buffer_size", type=int, help="messages held in memory (default 256)")
 @click.option("--grace", "grace_s", type=float, help="seconds in-flight work may finish on SIGTERM (default 20)")
 @click.option("--backoff-base", "backoff_base_s", type=float, help="retry backoff base in seconds (default 2)")

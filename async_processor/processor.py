@@ -11,6 +11,8 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
   and starts an attempt for each item the gates admit, highest lane and earliest deadline first.
 - **attempts**: one POST ``{router_url}{endpoint}`` each, with the llm-d headers; a retryable answer
   releases the gate slot and puts the work back with a backoff (:mod:`async_processor.retry`).
+  429/503 retry until the deadline; a server error or no answer at all ends the request with its
+  last answer after ``max_error_attempts`` (a poison request never runs to its deadline).
 - **settler**: publishes results in batches, marks their ids done, then acks (never before).
 - **lease keeper** and **gate refresher**: extend leases of held messages every ``lease/3`` seconds,
   re-read gate signals every ``saturation_poll_s``.
@@ -47,6 +49,10 @@ from async_processor.messages import (
     invalid_request_result,
 )
 from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
+
+NOT_NOW = frozenset({429, 503})
+"""The router's "not now" answers: retried until the deadline, never counted against
+``max_error_attempts``."""
 from async_processor.settings import ProcessorSettings
 
 log = logging.getLogger(__name__)
@@ -279,6 +285,13 @@ class Processor:
             if not is_retryable(status):
                 self.counts["success" if status < 400 else "http_error"] += 1
                 self._finish(work, http_result(request, status, body))
+                return
+            if status not in NOT_NOW and work.attempts >= self.settings.max_error_attempts:
+                # a poison request: end it with its last answer instead of retrying to the deadline
+                self.counts["http_error" if status else "inference_error"] += 1
+                self._finish(work, http_result(request, status, body) if status else error_result(
+                    request.id, ErrorCode.INFERENCE_ERROR, f"no answer after {work.attempts} attempts: "
+                    f"{body.decode(errors='replace')}", request.metadata))
                 return
             if status:
                 work.last_status, work.last_body = status, body

@@ -39,6 +39,8 @@ class ProcessorSettings(BaseSettings):
     receive_batch: int = Field(128, ge=1, description="messages asked for per receive call")
     lease_s: float = Field(30.0, gt=0, description="a held message is redelivered after this much silence")
     max_deliveries: int = Field(5, ge=1, description="dead-letter on the delivery after this many")
+    max_error_attempts: int = Field(5, ge=1, description="attempts of a request the router answers with "
+                                    "a server error (500, 502, 504, 408) or not at all; 429/503 retry until the deadline")
     backoff_base_s: float = Field(2.0, gt=0)
     backoff_cap_s: float = Field(60.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, description="one HTTP attempt at most (and the deadline)")

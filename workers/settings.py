@@ -33,8 +33,11 @@ class WorkerSettings(SharedSettings):
     feed_window: int = 1000
     """Requests of one batch queued at a time (the rest wait in Postgres, so a cancel or an
     expiry drops little from the queue)."""
-    lease_seconds: float = 600.0
-    """How long a queued request may stay without a result before the sweeper hands it back."""
+    lease_seconds: float = 3600.0
+    """How long a queued request may stay without a result before the sweeper hands it back. It
+    covers the time in the queue and in the processor's retries (which end within
+    ``max_error_attempts`` or at the deadline), so it is long; a lost queue (Redis emptied) is
+    recovered within lease + sweep interval."""
     max_attempts: int = 3
     """Deliveries of one request before it ends as ``request_timeout`` (RELIABILITY.md F6)."""
     feed_interval_seconds: float = 1.0
