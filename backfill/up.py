@@ -3,12 +3,13 @@
 Starts the stores (embedded PostgreSQL and Redis under ``--data-dir`` unless ``DATABASE_URL`` /
 ``REDIS_URL`` are set), applies migrations, starts ``--engines`` simulated vLLM engines (or uses the
 real ones given with ``--engine-url``), the async processor (sending to the first engine until
-the router exists), the Celery worker, beat and the gateway as child processes, waits until the gateway and engines answer, and prints one line beginning ``backfill ready`` with
+the router exists), the Celery worker, beat and the gateway as child processes, waits until the
+gateway and engines answer, and prints one line beginning ``backfill ready`` with
 ``gateway=http://HOST:PORT/v1``. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then
 SIGKILL after the grace period) and the stores, and exits 0; children also get SIGTERM from the
 kernel if ``backfill up`` itself is killed. One stack at a time may use a data directory (a lock
-file), and a busy port is refused before anything starts. If a child dies on its own, everything is
-stopped and the exit code is 1.
+file), and a busy port is refused before anything starts. A child that dies on its own is
+restarted; one that keeps dying (more than 5 times a minute) stops everything with exit code 1.
 
 The router joins this list in a later issue.
 """
@@ -31,6 +32,9 @@ import click
 import httpx
 
 GRACE_SECONDS = 15.0
+MAX_RESTARTS = 5
+RESTART_WINDOW_SECONDS = 60.0
+"""A child that exits more than ``MAX_RESTARTS`` times within this window stops the stack."""
 DEFAULT_MODELS = ("sim-model",)
 """Model names the simulated engines serve when ``--served-model-name`` is not given (the
 examples in ``examples/`` use it)."""
@@ -48,12 +52,35 @@ class Stack:
     """Environment of the children (``DATABASE_URL``, ``REDIS_URL``, ``BACKFILL_DATA_DIR``, …)."""
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     engine_urls: list[str] = field(default_factory=list)
+    argv: dict[str, list[str]] = field(default_factory=dict)
+    restarts: dict[str, list[float]] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """Start child ``name`` (output to ``logs/NAME.log``), remembering how, to restart it."""
+        self.argv[name] = argv
+        self.children[name] = _spawn(argv, self.env, self.data_dir / "logs", name)
+        return self.children[name]
 
     def dead_child(self) -> str | None:
         """The name of a child that exited, if any."""
         for name, proc in self.children.items():
             if proc.poll() is not None:
                 return name
+        return None
+
+    def restart_dead(self) -> str | None:
+        """Restart every child that exited; returns the name of one that exited more than
+        :data:`MAX_RESTARTS` times within :data:`RESTART_WINDOW_SECONDS` (not restarted), or None."""
+        now = time.monotonic()
+        for name, proc in list(self.children.items()):
+            if proc.poll() is None:
+                continue
+            recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_SECONDS]
+            if len(recent) >= MAX_RESTARTS:
+                return name
+            self.restarts[name] = recent + [now]
+            click.echo(f"backfill: {name} exited with status {proc.returncode}; restarting it", err=True)
+            self.start(name, self.argv[name])
         return None
 
     def stop(self, grace: float = GRACE_SECONDS) -> None:
@@ -111,7 +138,7 @@ def _wait_ready(url: str, stack: Stack, timeout: float = READY_TIMEOUT_SECONDS) 
     raise click.ClickException(f"{url} did not answer within {timeout:.0f} s")
 
 
-def start_engines(stack: Stack, env: dict, count: int, served_model_names: list[str],
+def start_engines(stack: Stack, count: int, served_model_names: list[str],
                   engine_urls: list[str]) -> None:
     """Use ``engine_urls`` (real vLLM servers) when given; otherwise start ``count`` simulated
     engines serving ``served_model_names`` on free ports and wait until each answers ``/health``."""
@@ -123,8 +150,7 @@ def start_engines(stack: Stack, env: dict, count: int, served_model_names: list[
     for index in range(count):
         engine_port = free_port()
         name = f"engine-{index}"
-        stack.children[name] = _spawn(sim_engine_argv(engine_port, served_model_names), env,
-                                      stack.data_dir / "logs", name)
+        stack.start(name, sim_engine_argv(engine_port, served_model_names))
         stack.engine_urls.append(f"http://127.0.0.1:{engine_port}")
     for index, url in enumerate(stack.engine_urls):
         try:
@@ -217,15 +243,14 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
                    BACKFILL_DATA_DIR=str(data_dir), BACKFILL_API_KEY=api_key)
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)
         try:
-            start_engines(stack, env, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [])
+            start_engines(stack, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [])
             if stack.engine_urls:  # until the router exists, the processor sends to the first engine
-                stack.children["processor"] = _spawn(
-                    _backfill("processor", "--backend", "redis", "--router-url", stack.engine_urls[0],
-                              "--no-saturation-gate", "--log-level", "WARNING"), env, logs, "processor")
-            stack.children["worker"] = _spawn(_backfill("worker"), env, logs, "worker")
-            stack.children["beat"] = _spawn(_backfill("beat", "--data-dir", str(data_dir)), env, logs, "beat")
-            stack.children["gateway"] = _spawn(_backfill("gateway", "--host", host, "--port", str(port)),
-                                               env, logs, "gateway")
+                stack.start("processor", _backfill("processor", "--backend", "redis", "--router-url",
+                                                   stack.engine_urls[0], "--no-saturation-gate",
+                                                   "--log-level", "WARNING"))
+            stack.start("worker", _backfill("worker"))
+            stack.start("beat", _backfill("beat", "--data-dir", str(data_dir)))
+            stack.start("gateway", _backfill("gateway", "--host", host, "--port", str(port)))
             _wait_ready(f"http://{host}:{port}/health", stack)
             yield stack
         finally:
@@ -275,9 +300,9 @@ def up_command(data_dir: Path, host: str, port: int, api_key: str | None, engine
                        f"data_dir={stack.data_dir} logs={stack.data_dir / 'logs'}", err=False)
             sys.stdout.flush()
             while True:
-                dead = stack.dead_child()
-                if dead:
-                    click.echo(f"backfill: {dead} exited; stopping", err=True)
+                failing = stack.restart_dead()
+                if failing:
+                    click.echo(f"backfill: {failing} keeps exiting; stopping", err=True)
                     code = 1
                     break
                 time.sleep(0.5)

@@ -11,6 +11,9 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -192,3 +195,53 @@ def gateway(gateway_settings) -> Iterator[Gateway]:
     ):
         yield Gateway(base_url=f"http://127.0.0.1:{port}", api_key=settings.api_key,
                       settings=settings, celery=celery)
+
+
+@dataclass
+class UpStack:
+    """A ``backfill up`` subprocess: its ready line, base URL, API key and process."""
+
+    proc: subprocess.Popen
+    ready_line: str
+    base_url: str
+    api_key: str
+
+    def client(self):
+        """The real ``openai`` client on the stack's gateway."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+
+    def child(self, name: str):
+        """The ``psutil.Process`` of the running child ``name`` (``processor``, ``gateway``,
+        ``engine-sim``; ``worker`` and ``beat`` are found by the titles Celery gives them)."""
+        import psutil
+
+        marks = {"worker": "[celeryd:", "beat": "[celery beat]"}
+        for proc in psutil.Process(self.proc.pid).children():
+            cmdline = " ".join(proc.cmdline())
+            if marks.get(name, f"backfill {name} ") in cmdline + " " and proc.status() != psutil.STATUS_ZOMBIE:
+                return proc
+        raise LookupError(f"no child {name!r}")
+
+
+@contextlib.contextmanager
+def backfill_up(data_dir: Path, *args: str, env: dict | None = None) -> Iterator[UpStack]:
+    """Run ``backfill up`` as a user would (embedded stores), yield once it printed its ready line,
+    and stop it with SIGTERM at the end (it must exit 0)."""
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    environ.update(env or {})
+    proc = subprocess.Popen([sys.executable, "-m", "backfill", "up", "--data-dir", str(data_dir),
+                             "--port", str(port), "--api-key", "sk-up", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("backfill ready"), line + (proc.stderr.read() if proc.poll() is not None else "")
+        yield UpStack(proc, line, f"http://127.0.0.1:{port}/v1", "sk-up")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -5,19 +5,14 @@ into the SDK's types, usage totals equal to the sum of the lines."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 
-import openai
 import orjson
 import pytest
 from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from tests.conftest import SHARED_BATCHES, free_port
+from tests.conftest import SHARED_BATCHES, backfill_up
 
 SERVED = ["gpt-3.5-turbo", "gpt-3.5-turbo-0125", "meta-llama/Meta-Llama-3-8B-Instruct",
           "intfloat/e5-mistral-7b-instruct"]
@@ -27,21 +22,13 @@ then fail one by one with the engine's 404, as vLLM answers."""
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "backfill", "up", "--data-dir", str(tmp_path_factory.mktemp("e2e") / "data"),
-         "--port", str(port), "--api-key", "sk-e2e", "--engines", "1",
-         "--served-model-name", ",".join(SERVED)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("backfill ready"), line + (proc.stderr.read() if proc.poll() is not None else "")
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-e2e", max_retries=0)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0
+    with backfill_up(tmp_path_factory.mktemp("e2e") / "data", "--engines", "1",
+                     "--served-model-name", ",".join(SERVED)) as up:
+        yield up.client()
 
 
-def _wait_terminal(client, batch_id: str, timeout: float = 90.0):
+def wait_terminal(client, batch_id: str, timeout: float = 90.0):
+    """Poll until the batch ends; returns it and the statuses seen, in order."""
     deadline = time.monotonic() + timeout
     seen = []
     while True:
@@ -61,7 +48,7 @@ def test_shared_batch_file_runs_end_to_end(stack, path):
     custom_ids = [orjson.loads(line)["custom_id"] for line in path.read_bytes().splitlines() if line.strip()]
     uploaded = client.files.create(file=path.open("rb"), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
-    done, statuses = _wait_terminal(client, batch.id)
+    done, statuses = wait_terminal(client, batch.id)
 
     assert done.status == "completed", (statuses, done.errors)
     assert set(statuses) <= {"validating", "in_progress", "finalizing", "completed"}
