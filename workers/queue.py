@@ -65,7 +65,17 @@ class BatchQueue:
 
     def read_results(self, count: int = 1000) -> list[tuple[bytes, ResultMessage | None]]:
         """Up to ``count`` result entries as ``(entry_id, result)``; ``result`` is None for an entry
-        that is not a result message or was trimmed (ack it and move on)."""
+        that is not a result message or was trimmed (ack it and move on). A consumer group lost
+        with its Redis (restarted empty) is created again."""
+        try:
+            return self._read_results(count)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._group_ready = False
+            return self._read_results(count)
+
+    def _read_results(self, count: int) -> list[tuple[bytes, ResultMessage | None]]:
         self._ensure_group()
         reply = self.redis.xautoclaim(self.result_stream, COLLECTOR_GROUP, self.consumer,
                                       min_idle_time=self.reclaim_idle_ms, start_id="0-0", count=count)
