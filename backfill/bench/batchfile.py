@@ -89,6 +89,7 @@ def write_batch_file(
     model: str = "sim-model",
     seed: int = 0,
     shared_prefixes: int = 50,
+    max_tokens: int | None = None,
 ) -> int:
     """Write ``lines`` batch request lines to ``path`` (LF-terminated); return the bytes written.
 
@@ -98,12 +99,14 @@ def write_batch_file(
     below that the lines are written unpadded and the file is larger than asked.
     ``shared_prefixes``: how many distinct system prompts the lines draw from (each line picks one at
     random; they differ within their first 30 bytes, so ``(model, prefix)`` ordering groups them).
+    ``max_tokens``: every line's output limit (``max_tokens`` / ``max_output_tokens``); None draws
+    one from 16–256 per line. Either way the rest of the file is the same for the same seed.
     ``seed`` fixes every random choice, so equal arguments give identical files. The file is streamed
-    in ~1 MiB writes, never held whole in memory. Raises ``ValueError`` if ``lines`` < 1 or
-    ``shared_prefixes`` < 1, and ``OSError`` from the file system.
+    in ~1 MiB writes, never held whole in memory. Raises ``ValueError`` if ``lines``,
+    ``shared_prefixes`` or ``max_tokens`` is below 1, and ``OSError`` from the file system.
     """
-    if lines < 1 or shared_prefixes < 1:
-        raise ValueError("lines and shared_prefixes must be at least 1")
+    if lines < 1 or shared_prefixes < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError("lines, shared_prefixes and max_tokens must be at least 1")
     rng = random.Random(seed)
     prompts = _system_prompts(rng, shared_prefixes)
     pool = _filler(rng, _POOL_BYTES)
@@ -115,12 +118,13 @@ def write_batch_file(
         for n in range(1, lines + 1):
             system = prompts[rng.randrange(shared_prefixes)]
             question = f"Item {n}: "
-            max_tokens = 16 + rng.randrange(241)
+            drawn = 16 + rng.randrange(241)
+            limit = drawn if max_tokens is None else max_tokens
             record = {
                 "custom_id": f"request-{n}",
                 "method": "POST",
                 "url": endpoint,
-                "body": _body(endpoint, model, system, question, max_tokens),
+                "body": _body(endpoint, model, system, question, limit),
             }
             bare = len(orjson.dumps(record)) + 1  # + the newline
             # Spread what is left of the budget evenly over the lines still to write.
@@ -131,7 +135,7 @@ def write_batch_file(
                 text = pool[start : start + pad]
                 while len(text) < pad:  # wrap around the pool (or repeat it for huge lines)
                     text += pool[: pad - len(text)]
-                record["body"] = _body(endpoint, model, system, question + text, max_tokens)
+                record["body"] = _body(endpoint, model, system, question + text, limit)
             line = orjson.dumps(record) + b"\n"
             buffer.append(line)
             buffered += len(line)

@@ -81,7 +81,21 @@ def test_file_is_streamed_not_built_in_memory(tmp_path: Path) -> None:
     assert peak < 8 << 20  # ~1 MiB filler pool + ~1 MiB write buffer, not the 24 MB file
 
 
-@pytest.mark.parametrize("kwargs", [{"lines": 0}, {"lines": 1, "shared_prefixes": 0}])
+def test_fixed_max_tokens_changes_only_the_limit(tmp_path: Path) -> None:
+    drawn, fixed = tmp_path / "drawn.jsonl", tmp_path / "fixed.jsonl"
+    write_batch_file(drawn, lines=30, target_bytes=10)
+    write_batch_file(fixed, lines=30, target_bytes=10, max_tokens=7)
+    drawn_lines = [orjson.loads(line) for line in drawn.read_bytes().splitlines()]
+    fixed_lines = [orjson.loads(line) for line in fixed.read_bytes().splitlines()]
+    assert {line["body"]["max_tokens"] for line in fixed_lines} == {7}
+    assert len({line["body"]["max_tokens"] for line in drawn_lines}) > 1
+    for a, b in zip(drawn_lines, fixed_lines, strict=True):
+        a["body"].pop("max_tokens"), b["body"].pop("max_tokens")
+        assert a == b
+
+
+@pytest.mark.parametrize("kwargs", [{"lines": 0}, {"lines": 1, "shared_prefixes": 0},
+                                    {"lines": 1, "max_tokens": 0}])
 def test_bad_arguments_raise(tmp_path: Path, kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         write_batch_file(tmp_path / "x", target_bytes=100, **kwargs)
