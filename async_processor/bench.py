@@ -104,8 +104,9 @@ async def _wait_len(client, stream: str, n: int, timeout_s: float) -> None:
 
 
 async def bench_processor_redis(redis_url: str, target: str, n: int, concurrency: int,
-                                transport: str = "aiohttp") -> float:
-    """Messages/s of one processor over Redis Streams (N preloaded, until N results)."""
+                                client: str = "aiohttp") -> float:
+    """Messages/s of one processor over Redis Streams (N preloaded, until N results); ``client``:
+    see :func:`_router_client`."""
     import redis.asyncio as aioredis
 
     from async_processor.processor import run_processor
@@ -114,20 +115,22 @@ async def bench_processor_redis(redis_url: str, target: str, n: int, concurrency
     ns = f"bench-{secrets.token_hex(4)}"
     settings = build_settings(backend="redis", redis_url=redis_url, router_url=target, lanes=["batch"],
                               stream_prefix=f"{ns}:requests", result_stream=f"{ns}:results",
-                              consumer_group=f"{ns}-group", concurrency=concurrency, http_transport=transport,
+                              consumer_group=f"{ns}-group", concurrency=concurrency,
                               buffer_size=max(256, concurrency * 4), receive_batch=256)
-    client = aioredis.Redis.from_url(redis_url)
+    redis = aioredis.Redis.from_url(redis_url)
     stream = f"{ns}:requests:default:batch"
-    await _preload(client, stream, _messages(n, ns))
+    await _preload(redis, stream, _messages(n, ns))
     stop = asyncio.Event()
     start = time.perf_counter()
-    task = asyncio.create_task(run_processor(settings, stop))
-    await _wait_len(client, settings.result_stream, n, 600)
+    http = _router_client(client, concurrency)
+    task = asyncio.create_task(run_processor(settings, stop, http=http))
+    await _wait_len(redis, settings.result_stream, n, 600)
     elapsed = time.perf_counter() - start
     stop.set()
     await task
-    await client.delete(stream, settings.result_stream)
-    await client.aclose()
+    await http.aclose()
+    await redis.delete(stream, settings.result_stream)
+    await redis.aclose()
     return n / elapsed
 
 
@@ -165,24 +168,39 @@ async def bench_redis_loop(redis_url: str, n: int, batch: int = 256) -> float:
     return n / elapsed
 
 
-async def bench_http(target: str, n: int, concurrency: int, transport: str = "aiohttp") -> float:
-    """Requests/s of POSTs through the processor's HTTP client (:func:`make_http_client`, wire
-    ``transport``) straight to the target at ``concurrency``."""
-    from async_processor.processor import make_http_client
-    from async_processor.settings import build_settings
+def _router_client(kind: str, concurrency: int):
+    """The processor's router client (``aiohttp``: :func:`make_router_client`), or the same port
+    over httpx's own pool (``httpx``) for comparison."""
+    from async_processor.router_client import HttpxRouterClient, make_router_client
 
+    if kind == "aiohttp":
+        return make_router_client(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return HttpxRouterClient(httpx.AsyncClient(limits=limits))
+
+
+async def bench_http(target: str, n: int, concurrency: int, client: str = "aiohttp") -> float:
+    """Requests/s of POSTs through the processor's router client (:func:`_router_client`)
+    straight to the target at ``concurrency``, no queue."""
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    headers = {"content-type": "application/json"}
+    url = target + "/v1/chat/completions"
     left = n
-    async with make_http_client(build_settings(concurrency=concurrency, http_transport=transport)) as client:
-        async def worker():
-            nonlocal left
-            while left > 0:
-                left -= 1
-                (await client.post(target + "/v1/chat/completions", content=body,
-                                   headers={"content-type": "application/json"})).raise_for_status()
+    http = _router_client(client, concurrency)
+
+    async def worker():
+        nonlocal left
+        while left > 0:
+            left -= 1
+            answer = await http.post(url, body, headers, 30.0)
+            if answer.status != 200:
+                raise click.ClickException(f"target answered {answer.status}")
+    try:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return n / (time.perf_counter() - start)
+    finally:
+        await http.aclose()
 
 
 async def bench_processor_pubsub(emulator_host: str, target: str, n: int, concurrency: int) -> float:
@@ -271,9 +289,9 @@ def bench_processor_command(n: int, pubsub_messages: int, concurrency: int, redi
         rows.append(("baseline redis loop (no HTTP)", n, asyncio.run(bench_redis_loop(redis_url, n))))
         rows.append(("processor redis", n, asyncio.run(bench_processor_redis(redis_url, target, n, concurrency))))
         small = max(1000, n // 10)
-        rows.append(("baseline http, httpx wire (no queue)", small,
+        rows.append(("baseline http, httpx client (no queue)", small,
                      asyncio.run(bench_http(target, small, concurrency, "httpx"))))
-        rows.append(("processor redis, httpx wire", small,
+        rows.append(("processor redis, httpx client", small,
                      asyncio.run(bench_processor_redis(redis_url, target, small, concurrency, "httpx"))))
         if pubsub:
             emulator = _start_emulator()

@@ -25,8 +25,6 @@ _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
 @click.option("--redis-url", help="redis-py URL (default: REDIS_URL, else redis://127.0.0.1:6379/0)")
 @click.option("--router-url", help="where requests are POSTed: router, llm-d gateway or one engine")
 @click.option("--pool", help="pool name in stream/topic names (default: default)")
-@click.option("--http-transport", type=click.Choice(["aiohttp", "httpx"]),
-              help="wire under the httpx client (default aiohttp: its pool is faster)")
 @click.option("--lanes", help="comma-separated lanes to read (default: interactive,async,batch)")
 @click.option("--concurrency", type=int, help="requests in flight at most (default 64)")
 @click.option("--tenant-limit", type=int, help="requests in flight per tenant (default 0 = no limit)")

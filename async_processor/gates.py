@@ -25,9 +25,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import httpx
+import orjson
 
 from async_processor.lanes import Work
+from async_processor.router_client import NoAnswer, RouterClient
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,10 @@ class TenantQuotaGate:
 
 class SaturationGate:
     """Admits lanes below ``exempt_priority`` only while the router's ``pool_saturation`` < 1.0 and
-    the reading is at most ``max_age_s`` seconds old. ``client``: an ``httpx.AsyncClient`` owned by the
-    caller. ``clock``: monotonic seconds."""
+    the reading is at most ``max_age_s`` seconds old. ``client``: a
+    :class:`~async_processor.router_client.RouterClient` owned by the caller. ``clock``: monotonic seconds."""
 
-    def __init__(self, client: httpx.AsyncClient, router_url: str, *, max_age_s: float = 2.0,
+    def __init__(self, client: RouterClient, router_url: str, *, max_age_s: float = 2.0,
                  exempt_priority: int = 100, timeout_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic):
         self.client = client
@@ -132,11 +133,11 @@ class SaturationGate:
     async def refresh(self) -> None:
         """One ``GET /admin/state``; an unusable answer clears the reading (fail closed)."""
         try:
-            resp = await self.client.get(self.url, timeout=self.timeout_s)
-            value = resp.json().get("pool_saturation") if resp.status_code == 200 else None
+            answer = await self.client.get(self.url, self.timeout_s)
+            value = orjson.loads(answer.body).get("pool_saturation") if answer.status == 200 else None
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"status {resp.status_code}, pool_saturation={value!r}")
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                raise ValueError(f"status {answer.status}, pool_saturation={value!r}")
+        except (NoAnswer, ValueError, AttributeError) as exc:
             if self.saturation is not None:
                 log.warning("router saturation unreadable; gating closed",
                             extra={"action": "gate_unreadable", "error": str(exc)})

@@ -32,7 +32,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
 import orjson
 
 from async_processor.backends.base import Admission, Delivery, QueueBackend
@@ -49,6 +48,7 @@ from async_processor.messages import (
     invalid_request_result,
 )
 from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
+from async_processor.router_client import NoAnswer, RouterClient, make_router_client
 
 NOT_NOW = frozenset({429, 503})
 """The router's "not now" answers: retried until the deadline, never counted against
@@ -92,7 +92,7 @@ def request_headers(request: RequestMessage, lane: str, time_left_s: float) -> d
     return headers
 
 
-def build_gates(settings: ProcessorSettings, client: httpx.AsyncClient) -> AllGates:
+def build_gates(settings: ProcessorSettings, client: RouterClient) -> AllGates:
     """The gates the settings ask for: always the fixed concurrency; a tenant quota when
     ``tenant_limit`` > 0; the router saturation gate when ``saturation_gate``."""
     gates: list[Gate] = [ConcurrencyGate(settings.concurrency)]
@@ -104,12 +104,12 @@ def build_gates(settings: ProcessorSettings, client: httpx.AsyncClient) -> AllGa
 
 
 class Processor:
-    """See the module docstring. ``backend`` must be started; ``http`` and ``backend`` belong to the
-    caller. ``counts``: outcome label -> number (``success``, ``http_error``, ``retried``,
+    """See the module docstring. ``backend`` must be started; ``http`` (the router client, see
+    :mod:`async_processor.router_client`) and ``backend`` belong to the caller. ``counts``: outcome label -> number (``success``, ``http_error``, ``retried``,
     ``deadline_exceeded``, ``invalid``, ``dead_lettered``, ``duplicate``, ``handed_back``,
     ``cancelled``)."""
 
-    def __init__(self, settings: ProcessorSettings, backend: QueueBackend, http: httpx.AsyncClient,
+    def __init__(self, settings: ProcessorSettings, backend: QueueBackend, http: RouterClient,
                  gate: Gate | None = None, *, rng: random.Random | None = None):
         self.settings = settings
         self.backend = backend
@@ -274,14 +274,13 @@ class Processor:
             work.attempts += 1
             status, body, retry_after = 0, b"", None
             try:
-                resp = await self.http.post(
-                    self.router_url + request.endpoint, content=work.body,
-                    headers=request_headers(request, work.lane, time_left),
-                    timeout=min(self.settings.request_timeout_s, time_left))
-                status, body = resp.status_code, resp.content
-                retry_after = parse_retry_after(resp.headers.get("retry-after"))
-            except httpx.HTTPError as exc:
-                body = f"{type(exc).__name__}: {exc}".encode()
+                answer = await self.http.post(self.router_url + request.endpoint, work.body,
+                                              request_headers(request, work.lane, time_left),
+                                              min(self.settings.request_timeout_s, time_left))
+                status, body = answer.status, answer.body
+                retry_after = parse_retry_after(answer.retry_after)
+            except NoAnswer as exc:
+                body = str(exc).encode()
             if not is_retryable(status):
                 self.counts["success" if status < 400 else "http_error"] += 1
                 self._finish(work, http_result(request, status, body))
@@ -388,17 +387,6 @@ class Processor:
                 await asyncio.wait_for(self._closed.wait(), self.settings.saturation_poll_s)
 
 
-def make_http_client(settings: ProcessorSettings) -> httpx.AsyncClient:
-    """The client to the router: httpx API, wire per ``settings.http_transport`` (see
-    :mod:`async_processor.http_transport`), ``concurrency`` connections, ``request_timeout_s``."""
-    if settings.http_transport == "aiohttp":
-        from async_processor.http_transport import AiohttpTransport
-
-        return httpx.AsyncClient(transport=AiohttpTransport(settings.concurrency), timeout=settings.request_timeout_s)
-    limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
-    return httpx.AsyncClient(limits=limits, timeout=settings.request_timeout_s)
-
-
 async def _finish_tasks(tasks: Sequence[asyncio.Task], patience_s: float = 1.0) -> None:
     """Wait up to ``patience_s`` for ``tasks`` to end by themselves, then cancel the rest and wait."""
     if not tasks:
@@ -414,19 +402,23 @@ async def _finish_tasks(tasks: Sequence[asyncio.Task], patience_s: float = 1.0) 
             log.error("processor task failed", exc_info=task.exception(), extra={"action": "task_failed"})
 
 
-async def run_processor(settings: ProcessorSettings, stop: asyncio.Event, backend: QueueBackend | None = None) -> Processor:
-    """Build the backend (unless given), HTTP client and gates from ``settings``, pump until ``stop``,
-    close what was built here, and return the processor (for its ``counts``)."""
+async def run_processor(settings: ProcessorSettings, stop: asyncio.Event, backend: QueueBackend | None = None,
+                        http: RouterClient | None = None) -> Processor:
+    """Build the backend and the router client (:func:`~async_processor.router_client.make_router_client`)
+    unless given, and the gates, from ``settings``; pump until ``stop``; close what was built here;
+    return the processor (for its ``counts``)."""
     from async_processor.backends import make_backend
 
-    own_backend = backend is None
+    own_backend, own_http = backend is None, http is None
     backend = backend or make_backend(settings)
     await backend.start()
+    http = http or make_router_client(settings.concurrency)
     try:
-        async with make_http_client(settings) as http:
-            processor = Processor(settings, backend, http)
-            await processor.run(stop)
-            return processor
+        processor = Processor(settings, backend, http)
+        await processor.run(stop)
+        return processor
     finally:
+        if own_http:
+            await http.aclose()
         if own_backend:
             await backend.close()

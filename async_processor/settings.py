@@ -26,8 +26,6 @@ class ProcessorSettings(BaseSettings):
     pool: str = DEFAULT_POOL
     lanes: list[str] = Field(default_factory=lambda: list(LANE_PRIORITIES))
     router_url: str = "http://127.0.0.1:8000"
-    http_transport: Literal["aiohttp", "httpx"] = Field(
-        "aiohttp", description="wire under the httpx client: aiohttp's pool (fast) or httpx's own")
 
     concurrency: int = Field(64, ge=1, description="requests in flight at most (fixed gate)")
     tenant_limit: int = Field(0, ge=0, description="in flight per tenant; 0 = no tenant gate")

@@ -14,6 +14,7 @@ import httpx
 from async_processor.backends.base import Delivery, QueueBackend
 from async_processor.messages import ResultMessage
 from async_processor.processor import Processor
+from async_processor.router_client import HttpxRouterClient, RouterClient
 from async_processor.settings import ProcessorSettings
 
 
@@ -65,7 +66,7 @@ class OrderCheckingBackend:
 
 
 @contextlib.asynccontextmanager
-async def running(settings: ProcessorSettings, backend: QueueBackend, http: httpx.AsyncClient
+async def running(settings: ProcessorSettings, backend: QueueBackend, http: RouterClient
                   ) -> AsyncIterator[Processor]:
     """A :class:`Processor` pumping in the current loop for the duration of the block, then stopped
     (with its normal shutdown)."""
@@ -79,6 +80,7 @@ async def running(settings: ProcessorSettings, backend: QueueBackend, http: http
         await task
 
 
-def mock_target(handler: Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]) -> httpx.AsyncClient:
-    """An ``httpx.AsyncClient`` whose requests go to ``handler`` (``httpx.MockTransport``)."""
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+def mock_target(handler: Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]) -> HttpxRouterClient:
+    """A router client whose requests go to ``handler`` (``httpx.MockTransport``); an exception
+    ``handler`` raises that is an ``httpx.HTTPError`` (``httpx.ConnectError``, ...) is "no answer"."""
+    return HttpxRouterClient(httpx.AsyncClient(transport=httpx.MockTransport(handler)))

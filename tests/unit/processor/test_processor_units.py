@@ -25,6 +25,7 @@ from async_processor.messages import (
 )
 from async_processor.processor import request_headers
 from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
+from async_processor.testing import mock_target
 
 
 def work(lane="batch", deadline=1000, tenant="t", id=None) -> Work:
@@ -122,7 +123,7 @@ def test_saturation_gate_fails_closed(answer, open_):
 
     async def main():
         clock = [0.0]
-        client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(answer[0], json=answer[1])))
+        client = mock_target(lambda r: httpx.Response(answer[0], json=answer[1]))
         gate = SaturationGate(client, "http://router", max_age_s=2.0, clock=lambda: clock[0])
         assert not gate.admits(work("batch"))  # nothing read yet: closed
         assert gate.admits(work("interactive"))  # exempt
@@ -141,7 +142,7 @@ def test_saturation_gate_closed_when_router_unreachable():
         raise httpx.ConnectError("refused", request=request)
 
     async def main():
-        client = httpx.AsyncClient(transport=httpx.MockTransport(refuse))
+        client = mock_target(refuse)
         gate = SaturationGate(client, "http://router")
         await gate.refresh()
         assert not gate.admits(work("async"))
