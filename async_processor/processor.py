@@ -13,7 +13,7 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
   releases the gate slot and puts the work back with a backoff (:mod:`async_processor.retry`).
   429/503 retry until the deadline; a server error or no answer at all ends the request with its
   last answer after ``max_error_attempts`` (a poison request never runs to its deadline).
-- **settler**: publishes results in batches, marks their ids done, then acks (never before).
+- **settler**: publishes results in batches (which marks their ids done), then acks (never before).
 - **lease keeper** and **gate refresher**: extend leases of held messages every ``lease/3`` seconds,
   re-read gate signals every ``saturation_poll_s``.
 
@@ -70,7 +70,7 @@ class _Settle:
     delivery: Delivery
     result: ResultMessage | None  # None: ack only (a duplicate of a finished id)
     queue: str = ""
-    request_id: str = ""  # marked done once the result is published ("" for undecodable messages)
+    request_id: str = ""  # the decoded id, its claim released on a failed publish ("" for undecodable messages)
     dead_reason: str = ""  # dead-letter instead of ack
 
 
@@ -336,7 +336,6 @@ class Processor:
             batch, self._settle = self._settle, []
             try:
                 await self.backend.publish_results([(s.result, s.queue) for s in batch if s.result is not None])
-                await self.backend.finish([s.request_id for s in batch if s.request_id and s.result is not None])
             except ProcessorError as exc:
                 log.warning("result publish failed; handing back", extra={"action": "publish_failed",
                                                                           "error": str(exc)})

@@ -11,8 +11,9 @@ them on memory, Redis Streams, the Pub/Sub emulator and the Pub/Sub fake):
 - **Dead letter.** :meth:`dead_letter` moves a message to the lane's dead-letter queue and acks it.
 - **Dedup by id.** :meth:`admit` claims request ids before dispatch: ``NEW`` (claimed, run it),
   ``RUNNING`` (claimed elsewhere and not lapsed: hand it back), ``DONE`` (a result was published:
-  just ack), ``CANCELLED`` (its batch carries a cancel marker). :meth:`finish` records ``DONE``
-  after the result is published; :meth:`release` drops a claim of a message handed back.
+  just ack), ``CANCELLED`` (its batch carries a cancel marker). :meth:`publish_results` records
+  ``DONE`` for the id of each result it publishes; :meth:`release` drops a claim of a message
+  handed back.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ class QueueBackend(Protocol):
         ...
 
     async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
-        """Publish ``(result, result_queue_name)`` pairs ("" = the default result queue); returns
-        once all are durable in the transport. Raises ``BackendError`` if any failed."""
+        """Publish ``(result, result_queue_name)`` pairs ("" = the default result queue) and record
+        each non-empty result id as done (see :meth:`admit`); returns once all are durable in the
+        transport. Raises ``BackendError`` if any failed."""
         ...
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
@@ -113,10 +115,6 @@ class QueueBackend(Protocol):
 
     async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
         """Claim each request id for ``lease_s`` seconds (see module docstring)."""
-        ...
-
-    async def finish(self, ids: Sequence[str]) -> None:
-        """Record these ids as done (their results are published)."""
         ...
 
     async def release(self, ids: Sequence[str]) -> None:

@@ -95,9 +95,10 @@ class MemoryBackend:
         await self.ack(deliveries)
 
     async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
-        """Append to ``results[name]``."""
+        """Append to ``results[name]``; the ids are done."""
         for result, queue in results:
             self.results.setdefault(queue or DEFAULT_RESULT_STREAM, []).append(result)
+        self.claims.finish([result.id for result, _ in results if result.id])
         self._result_event.set()
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
@@ -110,10 +111,6 @@ class MemoryBackend:
     async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
         """See :class:`~async_processor.backends.base.ClaimTable`."""
         return self.claims.admit(requests, lease_s)
-
-    async def finish(self, ids: Sequence[str]) -> None:
-        """Mark done."""
-        self.claims.finish(ids)
 
     async def release(self, ids: Sequence[str]) -> None:
         """Drop running claims."""

@@ -247,13 +247,15 @@ class PubSubBackend:
             raise BackendError(f"pubsub publish: {exc}") from exc
 
     async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
-        """Publish each result (attribute ``id``) and wait until all are accepted."""
+        """Publish each result (attribute ``id``), wait until all are accepted, then mark the ids
+        done in-process."""
         if not results:
             return
         topics = {self.topic_path(queue or self.result_topic) for _, queue in results}
         await self._call(lambda: [self._create_topic(t) for t in topics])
         await self._wait([self.publisher.publish(self.topic_path(queue or self.result_topic), encode_result(r),
                                                  id=r.id) for r, queue in results])
+        self.claims.finish([r.id for r, _ in results if r.id])
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
         """Publish to the lane's topic; returns the Pub/Sub message id."""
@@ -267,10 +269,6 @@ class PubSubBackend:
     async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
         """In-process claims (see module docstring)."""
         return self.claims.admit(requests, lease_s)
-
-    async def finish(self, ids: Sequence[str]) -> None:
-        """Mark done in-process."""
-        self.claims.finish(ids)
 
     async def release(self, ids: Sequence[str]) -> None:
         """Drop in-process running claims."""

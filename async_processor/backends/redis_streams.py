@@ -21,6 +21,10 @@ never trims a stream, so unacknowledged entries are never lost to trimming by us
 Hand back (nack) sets the entry's idle time to ``lease - delay`` with ``XCLAIM … IDLE … JUSTID`` so
 the next ``XAUTOCLAIM`` past ``delay`` takes it; lease extension resets the idle time to 0 the same
 way. ``JUSTID`` counts no delivery. Every processor of a group must use the same lease.
+
+Claims (admit, extend, release) and result publishing take one Lua script call per batch: a script
+runs atomically and answers once, where a pipeline or ``MULTI`` answers (and redis-py parses) once
+per command.
 """
 
 from __future__ import annotations
@@ -56,18 +60,47 @@ log = logging.getLogger(__name__)
 
 CLAIM_PREFIX = "backfill:claim:"
 
-# KEYS: claim key, cancel key (or ""); ARGV: lease ms -> 0 new, 1 running, 2 done, 3 cancelled
+# One call per batch (a script runs atomically and answers once, where a pipeline answers per command).
+# KEYS: claim key, cancel key (or "") per request; ARGV[1]: lease ms
+# -> per request 0 new, 1 running, 2 done, 3 cancelled
 _ADMIT = """
-local state = redis.call('GET', KEYS[1])
-if state == 'done' then return 2 end
-if KEYS[2] ~= '' and redis.call('EXISTS', KEYS[2]) == 1 then return 3 end
-if state then return 1 end
-redis.call('SET', KEYS[1], 'running', 'PX', ARGV[1])
+local out = {}
+for i = 1, #KEYS, 2 do
+  local state = redis.call('GET', KEYS[i])
+  if state == 'done' then out[#out + 1] = 2
+  elseif KEYS[i + 1] ~= '' and redis.call('EXISTS', KEYS[i + 1]) == 1 then out[#out + 1] = 3
+  elseif state then out[#out + 1] = 1
+  else
+    redis.call('SET', KEYS[i], 'running', 'PX', ARGV[1])
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+# KEYS: claim keys; ARGV[1]: lease ms -> extend the running ones
+_EXTEND = """
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == 'running' then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+end
 return 0
 """
-# KEYS: claim key; ARGV: lease ms -> extend a running claim
-_EXTEND = "if redis.call('GET', KEYS[1]) == 'running' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end return 0"
-_RELEASE = "if redis.call('GET', KEYS[1]) == 'running' then redis.call('DEL', KEYS[1]) end return 0"
+# KEYS: claim keys -> delete the running ones
+_RELEASE = """
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == 'running' then redis.call('DEL', KEYS[i]) end
+end
+return 0
+"""
+# KEYS: result stream, claim key (or "") per result; ARGV[1]: done TTL s, ARGV[1 + i]: result JSON i
+# -> XADD each result and mark its id done, all or (on a failed XADD) a prefix, never an id done
+# without its result
+_PUBLISH = """
+for i = 1, #ARGV - 1 do
+  redis.call('XADD', KEYS[2 * i - 1], '*', '""" + RESULT_FIELD + """', ARGV[i + 1])
+  if KEYS[2 * i] ~= '' then redis.call('SET', KEYS[2 * i], 'done', 'EX', ARGV[1]) end
+end
+return #ARGV - 1
+"""
 _ADMISSIONS = [Admission.NEW, Admission.RUNNING, Admission.DONE, Admission.CANCELLED]
 
 
@@ -102,6 +135,7 @@ class RedisStreamsBackend:
         self._admit = client.register_script(_ADMIT)
         self._extend = client.register_script(_EXTEND)
         self._release = client.register_script(_RELEASE)
+        self._publish = client.register_script(_PUBLISH)
 
     @classmethod
     def from_settings(cls, settings) -> RedisStreamsBackend:
@@ -245,11 +279,9 @@ class RedisStreamsBackend:
             return
         try:
             await self._set_idle(deliveries, 0)
-            async with self.client.pipeline(transaction=False) as pipe:
-                for d in deliveries:
-                    if d.request_id:
-                        await self._extend(keys=[CLAIM_PREFIX + d.request_id], args=[int(lease_s * 1000)], client=pipe)
-                await pipe.execute()
+            keys = [CLAIM_PREFIX + d.request_id for d in deliveries if d.request_id]
+            if keys:
+                await self._extend(keys=keys, args=[int(lease_s * 1000)])
         except RedisError as exc:
             raise BackendError(f"redis extend: {exc}") from exc
 
@@ -269,22 +301,20 @@ class RedisStreamsBackend:
         await self.ack(deliveries)
 
     async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
-        """``XADD`` each result and mark its id done, all in one ``MULTI``/``EXEC``: a crash leaves
-        either both or neither, so a redelivered message never yields a second result."""
+        """``XADD`` each result and mark its id done (``SET backfill:claim:{id} done EX
+        dedup_ttl_s``), in one script call: atomic, so a crash leaves both or neither and a
+        redelivered message never yields a second result."""
         if not results:
             return
+        keys: list[str] = []
+        args: list[bytes | int] = [max(1, int(self.done_ttl_s))]
+        for result, queue in results:
+            keys += (queue or self.result_stream, CLAIM_PREFIX + result.id if result.id else "")
+            args.append(encode_result(result))
         try:
-            async with self.client.pipeline(transaction=True) as pipe:
-                for result, queue in results:
-                    pipe.xadd(queue or self.result_stream, {RESULT_FIELD: encode_result(result)})
-                    if result.id:
-                        pipe.set(CLAIM_PREFIX + result.id, "done", ex=max(1, int(self.done_ttl_s)))
-                replies = await pipe.execute(raise_on_error=False)
+            await self._publish(keys=keys, args=args)
         except RedisError as exc:
             raise BackendError(f"redis publish: {exc}") from exc
-        errors = [r for r in replies if isinstance(r, Exception)]
-        if errors:
-            raise BackendError(f"redis publish: {errors[0]}")
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
         """``XADD`` to the lane's stream; returns the entry id."""
@@ -296,42 +326,25 @@ class RedisStreamsBackend:
         return entry_id.decode()
 
     async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
-        """One script call per id (claim, done and cancel checks), pipelined."""
+        """One script call for the batch (per id: done, cancel and claim checks)."""
         if not requests:
             return []
+        keys: list[str] = []
+        for r in requests:
+            batch_id = r.metadata.get("batch_id", "")
+            keys += (CLAIM_PREFIX + r.id, cancel_marker_key(batch_id) if batch_id else "")
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for r in requests:
-                    batch_id = r.metadata.get("batch_id", "")
-                    await self._admit(keys=[CLAIM_PREFIX + r.id, cancel_marker_key(batch_id) if batch_id else ""],
-                                args=[max(1, int(lease_s * 1000))], client=pipe)
-                replies = await pipe.execute()
+            replies = await self._admit(keys=keys, args=[max(1, int(lease_s * 1000))])
         except RedisError as exc:
             raise BackendError(f"redis admit: {exc}") from exc
         return [_ADMISSIONS[int(r)] for r in replies]
-
-    async def finish(self, ids: Sequence[str]) -> None:
-        """``SET backfill:claim:{id} done EX dedup_ttl_s`` (already done by :meth:`publish_results`;
-        kept for callers that publish elsewhere)."""
-        if not ids:
-            return
-        try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for id in ids:
-                    pipe.set(CLAIM_PREFIX + id, "done", ex=max(1, int(self.done_ttl_s)))
-                await pipe.execute()
-        except RedisError as exc:
-            raise BackendError(f"redis finish: {exc}") from exc
 
     async def release(self, ids: Sequence[str]) -> None:
         """Delete running claims."""
         if not ids:
             return
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for id in ids:
-                    await self._release(keys=[CLAIM_PREFIX + id], args=[], client=pipe)
-                await pipe.execute()
+            await self._release(keys=[CLAIM_PREFIX + id for id in ids])
         except RedisError as exc:
             raise BackendError(f"redis release: {exc}") from exc
 
