@@ -11,6 +11,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ingest": ("backfill.bench.ingest:ingest_command", "Upload + validate a 200 MB batch file."),
     "engine-sim": ("router.fleet.bench:bench_engine_sim_command", "Requests/s of one simulator."),
     "processor": ("async_processor.bench:bench_processor_command", "Messages/s through one processor."),
+    "end-to-end": ("backfill.bench.end_to_end:end_to_end_command",
+                   "A 50,000-request batch through the stack vs the fleet's capacity."),
 }
 
 
