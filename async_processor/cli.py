@@ -42,6 +42,8 @@ _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
 @click.option("--log-level", default="INFO", show_default=True)
 def processor_command(lanes: str | None, log_level: str, **options) -> None:
     """Pump queued requests to the router and publish their results (SIGTERM: drain and exit 0)."""
+    import uvloop
+
     from async_processor.processor import run_processor
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -59,7 +61,7 @@ def processor_command(lanes: str | None, log_level: str, **options) -> None:
         logging.getLogger("async_processor").info("processor stopped",
                                                   extra={"action": "stopped", "counts": dict(processor.counts)})
 
-    asyncio.run(main())
+    uvloop.run(main())
 
 
 def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
