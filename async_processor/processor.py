@@ -74,11 +74,16 @@ class _Settle:
     dead_reason: str = ""  # dead-letter instead of ack
 
 
+#: Framing and hop-by-hop headers a message may not set (the HTTP client writes its own).
+NOT_FORWARDED = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+
+
 def request_headers(request: RequestMessage, lane: str, time_left_s: float) -> dict[str, str]:
-    """Headers of one attempt: the message's ``headers``, then the objective (``metadata.objective``
-    or the lane), the fairness id (``metadata.tenant``, replacing any producer value), the ms left to
-    the deadline, ``x-session-id`` and ``traceparent`` from metadata when present."""
-    headers = dict(request.headers)
+    """Headers of one attempt, names in lower case: the message's ``headers`` (less
+    :data:`NOT_FORWARDED`), then the objective (``metadata.objective`` or the lane), the fairness id
+    (``metadata.tenant``, replacing any producer value), the ms left to the deadline,
+    ``x-session-id`` and ``traceparent`` from metadata when present."""
+    headers = {k.lower(): v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
     headers["content-type"] = "application/json"
     meta = request.metadata
     headers[OBJECTIVE_HEADER] = meta.get("objective") or lane

@@ -186,3 +186,15 @@ def test_headers_follow_llm_d_names_and_fairness_is_not_taken_from_producers():
     assert h["x-llm-d-inference-objective"] == "batch" and h["x-llm-d-inference-fairness-id"] == "acme"
     assert h["x-llm-d-slo-ttft-ms"] == "9500" and h["x-session-id"] == "s" and h["traceparent"] == "00-x"
     assert h["x-extra"] == "1"
+
+
+def test_producer_headers_are_case_folded_and_framing_headers_dropped():
+    req = RequestMessage(id="a", deadline=int(time.time()) + 10, payload={}, metadata={"tenant": "acme"},
+                         headers={"X-LLM-D-Inference-Fairness-Id": "spoof", "Content-Type": "text/plain",
+                                  "Content-Length": "3", "Host": "evil", "Transfer-Encoding": "chunked",
+                                  "Connection": "close", "X-Extra": "1"})
+    h = request_headers(req, "batch", 1.0)
+    assert h["x-llm-d-inference-fairness-id"] == "acme" and h["content-type"] == "application/json"
+    assert h["x-extra"] == "1"
+    assert not {"content-length", "host", "transfer-encoding", "connection"} & {k.lower() for k in h}
+    assert len({k.lower() for k in h}) == len(h)
