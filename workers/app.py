@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from functools import cached_property
 
+import httpx
 from celery import Celery
 from celery.signals import worker_ready
 from sqlalchemy.orm import Session, sessionmaker
@@ -57,6 +58,12 @@ class WorkerContext:
         """Redis Streams I/O of the batch lane and its results."""
         return BatchQueue(self.settings.redis_url, pool=self.settings.pool,
                           result_stream=self.settings.result_stream, consumer=f"collector-{os.getpid()}")
+
+    def webhook_client(self, timeout_seconds: float) -> httpx.Client:
+        """One HTTP client for webhook deliveries, kept for the life of the process."""
+        if getattr(self, "_webhook_client", None) is None:
+            self._webhook_client = httpx.Client(timeout=timeout_seconds, follow_redirects=False)
+        return self._webhook_client
 
     @cached_property
     def publisher(self) -> TaskPublisher:

@@ -65,8 +65,12 @@ def retry_delay(attempts: int) -> float | None:
 def deliver_webhooks(ctx: WorkerContext, timeout_seconds: float = 10.0) -> int:
     """Try every due delivery once; returns how many were delivered (2xx)."""
     delivered = 0
-    with ctx.session() as session, httpx.Client(timeout=timeout_seconds, follow_redirects=False) as http:
-        for event, url, secret in queries.due_webhooks(session):
+    with ctx.session() as session:
+        due = queries.due_webhooks(session)
+        if not due:
+            return 0
+        http = ctx.webhook_client(timeout_seconds)
+        for event, url, secret in due:
             event_id, body = event_body(event)
             timestamp = int(time.time())
             ok = False
