@@ -219,8 +219,13 @@ class UpStack:
 
         marks = {"worker": "[celeryd:", "beat": "[celery beat]"}
         for proc in psutil.Process(self.proc.pid).children():
-            cmdline = " ".join(proc.cmdline())
-            if marks.get(name, f"backfill {name} ") in cmdline + " " and proc.status() != psutil.STATUS_ZOMBIE:
+            try:  # a child just killed may be a zombie until backfill up reaps it
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                cmdline = " ".join(proc.cmdline())
+            except psutil.Error:
+                continue
+            if marks.get(name, f"backfill {name} ") in cmdline + " ":
                 return proc
         raise LookupError(f"no child {name!r}")
 
