@@ -1,0 +1,17 @@
+"""The router's scheduling framework: where a request goes, as pure code (no I/O).
+
+Filters → weighted scorers → picker, configured from YAML in llm-d's shape; plugins keep llm-d's
+names and parameters. See ``router/scheduling/README.md`` for the plugins and
+``default-config.yaml`` for the default profile. Entry points:
+
+* :func:`~router.scheduling.config.load_config` / :func:`~router.scheduling.config.build_scheduler`
+* :class:`~router.scheduling.scheduler.Scheduler` (``schedule`` → ``pre_request`` →
+  ``response_complete``)
+* :func:`~router.scheduling.saturation.pool_saturation` for flow control's gate.
+"""
+
+from pathlib import Path
+
+#: The shipped default config (prefix-cache 3, queue 1, kv-cache-utilization 1, max-score picker,
+#: plus a ``round-robin`` baseline profile).
+DEFAULT_CONFIG_PATH = Path(__file__).with_name("default-config.yaml")

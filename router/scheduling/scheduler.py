@@ -1,0 +1,153 @@
+"""The scheduler: producers → filters → weighted scorers → picker, per profile.
+
+One decision (:meth:`SchedulerProfile.run`):
+
+1. every data producer the profile needs writes into a fresh :class:`CycleState`;
+2. filters narrow the candidates, in order (an empty result raises :class:`NoCandidatesError`);
+3. each scorer scores the remaining candidates; each score is clamped to [0, 1] (NaN → 0), times
+   the scorer's weight, and summed per endpoint (llm-d ``scheduler_profile.go``);
+4. the picker chooses one endpoint from the totals.
+
+The decision does no I/O and changes no state except random draws and round-robin counters:
+learning happens when the router commits to it, through :meth:`Scheduler.pre_request` (call it
+just before forwarding), and :meth:`Scheduler.response_complete` when the response has finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.scheduling.errors import NoCandidatesError
+from router.scheduling.interfaces import DataProducer, Filter, Picker, PreRequest, ResponseComplete, Scorer
+from router.scheduling.types import CycleState, Endpoint, LLMRequest
+
+
+@dataclass(slots=True)
+class SchedulingResult:
+    """One decision.
+
+    Attributes:
+        profile: the profile's name.
+        endpoint: the chosen endpoint.
+        candidates: the endpoints left after the filters (scores below are aligned with these).
+        totals: weighted total score per candidate.
+        scores: scorer instance name → its clamped scores (0..1, before weighting) per candidate.
+        state: the decision's CycleState (producers' data, filter outcomes) for hooks and metrics.
+    """
+
+    profile: str
+    endpoint: Endpoint
+    candidates: list[Endpoint]
+    totals: list[float]
+    scores: dict[str, list[float]]
+    state: CycleState
+
+    def breakdown(self) -> dict[str, dict[str, float]]:
+        """Per-scorer scores keyed by endpoint name, plus ``"total"`` (for debug logs and tests)."""
+        names = [ep.name for ep in self.candidates]
+        out = {scorer: dict(zip(names, values)) for scorer, values in self.scores.items()}
+        out["total"] = dict(zip(names, self.totals))
+        return out
+
+
+def clamp_unit(x: float) -> float:
+    """``x`` clamped to [0, 1]; NaN becomes 0."""
+    if not x > 0.0:  # also catches NaN
+        return 0.0
+    return 1.0 if x > 1.0 else x
+
+
+class SchedulerProfile:
+    """A named pipeline of plugins (built by :func:`router.scheduling.config.build_scheduler`).
+
+    Args:
+        name: profile name.
+        producers: data producers to run first, in order.
+        filters: filters, in order.
+        scorers: (scorer, weight) pairs; weight ≥ 0.
+        picker: the picker.
+    """
+
+    __slots__ = ("name", "producers", "filters", "scorers", "picker", "pre_request_hooks", "response_hooks")
+
+    def __init__(
+        self,
+        name: str,
+        producers: Sequence[DataProducer],
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+    ) -> None:
+        self.name = name
+        self.producers = list(producers)
+        self.filters = list(filters)
+        self.scorers = list(scorers)
+        self.picker = picker
+        members: list[object] = [*self.producers, *self.filters, *(s for s, _ in self.scorers), picker]
+        unique = list({id(p): p for p in members}.values())
+        self.pre_request_hooks = [p for p in unique if isinstance(p, PreRequest)]
+        self.response_hooks = [p for p in unique if isinstance(p, ResponseComplete)]
+
+    def run(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> SchedulingResult:
+        """Decide where ``request`` goes among ``endpoints``.
+
+        Raises:
+            NoCandidatesError: ``endpoints`` is empty or a filter removed every endpoint.
+        """
+        if not endpoints:
+            raise NoCandidatesError(f"profile {self.name!r}: no endpoints in the pool")
+        state = CycleState()
+        for producer in self.producers:
+            producer.produce(state, request, endpoints)
+        candidates = list(endpoints)
+        for flt in self.filters:
+            candidates = flt.filter(state, request, candidates)
+            if not candidates:
+                raise NoCandidatesError(f"profile {self.name!r}: filter {getattr(flt, 'name', flt)!r} removed every endpoint")
+        n = len(candidates)
+        totals = [0.0] * n
+        scores: dict[str, list[float]] = {}
+        for scorer, weight in self.scorers:
+            raw = scorer.score(state, request, candidates)
+            if len(raw) != n:
+                raise ValueError(f"scorer {scorer.name!r} returned {len(raw)} scores for {n} endpoints")  # type: ignore[attr-defined]
+            clamped = [clamp_unit(x) for x in raw]
+            scores[scorer.name] = clamped  # type: ignore[attr-defined]
+            for i in range(n):
+                totals[i] += weight * clamped[i]
+        chosen = self.picker.pick(state, candidates, totals)
+        return SchedulingResult(self.name, chosen, candidates, totals, scores, state)
+
+
+class Scheduler:
+    """The profiles of one configuration; the first is the default.
+
+    Args:
+        profiles: the profiles, by name, in config order (at least one).
+    """
+
+    def __init__(self, profiles: dict[str, SchedulerProfile]) -> None:
+        if not profiles:
+            raise ValueError("a scheduler needs at least one profile")
+        self.profiles = profiles
+        self.default_profile = next(iter(profiles))
+
+    def schedule(self, request: LLMRequest, endpoints: Sequence[Endpoint], profile: str | None = None) -> SchedulingResult:
+        """Run ``profile`` (default: the first) for ``request`` over ``endpoints``.
+
+        Raises:
+            KeyError: unknown profile name.
+            NoCandidatesError: nothing to route to.
+        """
+        return self.profiles[profile or self.default_profile].run(request, endpoints)
+
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        """The router commits to ``result`` (about to forward): the profile's plugins learn from it."""
+        for hook in self.profiles[result.profile].pre_request_hooks:
+            hook.pre_request(request, result)
+
+    def response_complete(self, request: LLMRequest, result: SchedulingResult, cached_tokens: int | None) -> None:
+        """The response to ``request`` has finished; ``cached_tokens`` from its usage, if reported."""
+        for hook in self.profiles[result.profile].response_hooks:
+            hook.response_complete(request, result.endpoint, cached_tokens)

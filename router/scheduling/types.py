@@ -1,0 +1,155 @@
+"""Data the scheduler works on: endpoints, the request being placed, and per-decision state.
+
+* :class:`Endpoint` — one engine (its base URL), its scraped metrics and the router's own in-flight
+  counters. Mutable: the metrics scraper and the proxy update it in place; plugins only read it.
+* :class:`LLMRequest` — what the scheduler knows about one request (model, prompt tokens or bytes,
+  session, objective). Carries a memo of its prompt block keys so the prompt is hashed once per
+  request, whichever plugins ask (see :mod:`router.scheduling.hashing`).
+* :class:`CycleState` — a scratch map for one scheduling decision: producers write, filters,
+  scorers and post-decision hooks read (llm-d's ``CycleState``).
+* :class:`PrefixMatchInfo` — what a prefix producer writes into the cycle state for its consumers
+  (llm-d's ``PrefixCacheMatchInfo``).
+
+Metric names follow vLLM's ``/metrics`` (``vllm:num_requests_waiting`` → ``num_requests_waiting``),
+see ``shared/contracts/vllm-engine.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Bytes of prompt text per pseudo-token in the ``estimate`` tokenizer backend (ROUTING.md: "about
+#: 4 bytes per token"; llm-d's estimate backend uses the same figure).
+ESTIMATE_BYTES_PER_TOKEN = 4
+
+
+@dataclass(slots=True, eq=False)
+class Endpoint:
+    """One engine endpoint as the scheduler sees it.
+
+    Attributes:
+        name: the engine's base URL (``http://10.0.0.7:8000``); unique in the pool, used as key in
+            every per-endpoint index.
+        num_requests_waiting: ``vllm:num_requests_waiting`` (requests).
+        num_requests_running: ``vllm:num_requests_running`` (requests).
+        kv_cache_usage_perc: ``vllm:kv_cache_usage_perc``, a fraction 0..1 (despite the name).
+        block_size: engine KV block size in tokens (``vllm:cache_config_info{block_size}``); None
+            until scraped.
+        num_gpu_blocks: GPU KV blocks of the engine (``vllm:cache_config_info{num_gpu_blocks}``);
+            None until scraped.
+        num_cpu_blocks: blocks of the engine's CPU offload tier, in engine blocks (from the
+            endpoint's config or ``cache_config_info{num_cpu_blocks}``); 0 when there is none.
+        metrics_updated_at: time of the last successful scrape, in seconds on the router's
+            monotonic clock; None before the first scrape (counts as stale).
+        in_flight_requests: requests the router has forwarded and not yet seen finish.
+        in_flight_uncached_tokens: prompt tokens of those requests that the router expected the
+            engine to compute (not served from its prefix cache), in tokens.
+    """
+
+    name: str
+    num_requests_waiting: int = 0
+    num_requests_running: int = 0
+    kv_cache_usage_perc: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int = 0
+    metrics_updated_at: float | None = None
+    in_flight_requests: int = 0
+    in_flight_uncached_tokens: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class LLMRequest:
+    """The request being placed.
+
+    Attributes:
+        request_id: unique id (the ``x-request-id`` header or one the router made).
+        model: the ``model`` field of the OpenAI body; also seeds the prefix hash chain.
+        prompt_token_ids: the prompt as token ids (``hf`` / ``engine`` tokenizer backends), or None
+            with the ``estimate`` backend.
+        prompt_bytes: the prompt text as UTF-8 bytes, used by the ``estimate`` backend
+            (:data:`ESTIMATE_BYTES_PER_TOKEN` bytes per pseudo-token) when token ids are None.
+        session_id: the session the request belongs to (a session header), or None.
+        objective: the objective name (``interactive``, ``async``, ``batch``…) or None.
+        priority: the objective's priority, llm-d's convention (higher is more important).
+        cache_salt: vLLM's ``cache_salt``: requests with different salts never share cache blocks,
+            so the salt is mixed into the hash seed.
+        block_key_cache: memo of hashed block keys, keyed by (block size in tokens, block cap);
+            filled by :func:`router.scheduling.hashing.request_block_keys`, never by callers.
+    """
+
+    request_id: str
+    model: str
+    prompt_token_ids: Sequence[int] | None = None
+    prompt_bytes: bytes | None = None
+    session_id: str | None = None
+    objective: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    block_key_cache: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in tokens: the token count, or bytes / 4 with the ``estimate`` backend."""
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        if self.prompt_bytes is not None:
+            return len(self.prompt_bytes) // ESTIMATE_BYTES_PER_TOKEN
+        return 0
+
+
+@dataclass(slots=True)
+class PrefixMatchInfo:
+    """Per-endpoint prefix matches of one request, written by a prefix producer.
+
+    Attributes:
+        total_blocks: full blocks in the request's prompt (capped by the producer's block cap).
+        block_size_tokens: tokens per block.
+        matched: endpoint name → matched blocks from block 0, weighted by cache tier (a run found
+            in the CPU tier counts 0.8 per block, etc.); endpoints with no match are absent.
+    """
+
+    total_blocks: int
+    block_size_tokens: int
+    matched: dict[str, float]
+
+    def ratio(self, endpoint_name: str) -> float:
+        """Matched fraction of the prompt's blocks on ``endpoint_name``, 0..1 (0 with no blocks)."""
+        if self.total_blocks <= 0:
+            return 0.0
+        return self.matched.get(endpoint_name, 0.0) / self.total_blocks
+
+    def uncached_tokens(self, endpoint_name: str, prompt_tokens: int) -> int:
+        """Prompt tokens the endpoint would have to compute, in tokens (prompt − matched tokens)."""
+        cached = int(self.matched.get(endpoint_name, 0.0) * self.block_size_tokens)
+        return max(0, prompt_tokens - cached)
+
+
+class CycleState:
+    """Scratch state of one scheduling decision (llm-d's ``CycleState``).
+
+    Keys are strings chosen by the writer, by convention ``"<kind>/<plugin instance name>"`` (see
+    :func:`prefix_match_key`). A new CycleState is made for every decision and kept on the
+    decision's result so post-decision hooks can read what producers and scorers wrote.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data: dict[str, Any] = {}
+
+    def write(self, key: str, value: Any) -> None:
+        """Store ``value`` under ``key`` (overwrites)."""
+        self._data[key] = value
+
+    def read(self, key: str, default: Any = None) -> Any:
+        """The value under ``key``, or ``default`` when nothing was written."""
+        return self._data.get(key, default)
+
+
+def prefix_match_key(producer_name: str) -> str:
+    """The CycleState key under which the producer named ``producer_name`` stores its
+    :class:`PrefixMatchInfo`."""
+    return f"prefix-match/{producer_name}"
