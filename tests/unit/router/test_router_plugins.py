@@ -1,0 +1,272 @@
+"""Each plugin alone, with scores computed by hand."""
+
+import random
+
+import pytest
+from scheduling_helpers import FakeClock, InMemoryPrefixIndex, endpoints, prompt, request
+
+from router.scheduling.hashing import request_block_keys
+from router.scheduling.interfaces import PluginHandle
+from router.scheduling.plugins.affinity_filter import AffinityOutcome, build_affinity_filter
+from router.scheduling.plugins.load import build_kv_cache_scorer, build_queue_scorer, build_token_load_scorer
+from router.scheduling.plugins.no_hit_lru import build_no_hit_lru
+from router.scheduling.plugins.pickers import (
+    build_max_score_picker,
+    build_random_picker,
+    build_round_robin_picker,
+    build_weighted_random_picker,
+)
+from router.scheduling.plugins.prefix import build_approx_producer, build_precise_producer, build_prefix_scorer
+from router.scheduling.plugins.session import build_session_affinity
+from router.scheduling.scheduler import SchedulingResult
+from router.scheduling.types import CycleState, Endpoint, PrefixMatchInfo, prefix_match_key
+
+APPROX = "approx-prefix-cache-producer"
+
+
+def handle(seed: int = 0, **fields) -> PluginHandle:
+    return PluginHandle(rng=random.Random(seed), **fields)
+
+
+def committed(req, ep: Endpoint, state: CycleState | None = None) -> SchedulingResult:
+    return SchedulingResult("default", ep, [ep], [0.0], {}, state or CycleState())
+
+
+def match_state(total: int, matched: dict[str, float], producer: str = APPROX) -> CycleState:
+    state = CycleState()
+    state.write(prefix_match_key(producer), PrefixMatchInfo(total, 64, matched))
+    return state
+
+
+# --- prefix: approximate producer + scorer ------------------------------------------------------
+
+
+def test_approx_producer_matches_consecutive_blocks_from_block_zero_and_scorer_divides_by_total():
+    eps = endpoints(3)
+    producer = build_approx_producer(APPROX, None, handle())
+    scorer = build_prefix_scorer("prefix-cache-scorer", None, handle())
+    a = prompt(1, 256)  # 4 blocks of 64
+    first = request(a)
+    producer.pre_request(first, committed(first, eps[0]))
+    second = request(a[:128] + prompt(2, 128))  # shares blocks 0-1
+    producer.pre_request(second, committed(second, eps[1]))
+
+    state = CycleState()
+    probe = request(a[:192] + prompt(3, 64))  # shares blocks 0-2 with a, 0-1 with second
+    producer.produce(state, probe, eps)
+    assert state.read(prefix_match_key(APPROX)).matched == {"http://e0": 3, "http://e1": 2}
+    assert scorer.score(state, probe, eps) == [0.75, 0.5, 0.0]
+
+
+def test_prefix_scorer_mixes_in_absolute_length():
+    scorer = build_prefix_scorer("p", {"prefixLengthWeight": 0.5, "maxModelLen": 512}, handle())
+    state = match_state(4, {"http://e0": 2})
+    # 0.5 * min(1, 2*64/512)^2 + 0.5 * 2/4 = 0.5 * 0.0625 + 0.25
+    assert scorer.score(state, request(prompt(1, 256)), endpoints(2)) == [pytest.approx(0.28125), 0.0]
+
+
+def test_prefix_scorer_without_producer_data_or_blocks_scores_zero():
+    scorer = build_prefix_scorer("p", None, handle())
+    assert scorer.score(CycleState(), request(prompt(1, 256)), endpoints(2)) == [0.0, 0.0]
+    assert scorer.score(match_state(0, {}), request(prompt(1, 10)), endpoints(2)) == [0.0, 0.0]
+
+
+def test_approx_lru_is_sized_from_gpu_plus_cpu_blocks_and_evicts_oldest():
+    # 32 GPU blocks x 16 tokens / 64 = 8 of our blocks
+    small = Endpoint("http://small", block_size=16, num_gpu_blocks=32)
+    producer = build_approx_producer(APPROX, None, handle())
+    assert producer.capacity(small) == 8
+    assert producer.capacity(Endpoint("http://cpu", block_size=16, num_gpu_blocks=32, num_cpu_blocks=16)) == 12
+    assert producer.capacity(Endpoint("http://unknown")) == 31250
+    a, b = request(prompt(1, 256)), request(prompt(2, 384))  # 4 + 6 blocks > 8
+    producer.pre_request(a, committed(a, small))
+    producer.pre_request(b, committed(b, small))
+    assert producer.blocks_held("http://small") == 8
+    state = CycleState()
+    producer.produce(state, request(prompt(1, 256)), [small])
+    assert state.read(prefix_match_key(APPROX)).matched == {}  # block 0 of a was evicted first
+    producer.forget_endpoint("http://small")
+    assert producer.blocks_held("http://small") == 0
+
+
+def test_approx_block_size_is_raised_to_64():
+    assert build_approx_producer(APPROX, {"blockSizeTokens": 16}, handle()).block_size_tokens == 64
+
+
+# --- prefix: precise producer ---------------------------------------------------------------------
+
+
+def test_precise_producer_weights_matched_blocks_by_tier():
+    index = InMemoryPrefixIndex()
+    req = request(prompt(1, 256))
+    keys = request_block_keys(req, 64)
+    index.put("m", "http://e0", keys)  # 4 blocks on GPU
+    index.put("m", "http://e1", keys[:2])
+    index.put("m", "http://e1", keys[2:], tier="cpu")  # run ends in CPU: 4 x 0.8
+    index.put("m", "http://e2", keys[:2], tier="disk")  # 2 x 0.5
+    producer = build_precise_producer("precise", None, handle(prefix_index=index))
+    state = CycleState()
+    producer.produce(state, req, endpoints(4))
+    info = state.read(prefix_match_key("precise"))
+    assert info.matched == {"http://e0": 4.0, "http://e1": pytest.approx(3.2), "http://e2": 1.0}
+    scorer = build_prefix_scorer("s", {"prefixMatchInfoProducerName": "precise"}, handle())
+    assert scorer.score(state, req, endpoints(4)) == [1.0, pytest.approx(0.8), 0.25, 0.0]
+
+
+def test_precise_producer_speculative_entries_on_decision():
+    index = InMemoryPrefixIndex()
+    producer = build_precise_producer(
+        "precise", {"speculativeIndexing": True, "speculativeTTL": "500ms"}, handle(prefix_index=index)
+    )
+    req = request(prompt(1, 256))
+    producer.pre_request(req, committed(req, endpoints(1)[0]))
+    assert index.speculative == [("m", "http://e0", 4, 0.5)]
+
+
+# --- load scorers -----------------------------------------------------------------------------------
+
+
+def test_queue_scorer_is_min_max_normalised_waiting():
+    eps = endpoints(3)
+    for ep, waiting in zip(eps, [0, 5, 10]):
+        ep.num_requests_waiting = waiting
+    scorer = build_queue_scorer("q", None, handle())
+    assert scorer.score(CycleState(), request(), eps) == [1.0, 0.5, 0.0]
+    assert scorer.score(CycleState(), request(), endpoints(3, num_requests_waiting=4)) == [1.0, 1.0, 1.0]
+
+
+def test_kv_cache_utilization_scorer_is_one_minus_usage():
+    eps = [Endpoint("a", kv_cache_usage_perc=0.25), Endpoint("b", kv_cache_usage_perc=1.0)]
+    assert build_kv_cache_scorer("k", None, handle()).score(CycleState(), request(), eps) == [0.75, 0.0]
+
+
+def test_token_load_scorer_is_one_minus_capped_in_flight_uncached_tokens():
+    eps = [Endpoint(f"e{i}", in_flight_uncached_tokens=t) for i, t in enumerate([0, 250, 2000])]
+    scorer = build_token_load_scorer("t", {"queueThresholdTokens": 1000}, handle())
+    assert scorer.score(CycleState(), request(), eps) == [1.0, 0.75, 0.0]
+
+
+# --- session affinity ------------------------------------------------------------------------------
+
+
+def test_session_affinity_prefers_the_last_endpoint_until_the_binding_expires():
+    clock = FakeClock()
+    scorer = build_session_affinity("s", {"evictionTtlSeconds": 60}, handle(clock=clock))
+    eps = endpoints(3)
+    first = request(session_id="chat-1")
+    assert scorer.score(CycleState(), first, eps) == [0.0, 0.0, 0.0]
+    scorer.pre_request(first, committed(first, eps[1]))
+    clock.now += 59
+    assert scorer.score(CycleState(), request(session_id="chat-1"), eps) == [0.0, 1.0, 0.0]
+    assert scorer.score(CycleState(), request(session_id="chat-2"), eps) == [0.0, 0.0, 0.0]
+    assert scorer.score(CycleState(), request(), eps) == [0.0, 0.0, 0.0]
+    clock.now += 2
+    assert scorer.score(CycleState(), request(session_id="chat-1"), eps) == [0.0, 0.0, 0.0]
+
+
+def test_session_affinity_bindings_are_bounded():
+    scorer = build_session_affinity("s", {"maxSessions": 2}, handle(clock=FakeClock()))
+    ep = endpoints(1)[0]
+    for sid in ["a", "b", "c"]:
+        req = request(session_id=sid)
+        scorer.pre_request(req, committed(req, ep))
+    assert scorer.bound_endpoint("a") is None and scorer.bound_endpoint("c") == ep.name
+
+
+# --- no-hit LRU ------------------------------------------------------------------------------------
+
+
+def test_no_hit_lru_ranks_cold_requests_by_least_recent_cold_use():
+    scorer = build_no_hit_lru("n", None, handle())
+    eps = endpoints(3)
+    cold = match_state(4, {})
+    req = request(prompt(1, 256))
+    assert scorer.score(cold, req, eps) == [1.0, 0.5, 0.0]  # never used: pool order
+    scorer.pre_request(req, committed(req, eps[0], cold))
+    cold2 = match_state(4, {})
+    assert scorer.score(cold2, request(), eps) == [0.0, 1.0, 0.5]  # e0 most recent
+    warm = match_state(4, {"http://e2": 1})
+    assert scorer.score(warm, request(), eps) == [0.5, 0.5, 0.5]
+    scorer.pre_request(req, committed(req, eps[1], warm))  # warm: no LRU change
+    assert scorer.score(match_state(4, {}), request(), eps) == [0.0, 1.0, 0.5]
+
+
+# --- prefix-cache affinity filter ------------------------------------------------------------------
+
+
+def affinity(**params):
+    base = {"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 1000}
+    return build_affinity_filter("aff", base | params, handle())
+
+
+def test_affinity_filter_keeps_endpoints_at_or_above_threshold():
+    eps = endpoints(3)
+    req = request(prompt(1, 256))
+    state = match_state(4, {"http://e0": 4, "http://e1": 3.2, "http://e2": 3})  # 1.0, 0.8, 0.75
+    assert affinity().filter(state, req, eps) == eps[:2]
+    assert state.read("affinity-outcome/aff") == AffinityOutcome.STICKY
+
+
+def test_affinity_filter_keeps_all_without_sticky_endpoints_or_data():
+    eps = endpoints(3)
+    req = request(prompt(1, 256))
+    assert affinity().filter(match_state(4, {"http://e0": 1}), req, eps) == eps
+    assert affinity().filter(CycleState(), req, eps) == eps
+
+
+def test_affinity_filter_breaks_stickiness_when_the_sticky_backlog_is_too_long():
+    eps = endpoints(2)
+    req = request(prompt(1, 256))
+    # wait(e0) = (in-flight + 0 uncached) / 1000 tok/s; wait(e1) = (0 + 256) / 1000 tok/s = 256 ms
+    eps[0].in_flight_uncached_tokens = 1000  # 1000 - 256 = 744 ms <= 1000 ms penalty: stick
+    state = match_state(4, {"http://e0": 4})
+    assert affinity().filter(state, req, eps) == [eps[0]]
+    eps[0].in_flight_uncached_tokens = 1300  # 1300 - 256 = 1044 ms > 1000 ms: open up
+    state = match_state(4, {"http://e0": 4})
+    assert affinity().filter(state, req, eps) == eps
+    assert state.read("affinity-outcome/aff") == AffinityOutcome.LOAD_OVERRIDE
+    assert affinity(maxTTFTPenaltyMs=0).filter(match_state(4, {"http://e0": 4}), req, eps) == [eps[0]]
+
+
+def test_affinity_filter_explores_with_its_probability():
+    eps = endpoints(2)
+    state = match_state(4, {"http://e0": 4})
+    assert affinity(explorationProbability=1.0).filter(state, request(prompt(1, 256)), eps) == eps
+    assert state.read("affinity-outcome/aff") == AffinityOutcome.EXPLORE
+
+
+# --- pickers ---------------------------------------------------------------------------------------
+
+
+def test_max_score_picker_breaks_ties_at_random_and_never_picks_lower():
+    picker = build_max_score_picker("p", None, handle(seed=3))
+    eps = endpoints(3)
+    picks = {picker.pick(CycleState(), eps, [2.0, 1.0, 2.0]).name for _ in range(50)}
+    assert picks == {"http://e0", "http://e2"}
+    assert picker.pick(CycleState(), eps, [0.1, 0.3, 0.2]) is eps[1]
+
+
+def test_weighted_random_picker_is_proportional_to_score_and_seeded():
+    eps = endpoints(3)
+    counts = {ep.name: 0 for ep in eps}
+    picker = build_weighted_random_picker("w", None, handle(seed=7))
+    for _ in range(4000):
+        counts[picker.pick(CycleState(), eps, [0.0, 1.0, 3.0]).name] += 1
+    assert counts["http://e0"] == 0
+    assert 0.7 < counts["http://e2"] / 4000 < 0.8
+    again = build_weighted_random_picker("w", None, handle(seed=7))
+    first = build_weighted_random_picker("w", None, handle(seed=7))
+    assert [again.pick(CycleState(), eps, [0, 1, 3]).name for _ in range(20)] == [
+        first.pick(CycleState(), eps, [0, 1, 3]).name for _ in range(20)
+    ]
+    uniform = {picker.pick(CycleState(), eps, [0.0, 0.0, 0.0]).name for _ in range(60)}
+    assert uniform == {ep.name for ep in eps}
+
+
+def test_random_and_round_robin_pickers():
+    eps = endpoints(3)
+    rr = build_round_robin_picker("rr", None, handle())
+    assert [rr.pick(CycleState(), eps, [0, 9, 0]).name for _ in range(4)] == [
+        "http://e0", "http://e1", "http://e2", "http://e0"]
+    rnd = build_random_picker("r", None, handle(seed=1))
+    assert {rnd.pick(CycleState(), eps, [9, 0, 0]).name for _ in range(60)} == {ep.name for ep in eps}
