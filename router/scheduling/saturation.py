@@ -17,60 +17,56 @@ show yet are added to the waiting count. Sound only with one router replica.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from router.scheduling.types import Endpoint
 
-DEFAULT_QUEUE_THRESHOLD = 5
-DEFAULT_KV_THRESHOLD = 0.8
-DEFAULT_MAX_METRICS_AGE_S = 0.2
+
+@dataclass(frozen=True, slots=True)
+class SaturationThresholds:
+    """Thresholds of the detector.
+
+    Attributes:
+        queue_threshold: waiting requests that count as full (> 0; llm-d default 5).
+        kv_threshold: KV cache use, 0..1, that counts as full (> 0; llm-d default 0.8).
+        max_metrics_age_s: metrics older than this, in seconds, count as saturated (llm-d: 200 ms).
+        in_flight_credit: add the scrape-lag credit to the waiting count (module docstring).
+
+    Raises:
+        ValueError: a threshold is not positive.
+    """
+
+    queue_threshold: float = 5
+    kv_threshold: float = 0.8
+    max_metrics_age_s: float = 0.2
+    in_flight_credit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.queue_threshold <= 0 or self.kv_threshold <= 0 or self.max_metrics_age_s <= 0:
+            raise ValueError("saturation thresholds must be positive")
 
 
-def endpoint_saturation(
-    endpoint: Endpoint,
-    now: float,
-    queue_threshold: float = DEFAULT_QUEUE_THRESHOLD,
-    kv_threshold: float = DEFAULT_KV_THRESHOLD,
-    max_metrics_age_s: float = DEFAULT_MAX_METRICS_AGE_S,
-    in_flight_credit: bool = False,
-) -> float:
+def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationThresholds | None = None) -> float:
     """One endpoint's saturation (≥ 0; 1.0 at a threshold; 1.0 when its metrics are stale).
 
     Args:
         endpoint: the endpoint (its ``metrics_updated_at`` on the same clock as ``now``).
         now: current time, seconds (the router's monotonic clock).
-        queue_threshold: waiting requests that count as full (> 0).
-        kv_threshold: KV cache use, 0..1, that counts as full (> 0).
-        max_metrics_age_s: metrics older than this, in seconds, count as saturated.
-        in_flight_credit: add the scrape-lag credit to the waiting count (module docstring).
+        thresholds: the detector's thresholds; llm-d's defaults when None.
     """
+    t = thresholds or SaturationThresholds()
     updated = endpoint.metrics_updated_at
-    if updated is None or now - updated > max_metrics_age_s:
+    if updated is None or now - updated > t.max_metrics_age_s:
         return 1.0
     waiting = endpoint.num_requests_waiting
-    if in_flight_credit:
+    if t.in_flight_credit:
         waiting += max(0, endpoint.in_flight_requests - (endpoint.num_requests_waiting + endpoint.num_requests_running))
-    return max(waiting / queue_threshold, endpoint.kv_cache_usage_perc / kv_threshold)
+    return max(waiting / t.queue_threshold, endpoint.kv_cache_usage_perc / t.kv_threshold)
 
 
-def pool_saturation(
-    endpoints: Sequence[Endpoint],
-    now: float,
-    queue_threshold: float = DEFAULT_QUEUE_THRESHOLD,
-    kv_threshold: float = DEFAULT_KV_THRESHOLD,
-    max_metrics_age_s: float = DEFAULT_MAX_METRICS_AGE_S,
-    in_flight_credit: bool = False,
-) -> float:
-    """Mean of :func:`endpoint_saturation` over ``endpoints``; 1.0 for an empty pool.
-
-    Raises:
-        ValueError: a threshold is not positive.
-    """
-    if queue_threshold <= 0 or kv_threshold <= 0 or max_metrics_age_s <= 0:
-        raise ValueError("saturation thresholds must be positive")
+def pool_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: SaturationThresholds | None = None) -> float:
+    """Mean of :func:`endpoint_saturation` over ``endpoints``; 1.0 for an empty pool."""
     if not endpoints:
         return 1.0
-    total = sum(
-        endpoint_saturation(ep, now, queue_threshold, kv_threshold, max_metrics_age_s, in_flight_credit)
-        for ep in endpoints
-    )
-    return total / len(endpoints)
+    t = thresholds or SaturationThresholds()
+    return sum(endpoint_saturation(ep, now, t) for ep in endpoints) / len(endpoints)

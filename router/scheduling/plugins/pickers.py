@@ -14,7 +14,7 @@ supported (the router forwards to one engine).
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import Field
@@ -37,14 +37,20 @@ class PickerParams(PluginParams):
     max_num_of_endpoints: int = Field(1, ge=1, le=1)
 
 
-class MaxScorePicker:
-    """Highest total wins; ties at random."""
+class _RandomisedPicker:
+    """A picker drawing from the handle's rng."""
 
-    plugin_type = MAX_SCORE_PICKER_TYPE
+    plugin_type = ""
 
     def __init__(self, name: str, rng: random.Random) -> None:
         self.name = name
         self._rng = rng
+
+
+class MaxScorePicker(_RandomisedPicker):
+    """Highest total wins; ties at random."""
+
+    plugin_type = MAX_SCORE_PICKER_TYPE
 
     def pick(self, state: CycleState, endpoints: Sequence[Endpoint], totals: Sequence[float]) -> Endpoint:
         """The endpoint with the highest total (a random one among ties)."""
@@ -53,14 +59,10 @@ class MaxScorePicker:
         return endpoints[tied[0] if len(tied) == 1 else self._rng.choice(tied)]
 
 
-class WeightedRandomPicker:
+class WeightedRandomPicker(_RandomisedPicker):
     """Probability proportional to the total score."""
 
     plugin_type = WEIGHTED_RANDOM_PICKER_TYPE
-
-    def __init__(self, name: str, rng: random.Random) -> None:
-        self.name = name
-        self._rng = rng
 
     def pick(self, state: CycleState, endpoints: Sequence[Endpoint], totals: Sequence[float]) -> Endpoint:
         """A draw weighted by ``max(0, total)``; uniform when all are 0."""
@@ -77,14 +79,10 @@ class WeightedRandomPicker:
         return endpoints[max(i for i, w in enumerate(weights) if w > 0.0)]  # float round-off at the top
 
 
-class RandomPicker:
+class RandomPicker(_RandomisedPicker):
     """Uniform over the candidates."""
 
     plugin_type = RANDOM_PICKER_TYPE
-
-    def __init__(self, name: str, rng: random.Random) -> None:
-        self.name = name
-        self._rng = rng
 
     def pick(self, state: CycleState, endpoints: Sequence[Endpoint], totals: Sequence[float]) -> Endpoint:
         """A uniformly random candidate."""
@@ -107,22 +105,18 @@ class RoundRobinPicker:
         return ep
 
 
-def build_max_score_picker(name: str, raw: Mapping[str, Any] | None, handle: PluginHandle) -> MaxScorePicker:
-    """Factory of ``max-score-picker``."""
-    parse_params(PickerParams, name, raw)
-    return MaxScorePicker(name, handle.rng)
+def _rng_picker_factory(cls: type[_RandomisedPicker]) -> Callable[..., object]:
+    def build(name: str, raw: Mapping[str, Any] | None, handle: PluginHandle) -> object:
+        parse_params(PickerParams, name, raw)
+        return cls(name, handle.rng)
+
+    build.__doc__ = f"Factory of ``{cls.plugin_type}`` (uses the handle's rng)."
+    return build
 
 
-def build_weighted_random_picker(name: str, raw: Mapping[str, Any] | None, handle: PluginHandle) -> WeightedRandomPicker:
-    """Factory of ``weighted-random-picker``."""
-    parse_params(PickerParams, name, raw)
-    return WeightedRandomPicker(name, handle.rng)
-
-
-def build_random_picker(name: str, raw: Mapping[str, Any] | None, handle: PluginHandle) -> RandomPicker:
-    """Factory of ``random-picker``."""
-    parse_params(PickerParams, name, raw)
-    return RandomPicker(name, handle.rng)
+build_max_score_picker = _rng_picker_factory(MaxScorePicker)
+build_weighted_random_picker = _rng_picker_factory(WeightedRandomPicker)
+build_random_picker = _rng_picker_factory(RandomPicker)
 
 
 def build_round_robin_picker(name: str, raw: Mapping[str, Any] | None, handle: PluginHandle) -> RoundRobinPicker:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.scheduling.saturation import endpoint_saturation, pool_saturation
+from router.scheduling.saturation import SaturationThresholds, endpoint_saturation, pool_saturation
 from router.scheduling.types import Endpoint
 
 NOW = 100.0
@@ -30,16 +30,16 @@ def test_stale_or_missing_metrics_count_as_saturated():
     assert endpoint_saturation(stale, NOW) == 1.0
     assert endpoint_saturation(never, NOW) == 1.0
     assert pool_saturation([stale, never, idle], NOW) == pytest.approx(2 / 3)
-    assert pool_saturation([stale], NOW, max_metrics_age_s=0.5) == 0.0
+    assert pool_saturation([stale], NOW, SaturationThresholds(max_metrics_age_s=0.5)) == 0.0
 
 
 def test_empty_pool_is_saturated_and_thresholds_must_be_positive():
     assert pool_saturation([], NOW) == 1.0
     with pytest.raises(ValueError):
-        pool_saturation([fresh()], NOW, queue_threshold=0)
+        SaturationThresholds(queue_threshold=0)
 
 
 def test_in_flight_credit_adds_dispatches_the_scrape_does_not_show_yet():
     ep = fresh(num_requests_waiting=1, num_requests_running=2, in_flight_requests=6)
     assert endpoint_saturation(ep, NOW) == pytest.approx(0.2)
-    assert endpoint_saturation(ep, NOW, in_flight_credit=True) == pytest.approx((1 + 3) / 5)
+    assert endpoint_saturation(ep, NOW, SaturationThresholds(in_flight_credit=True)) == pytest.approx((1 + 3) / 5)
