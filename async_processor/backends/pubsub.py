@@ -61,10 +61,12 @@ def make_clients(emulator_host: str = "") -> tuple[pubsub_v1.PublisherClient, pu
     if not host:
         return pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
     creds = AnonymousCredentials()
-    return (pubsub_v1.PublisherClient(transport=functools.partial(
-                PublisherGrpcTransport, channel=grpc.insecure_channel(host), credentials=creds)),
-            pubsub_v1.SubscriberClient(transport=functools.partial(
-                SubscriberGrpcTransport, channel=grpc.insecure_channel(host), credentials=creds)))
+    # Transport instances, not factories: with PUBSUB_EMULATOR_HOST set the client checks
+    # ``issubclass`` on a callable transport and a ``functools.partial`` fails it.
+    return (pubsub_v1.PublisherClient(transport=PublisherGrpcTransport(
+                channel=grpc.insecure_channel(host), credentials=creds)),
+            pubsub_v1.SubscriberClient(transport=SubscriberGrpcTransport(
+                channel=grpc.insecure_channel(host), credentials=creds)))
 
 
 def _seconds(value: float) -> int:
