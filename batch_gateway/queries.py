@@ -33,6 +33,8 @@ WEBHOOK_EVENTS = ("batch.completed", "batch.failed", "batch.expired", "batch.can
 """Events sent to a tenant's webhook (OpenAI's batch event names)."""
 
 VALIDATE_BATCH_TASK = "backfill.validate_batch"
+CANCEL_BATCH_TASK = "backfill.cancel_batch"
+"""Celery task telling the processors to drop a cancelled batch's queued messages at once."""
 """Celery task name of batch validation (``workers.tasks``); the outbox carries it."""
 
 
@@ -317,7 +319,10 @@ def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | Non
         )
     ).scalar_one()
     if started:
-        return transition(session, batch_id, ("in_progress",), "cancelling")
+        moved = transition(session, batch_id, ("in_progress",), "cancelling")
+        if moved is not None:
+            add_event(session, moved, "batch.cancel_requested", {"task": CANCEL_BATCH_TASK}, publish=True)
+        return moved
     session.execute(
         update(BatchRequest)
         .where(BatchRequest.batch_id == batch_id, BatchRequest.state == "pending")

@@ -11,7 +11,8 @@ Every function is safe to run twice and concurrently: each effect is a compare-a
   ``request_counts`` and ``usage``; then acknowledges them.
 - :func:`sweep` hands back requests whose lease lapsed (lost message, killed processor, Redis
   emptied); after ``max_attempts`` a request ends as ``request_timeout``. It also (re)sets the
-  cancel marker of ``cancelling`` batches.
+  cancel marker of ``cancelling`` batches, which :func:`cancel` sets as soon as the API accepts a
+  cancel.
 - :func:`finalize` ends a batch: ``completed`` when every request is terminal, ``cancelled`` after a
   cancel, ``expired`` past the deadline (unfinished requests become ``batch_expired`` /
   ``batch_cancelled`` lines). Files are built from the rows, checked against the counts and
@@ -258,6 +259,13 @@ def finalize(ctx: WorkerContext, batch_id: str) -> str:
     log.info("batch finalized", extra={"action": f"batch_{status}", "batch_id": batch_id,
                                        "completed": completed, "failed": failed})
     return status
+
+
+def cancel(ctx: WorkerContext, batch_id: str) -> str:
+    """Act on a cancel at once: mark the batch for the processors (its queued messages are answered
+    ``CANCELLED`` instead of run) and end what is not queued; returns the batch's status."""
+    ctx.queue.mark_cancelled(batch_id)
+    return finalize(ctx, batch_id)
 
 
 def finalize_due(ctx: WorkerContext) -> list[str]:

@@ -9,7 +9,8 @@
 - ``backfill.resend_stale_validations()``: resend the validate task of batches ``validating`` for
   too long (a task lost with its worker).
 - ``backfill.relay_outbox()``: resend outbox events that never reached the broker.
-- ``backfill.feed``, ``collect``, ``sweep``, ``finalize_due``: the lifecycle (``workers.lifecycle``).
+- ``backfill.feed``, ``collect``, ``sweep``, ``finalize_due``, ``cancel_batch``: the lifecycle
+  (``workers.lifecycle``).
 - ``backfill.deliver_webhooks()``: signed terminal-state events (``workers.webhooks``).
 - ``backfill.purge_files()``: remove the bytes of deleted or expired files once no running batch
   reads them.
@@ -167,6 +168,10 @@ def register(app: Celery) -> None:
     @app.task(name="backfill.relay_outbox", shared=False)
     def relay_outbox_task() -> int:
         return relay_outbox(ctx)
+
+    @app.task(name=queries.CANCEL_BATCH_TASK, shared=False)
+    def cancel_batch_task(batch_id: str) -> str:
+        return lifecycle.cancel(ctx, batch_id)
 
     @app.task(name="backfill.feed", shared=False)
     def feed_task() -> int:

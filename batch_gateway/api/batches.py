@@ -176,13 +176,14 @@ def retrieve_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dic
 
 
 @router.post("/{batch_id}/cancel")
-def cancel_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dict:
+def cancel_batch(batch_id: str, request: Request, tenant: TenantDep, session: SessionDep) -> dict:
     """Cancel: ``cancelling`` (or ``cancelled`` at once when nothing ran); a second cancel returns
     the same object; a batch that already ended otherwise answers 409."""
     row = queries.cancel_batch(session, tenant.id, batch_id)
     if row is None:
         raise _not_found(batch_id)
     session.commit()
+    request.app.state.tasks.publish_pending(session)  # processors drop the batch's queued work now
     if row.status not in ("cancelling", "cancelled"):
         raise ConflictError(f"Cannot cancel a batch with status '{row.status}'.")
     log.info("batch cancel", extra={"action": "batch_cancel", "batch_id": batch_id,

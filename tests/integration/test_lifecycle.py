@@ -5,6 +5,8 @@ output, and the sweeper handing back lost requests."""
 
 from __future__ import annotations
 
+import time
+
 import orjson
 from openai.types import Batch as SdkBatch
 from openai.types.chat import ChatCompletion
@@ -159,8 +161,10 @@ def test_cancel_midway_keeps_partial_output(gateway):
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     assert client.batches.cancel(batch.id).status == "cancelling"
     assert lifecycle.feed(ctx) == 0  # nothing more is fed
-    lifecycle.sweep(ctx)
-    assert ctx.queue.redis.exists(f"backfill:cancel:batch:{batch.id}")
+    deadline = time.monotonic() + 15  # the cancel task marks the batch for the processors
+    while not ctx.queue.redis.exists(f"backfill:cancel:batch:{batch.id}"):
+        assert time.monotonic() < deadline, "the cancel marker was never set"
+        time.sleep(0.05)
     assert lifecycle.finalize_due(ctx) == []  # c1 still in flight
     proc.answer(running[1], error_result(running[1].id, ErrorCode.CANCELLED, "batch cancelled", running[1].metadata))
     assert lifecycle.collect(ctx) == 1
