@@ -296,7 +296,7 @@ def up_command(data_dir: Path, host: str, port: int, api_key: str | None, engine
         with run_stack(data_dir, host, port, api_key, engines=engines, served_model_names=names,
                        engine_urls=list(engine_urls)) as stack:
             click.echo(f"backfill ready gateway={stack.gateway_url} api_key={stack.api_key} "
-                       f"engines={','.join(stack.engine_urls) or '-'} "
+                       f"engines={','.join(stack.engine_urls) or '-'} redis={stack.env['REDIS_URL']} "
                        f"data_dir={stack.data_dir} logs={stack.data_dir / 'logs'}", err=False)
             sys.stdout.flush()
             while True:
