@@ -110,6 +110,17 @@ class LaneBuffer:
         self._size -= len(out)
         return out
 
+    def remove_batches(self, batch_ids: set[str]) -> list[Work]:
+        """Remove and return held items whose ``metadata.batch_id`` is in ``batch_ids``."""
+        out: list[Work] = []
+        for lane, items in self._lanes.items():
+            keep = [w for w in items if w.request.metadata.get("batch_id") not in batch_ids]
+            if len(keep) != len(items):
+                out.extend(w for w in items if w.request.metadata.get("batch_id") in batch_ids)
+                self._lanes[lane] = keep
+        self._size -= len(out)
+        return out
+
     def next_ready_at(self, now: float) -> float | None:
         """Smallest ``not_before`` still in the future (monotonic seconds), or None."""
         times = [w.not_before for w in self if w.not_before > now]

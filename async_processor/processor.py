@@ -16,6 +16,8 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
 - **settler**: publishes results in batches (which marks their ids done), then acks (never before).
 - **lease keeper** and **gate refresher**: extend leases of held messages every ``lease/3`` seconds,
   re-read gate signals every ``saturation_poll_s``.
+- **cancel watcher**: every ``cancel_poll_s``, held work of batches whose cancel marker appeared
+  after admission is dropped with a ``CANCELLED`` result (it never reaches the router).
 
 On stop (SIGTERM in the CLI): the reader stops, held work not started is handed back at once, work
 in flight may finish within ``grace_s`` and is then cancelled and handed back.
@@ -140,7 +142,8 @@ class Processor:
         lands inside a command); a task still running a second after its flag is cancelled."""
         helpers = [asyncio.create_task(self._settler(), name="settler"),
                    asyncio.create_task(self._lease_keeper(), name="lease-keeper"),
-                   asyncio.create_task(self._gate_refresher(), name="gate-refresher")]
+                   asyncio.create_task(self._gate_refresher(), name="gate-refresher"),
+                   asyncio.create_task(self._cancel_watcher(), name="cancel-watcher")]
         reader = asyncio.create_task(self._reader(stop), name="reader")
         dispatcher = asyncio.create_task(self._dispatcher(), name="dispatcher")
         try:
@@ -389,6 +392,28 @@ class Processor:
             self._wake.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closed.wait(), self.settings.saturation_poll_s)
+
+
+    async def _cancel_watcher(self) -> None:
+        """Drop held work of batches cancelled after it was admitted (answered ``CANCELLED``)."""
+        while not self._closed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), self.settings.cancel_poll_s)
+                return
+            batch_ids = {w.request.metadata["batch_id"] for w in self.buffer if w.request.metadata.get("batch_id")}
+            if not batch_ids:
+                continue
+            try:
+                cancelled = await self.backend.cancelled_batches(sorted(batch_ids))
+            except Exception as exc:  # a failed check only delays the drop to the next round
+                log.warning("cancel check failed", extra={"action": "cancel_check_failed", "error": str(exc)})
+                continue
+            for work in self.buffer.remove_batches(cancelled):
+                request = work.request
+                self.counts["cancelled"] += 1
+                self._add_settle(_Settle(work.delivery, error_result(request.id, ErrorCode.CANCELLED, "batch cancelled",
+                                                                     request.metadata),
+                                         request.result_queue_name, request.id))
 
 
 async def _finish_tasks(tasks: Sequence[asyncio.Task], patience_s: float = 1.0) -> None:

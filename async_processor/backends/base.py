@@ -121,6 +121,10 @@ class QueueBackend(Protocol):
         """Drop running claims of these ids (they were handed back)."""
         ...
 
+    async def cancelled_batches(self, batch_ids: Sequence[str]) -> set[str]:
+        """Which of these batch ids carry a cancel marker now (held work of theirs is dropped)."""
+        ...
+
     def result_reader(self, queue_name: str = "") -> ResultReader:
         """A reader of ``queue_name`` ("" = the default result queue). Pub/Sub readers see only
         results published after the reader was made."""

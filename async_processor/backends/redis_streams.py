@@ -339,6 +339,17 @@ class RedisStreamsBackend:
             raise BackendError(f"redis admit: {exc}") from exc
         return [_ADMISSIONS[int(r)] for r in replies]
 
+    async def cancelled_batches(self, batch_ids: Sequence[str]) -> set[str]:
+        """See :meth:`QueueBackend.cancelled_batches` (one pipelined ``EXISTS`` per batch id)."""
+        ids = list(batch_ids)
+        if not ids:
+            return set()
+        async with self.client.pipeline(transaction=False) as pipe:
+            for batch_id in ids:
+                pipe.exists(cancel_marker_key(batch_id))
+            flags = await pipe.execute()
+        return {batch_id for batch_id, flag in zip(ids, flags) if flag}
+
     async def release(self, ids: Sequence[str]) -> None:
         """Delete running claims."""
         if not ids:

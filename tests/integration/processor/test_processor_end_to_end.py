@@ -268,3 +268,35 @@ def test_kill_9_with_requests_in_flight_then_restart_gives_one_result_per_id(ns)
     assert sorted(ids) == sorted(m.id for m in sent)  # every id exactly once
     assert all(r.status_code == 200 for r in results)
 
+
+
+def test_held_work_of_a_batch_cancelled_later_is_dropped_not_run(ns):
+    """A cancel marker set after the messages were admitted still stops them: held work of that
+    batch is answered CANCELLED without reaching the target."""
+    from async_processor.messages import cancel_marker_key
+
+    release = threading.Event()
+
+    async def behaviour(body, request, seen):
+        while body["id_hint"] == "blocker" and not release.is_set():
+            await asyncio.sleep(0.01)  # hold the only slot until the batch below is cancelled
+        return JSONResponse({"ok": True})
+    app, seen = _stub(behaviour)
+    port = free_port()
+    ns.put("batch", RequestMessage(id="blocker", deadline=int(time.time() + 120), payload={"id_hint": "blocker"}))
+    for i in range(3):
+        ns.put("batch", RequestMessage(id=f"b{i}", deadline=int(time.time() + 600), payload={"id_hint": f"b{i}"},
+                                       metadata={"batch_id": "batch_x"}))
+    with serve(app, port), InProcess(ns.settings(f"http://127.0.0.1:{port}", concurrency=1, cancel_poll_s=0.1)):
+        until = time.monotonic() + 30
+        while not seen:
+            assert time.monotonic() < until, "the blocker never reached the target"
+            time.sleep(0.02)
+        ns.client.set(cancel_marker_key("batch_x"), b"1")
+        cancelled = ns.wait_results(3)
+        release.set()
+        results = {r.id: r for r in ns.wait_results(4)}
+    assert {i for i, r in results.items() if r.error_code == "CANCELLED"} == {"b0", "b1", "b2"}
+    assert results["blocker"].status_code == 200
+    assert [hint for hint, _ in seen] == ["blocker"]
+    assert len(cancelled) == 3
