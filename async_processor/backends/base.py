@@ -181,3 +181,7 @@ class ClaimTable:
         for id in ids:
             if self._claims.get(id, ("",))[0] == "running":
                 del self._claims[id]
+
+    def cancelled_among(self, batch_ids: Sequence[str]) -> set[str]:
+        """The ids among ``batch_ids`` that carry a cancel marker here."""
+        return {batch_id for batch_id in batch_ids if batch_id in self.cancelled}

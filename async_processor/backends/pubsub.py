@@ -273,9 +273,8 @@ class PubSubBackend:
         return self.claims.admit(requests, lease_s)
 
     async def cancelled_batches(self, batch_ids: Sequence[str]) -> set[str]:
-        """See :meth:`QueueBackend.cancelled_batches` (markers set with ``cancel``; none on
-        Pub/Sub, whose producers have no marker store)."""
-        return {batch_id for batch_id in batch_ids if batch_id in self.claims.cancelled}
+        """See :meth:`QueueBackend.cancelled_batches` (in-process markers only: Pub/Sub has no shared marker store)."""
+        return self.claims.cancelled_among(batch_ids)
 
     async def release(self, ids: Sequence[str]) -> None:
         """Drop in-process running claims."""
