@@ -225,10 +225,10 @@ def _register_key(database_url: str, api_key: str) -> None:
 @contextlib.contextmanager
 def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engines: int = 2,
               served_model_names: list[str] | None = None,
-              engine_urls: list[str] | None = None) -> Iterator[Stack]:
+              engine_urls: list[str] | None = None, admin_key: str | None = None) -> Iterator[Stack]:
     """Start the stack, yield it once the gateway and the engines answer, and stop everything on
     exit. ``engines`` simulated engines serve ``served_model_names`` unless ``engine_urls`` name
-    real ones."""
+    real ones. ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one)."""
     from migrations.config import upgrade
 
     data_dir = data_dir.resolve()
@@ -241,6 +241,8 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         _register_key(stores.database_url, api_key)
         env = dict(os.environ, DATABASE_URL=stores.database_url, REDIS_URL=stores.redis_url,
                    BACKFILL_DATA_DIR=str(data_dir), BACKFILL_API_KEY=api_key)
+        if admin_key:
+            env["BACKFILL_ADMIN_KEY"] = admin_key
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)
         try:
             start_engines(stack, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [])
@@ -279,6 +281,8 @@ def stop_on_signals() -> None:
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--api-key", envvar="BACKFILL_API_KEY",
               help="Key accepted for the 'default' tenant (a new one is made if not given).")
+@click.option("--admin-key", envvar="BACKFILL_ADMIN_KEY",
+              help="Key of the admin dashboard at /admin (the dashboard is closed without one).")
 @click.option("--engines", default=2, show_default=True, type=click.IntRange(0, 64),
               help="Simulated engines to start when no --engine-url is given.")
 @click.option("--served-model-name", "served_model_names", multiple=True,
@@ -286,7 +290,7 @@ def stop_on_signals() -> None:
                    "Default: sim-model.")
 @click.option("--engine-url", "engine_urls", multiple=True,
               help="URL of a running (real vLLM) engine to use instead of simulated ones (repeat).")
-def up_command(data_dir: Path, host: str, port: int, api_key: str | None, engines: int,
+def up_command(data_dir: Path, host: str, port: int, api_key: str | None, admin_key: str | None, engines: int,
                served_model_names: tuple[str, ...], engine_urls: tuple[str, ...]) -> None:
     """Run the whole stack on this machine until SIGINT/SIGTERM."""
     names = [name.strip() for value in served_model_names for name in value.split(",") if name.strip()]
@@ -294,8 +298,9 @@ def up_command(data_dir: Path, host: str, port: int, api_key: str | None, engine
     code = 0
     try:
         with run_stack(data_dir, host, port, api_key, engines=engines, served_model_names=names,
-                       engine_urls=list(engine_urls)) as stack:
-            click.echo(f"backfill ready gateway={stack.gateway_url} api_key={stack.api_key} "
+                       engine_urls=list(engine_urls), admin_key=admin_key) as stack:
+            admin = stack.gateway_url.removesuffix("/v1") + "/admin"
+            click.echo(f"backfill ready gateway={stack.gateway_url} admin={admin} api_key={stack.api_key} "
                        f"engines={','.join(stack.engine_urls) or '-'} redis={stack.env['REDIS_URL']} "
                        f"data_dir={stack.data_dir} logs={stack.data_dir / 'logs'}", err=False)
             sys.stdout.flush()
