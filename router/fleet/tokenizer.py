@@ -8,16 +8,19 @@ what KV events carry, so a router that tokenizes with the same tokenizer sees th
   little-endian value of the 4 bytes, padded with NUL), so a shared text prefix gives shared tokens,
   decoding is exact, and counts match the router's ``estimate`` backend (about 4 bytes per token).
 
-Chat messages are rendered with one simple ChatML-style template (:func:`render_chat`) for both.
+Chat messages are rendered with one ChatML template for both: :func:`router.chat_template.render_chat`,
+the same rendering the router's ``estimate`` tokenizer backend uses (re-exported here).
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-CHAT_TEMPLATE_NAME = "chatml"
+from router.chat_template import CHAT_TEMPLATE_NAME, render_chat
+
+__all__ = ["CHAT_TEMPLATE_NAME", "BuiltinTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "render_chat"]
 
 
 class Tokenizer(Protocol):
@@ -32,27 +35,6 @@ class Tokenizer(Protocol):
     def filler(self, n: int) -> tuple[str, list[int]]:
         """``n`` deterministic generated tokens: (their text, their ids)."""
         ...
-
-
-def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Render OpenAI chat messages with a ChatML template; list contents keep their text parts.
-
-    ``[{"role": "user", "content": "hi"}]`` → ``"<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>
-    assistant\\n"``. Raises ``TypeError`` for a message that is not an object.
-    """
-    parts: list[str] = []
-    for message in messages:
-        if not isinstance(message, dict):
-            raise TypeError("each message must be an object")
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(
-                p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in ("text", "input_text")
-            )
-        parts.append(f"<|im_start|>{message.get('role', 'user')}\n{content or ''}<|im_end|>\n")
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
 
 
 _FILLER_TEXT = " the engine simulator writes these words as its answer "  # 56 bytes: whole tokens
