@@ -157,6 +157,10 @@ class Batch(Base):
         UniqueConstraint("tenant_id", "idempotency_key"),
         Index(None, "tenant_id", "seq"),
         Index(None, "status", "deadline"),
+        # the admin dashboard's job list: newest first, keyset on (created_at, id), by status or tenant
+        Index(None, "created_at", "id"),
+        Index(None, "status", "created_at", "id"),
+        Index(None, "tenant_id", "created_at", "id"),
     )
 
 
