@@ -21,7 +21,7 @@ from batch_gateway.db import make_engine, make_sessionmaker
 from batch_gateway.errors import GatewayError, error_body
 from batch_gateway.outbox import TaskPublisher
 from batch_gateway.settings import GatewaySettings
-from batch_gateway.storage import LocalFileStore
+from batch_gateway.storage import build_file_store
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         engine = make_engine(settings.database_url)
         app.state.settings = settings
         app.state.sessionmaker = make_sessionmaker(engine)
-        app.state.store = LocalFileStore(settings.files_dir)
+        app.state.store = build_file_store(settings)
         app.state.tasks = TaskPublisher.for_redis(settings.redis_url, settings.task_queue)
         if settings.api_key:
             with app.state.sessionmaker() as session:

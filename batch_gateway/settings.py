@@ -8,8 +8,9 @@ and ``BACKFILL_API_KEY``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MB = 1024 * 1024
@@ -47,6 +48,28 @@ class SharedSettings(BaseSettings):
 
     task_queue: str = Field(default="backfill", validation_alias="BACKFILL_TASK_QUEUE")
     """Celery queue of the lifecycle tasks (one per deployment; tests use one per test)."""
+
+    file_store: Literal["local", "s3"] = Field(default="local", validation_alias="BACKFILL_FILE_STORE")
+    """Where file bytes go: ``local`` (``DATA_DIR/files``) or ``s3`` (any S3-compatible bucket)."""
+    s3_bucket: str | None = Field(default=None, validation_alias="BACKFILL_S3_BUCKET")
+    s3_prefix: str = Field(default="", validation_alias="BACKFILL_S3_PREFIX")
+    """Key prefix inside the bucket (e.g. ``backfill/prod``); objects go to ``PREFIX/files/…``."""
+    s3_endpoint_url: str | None = Field(default=None, validation_alias="BACKFILL_S3_ENDPOINT_URL")
+    """An S3-compatible service (MinIO, R2, moto); None is AWS S3."""
+    s3_region: str | None = Field(default=None, validation_alias="BACKFILL_S3_REGION")
+    """None leaves the region to boto3's chain (``AWS_REGION``, ``AWS_DEFAULT_REGION``, profile)."""
+    s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
+        default="auto", validation_alias="BACKFILL_S3_ADDRESSING_STYLE")
+    """botocore's bucket addressing; MinIO usually wants ``path``."""
+    s3_part_bytes: int = Field(default=8 * MB, ge=5 * MB, validation_alias="BACKFILL_S3_PART_BYTES")
+    """Multipart part size, bytes: the most one upload buffers in memory. Default 8 MiB (boto3's
+    ``multipart_chunksize``); at least 5 MiB, S3's smallest part."""
+
+    @model_validator(mode="after")
+    def _s3_bucket_given(self):
+        if self.file_store == "s3" and not self.s3_bucket:
+            raise ValueError("BACKFILL_FILE_STORE=s3 needs BACKFILL_S3_BUCKET")
+        return self
 
     @field_validator("database_url")
     @classmethod

@@ -1,9 +1,12 @@
 """The file store: where file bytes live (never in Postgres rows).
 
-One small interface, :class:`FileStore`, with a local-directory implementation,
-:class:`LocalFileStore`. Keys are derived from object ids only (``files/ab/file-ab…``), never from
-user file names. Writes go to a temporary file and become visible in one atomic rename, so a crash
-or a rejected upload leaves no partial object behind.
+One small interface, :class:`FileStore`, with two implementations: a local directory,
+:class:`LocalFileStore` (the default), and any S3-compatible bucket,
+:class:`~batch_gateway.storage_s3.S3FileStore`; :func:`build_file_store` picks one from the settings.
+Keys are derived from object ids only (``files/ab/file-ab…``), never from
+user file names. An object becomes visible only when its upload is committed, at once and whole (the
+local store renames a temporary file; S3 completes an upload), so a crash or a rejected upload leaves
+no partial object behind.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from batch_gateway.settings import SharedSettings
 
 CHUNK_BYTES = 1024 * 1024
 
@@ -42,7 +48,9 @@ class Upload(Protocol):
 
 
 class FileStore(Protocol):
-    """Bytes by key. Implementations: :class:`LocalFileStore` (S3-compatible comes later)."""
+    """Bytes by key. Implementations: :class:`LocalFileStore`,
+    :class:`~batch_gateway.storage_s3.S3FileStore`. Every method raises ``ValueError`` for an
+    unsafe key and ``OSError`` when the store fails."""
 
     def begin(self, key: str) -> Upload:
         """Start writing ``key``; nothing is visible until ``commit``."""
@@ -54,6 +62,9 @@ class FileStore(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove ``key``; missing keys are ignored."""
+
+    def size(self, key: str) -> int:
+        """Bytes in ``key``; raises ``FileNotFoundError`` when the key is missing."""
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` holds a committed object."""
@@ -126,6 +137,23 @@ class LocalFileStore:
         """See :meth:`FileStore.delete`."""
         self._path(key).unlink(missing_ok=True)
 
+    def size(self, key: str) -> int:
+        """See :meth:`FileStore.size`."""
+        return self._path(key).stat().st_size
+
     def exists(self, key: str) -> bool:
         """See :meth:`FileStore.exists`."""
         return self._path(key).is_file()
+
+
+def build_file_store(settings: SharedSettings) -> FileStore:
+    """The store ``settings.file_store`` names: ``local`` (default) → :class:`LocalFileStore` under
+    ``DATA_DIR/files``; ``s3`` → :class:`~batch_gateway.storage_s3.S3FileStore` on
+    ``settings.s3_bucket`` (boto3 is imported only then)."""
+    if settings.file_store == "s3":
+        from batch_gateway.storage_s3 import S3FileStore
+
+        return S3FileStore(settings.s3_bucket, prefix=settings.s3_prefix, part_bytes=settings.s3_part_bytes,
+                           endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region,
+                           addressing_style=settings.s3_addressing_style)
+    return LocalFileStore(settings.files_dir)

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from batch_gateway.db import make_engine, make_sessionmaker
 from batch_gateway.outbox import TaskPublisher, celery_broker_url
-from batch_gateway.storage import LocalFileStore
+from batch_gateway.storage import FileStore, build_file_store
 from workers.queue import BatchQueue
 from workers.settings import WorkerSettings
 
@@ -49,9 +49,9 @@ class WorkerContext:
         return self.sessionmaker()
 
     @cached_property
-    def store(self) -> LocalFileStore:
-        """The file store under ``DATA_DIR/files``."""
-        return LocalFileStore(self.settings.files_dir)
+    def store(self) -> FileStore:
+        """The file store the settings select (``DATA_DIR/files`` by default)."""
+        return build_file_store(self.settings)
 
     @cached_property
     def queue(self) -> BatchQueue:

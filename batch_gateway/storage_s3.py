@@ -1,0 +1,248 @@
+"""The S3-compatible file store: :class:`S3FileStore` (AWS S3, MinIO, Cloudflare R2, Ceph RGW, moto).
+
+The same port as :class:`~batch_gateway.storage.LocalFileStore`, with the same promises:
+
+- **Streamed writes.** An upload keeps at most one part in memory (``part_bytes``, default 8 MiB).
+  An object that ends within its first part is sent with one ``PutObject``; a larger one becomes a
+  multipart upload, one ``UploadPart`` each time the buffer reaches ``part_bytes``.
+- **Atomic publish.** S3 shows an object only once ``PutObject`` or ``CompleteMultipartUpload``
+  succeeded, so readers never see a partial object. Any error while writing or committing aborts
+  the multipart upload (``AbortMultipartUpload``) before the error is raised, and ``abort()`` does
+  the same, so no parts are left behind. Parts of a process killed mid-upload stay invisible until a
+  bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
+- **Streamed reads.** ``GetObject`` (with a ``Range`` for an offset or a length) read in chunks.
+- **Errors** are the local store's: ``FileNotFoundError`` for a missing key, ``PermissionError`` for
+  access denied, ``OSError`` (``EIO``) for any other S3 or network failure.
+
+Credentials come from boto3's standard chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+``AWS_PROFILE``, web identity, instance metadata, …); nothing here reads them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from batch_gateway.storage import CHUNK_BYTES
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+MIN_PART_BYTES = 5 * MIB
+"""S3's smallest part of a multipart upload, the last part excepted (AWS S3 user guide, "Amazon S3
+multipart upload limits"). Stores such as MinIO and R2 enforce the same."""
+DEFAULT_PART_BYTES = 8 * MIB
+"""boto3's own ``multipart_chunksize`` default (``boto3.s3.transfer.TransferConfig``)."""
+MAX_PARTS = 10_000
+"""S3's largest number of parts per upload: with 8 MiB parts an object may reach 78 GiB."""
+
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+_DENIED = {"AccessDenied", "403", "Forbidden"}
+_AWS_ERRORS = (BotoCoreError, ClientError)
+
+
+def _code(exc: Exception) -> str:
+    return exc.response.get("Error", {}).get("Code", "") if isinstance(exc, ClientError) else ""
+
+
+def _os_error(exc: Exception, key: str) -> OSError:
+    """The local store's exception for an S3 error ``exc`` on ``key``."""
+    code = _code(exc)
+    if code in _MISSING:
+        return FileNotFoundError(errno.ENOENT, "no such object", key)
+    if code in _DENIED:
+        return PermissionError(errno.EACCES, f"S3 denied access ({code})", key)
+    return OSError(errno.EIO, f"S3 request failed: {code or type(exc).__name__}: {exc}", key)
+
+
+class _S3Upload:
+    """One object being written (see :class:`~batch_gateway.storage.Upload`)."""
+
+    def __init__(self, store: S3FileStore, key: str):
+        self._store = store
+        self._key = key
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[dict] = []
+        self._state = "open"  # open | committed | aborted
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ValueError(f"upload of {self._key!r} is {self._state}")
+
+    def _send_part(self) -> None:
+        client, bucket = self._store.client, self._store.bucket
+        if len(self._parts) >= MAX_PARTS:
+            raise OSError(errno.EFBIG, f"object exceeds {MAX_PARTS} parts of {self._store.part_bytes} bytes",
+                          self._key)
+        if self._upload_id is None:
+            self._upload_id = client.create_multipart_upload(Bucket=bucket, Key=self._key)["UploadId"]
+        body, self._buffer = bytes(self._buffer), bytearray()
+        number = len(self._parts) + 1
+        reply = client.upload_part(Bucket=bucket, Key=self._key, UploadId=self._upload_id,
+                                   PartNumber=number, Body=body)
+        self._parts.append({"ETag": reply["ETag"], "PartNumber": number})
+
+    def _publish(self) -> None:
+        client, bucket = self._store.client, self._store.bucket
+        if self._upload_id is None:
+            client.put_object(Bucket=bucket, Key=self._key, Body=bytes(self._buffer))
+            return
+        if self._buffer:
+            self._send_part()
+        client.complete_multipart_upload(Bucket=bucket, Key=self._key, UploadId=self._upload_id,
+                                          MultipartUpload={"Parts": self._parts})
+
+    def _abort_on_error(self, action) -> None:
+        """Run ``action``; on any exception abort the upload, then raise (S3 errors as ``OSError``)."""
+        try:
+            action()
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, _AWS_ERRORS):
+                raise _os_error(exc, self._key) from exc
+            raise
+
+    def write(self, chunk: bytes) -> None:
+        """Append ``chunk``; sends a part once ``part_bytes`` are buffered. On failure the upload is
+        aborted and ``OSError`` raised; ``ValueError`` after ``commit``/``abort``."""
+        self._check_open()
+        self._buffer += chunk
+        if len(self._buffer) >= self._store.part_bytes:
+            self._abort_on_error(self._send_part)
+
+    def commit(self) -> None:
+        """Publish the object: one ``PutObject``, or the last part and ``CompleteMultipartUpload``.
+        On failure the upload is aborted and ``OSError`` raised (the key keeps what it had)."""
+        self._check_open()
+        self._abort_on_error(self._publish)
+        self._state = "committed"
+        self._buffer = bytearray()
+
+    def abort(self) -> None:
+        """Discard what was written (``AbortMultipartUpload`` when parts were sent). No-op after
+        ``commit``; never raises (a failed abort is logged, the parts stay invisible)."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._buffer = bytearray()
+        if self._upload_id is None:
+            return
+        upload_id, self._upload_id = self._upload_id, None
+        try:
+            self._store.client.abort_multipart_upload(Bucket=self._store.bucket, Key=self._key,
+                                                      UploadId=upload_id)
+        except _AWS_ERRORS as exc:
+            log.warning("multipart upload not aborted", extra={"action": "s3_abort_failed", "key": self._key,
+                                                              "upload_id": upload_id, "error": str(exc)})
+
+
+class S3FileStore:
+    """A :class:`~batch_gateway.storage.FileStore` in bucket ``bucket`` under ``prefix``.
+
+    ``part_bytes``: bytes per multipart part and the most an upload buffers (default 8 MiB, at
+    least 1; S3 itself refuses parts under 5 MiB but the last). ``endpoint_url`` selects an
+    S3-compatible service (MinIO, R2, moto); ``region_name`` and ``addressing_style`` (``auto``,
+    ``path``, ``virtual``) are passed to botocore. The boto3 client is built on first use in each
+    process (a forked worker never reuses its parent's connections).
+    """
+
+    def __init__(self, bucket: str, *, prefix: str = "", part_bytes: int = DEFAULT_PART_BYTES,
+                 endpoint_url: str | None = None, region_name: str | None = None,
+                 addressing_style: str = "auto", max_pool_connections: int = 32):
+        if not bucket:
+            raise ValueError("an S3 file store needs a bucket")
+        if part_bytes < 1:
+            raise ValueError("part_bytes must be positive")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.part_bytes = part_bytes
+        self._client_args = {
+            "endpoint_url": endpoint_url or None,
+            "region_name": region_name or None,
+            "config": Config(s3={"addressing_style": addressing_style}, retries={"mode": "standard"},
+                             max_pool_connections=max_pool_connections),
+        }
+        self._lock = threading.Lock()
+        self._client = None
+        self._client_pid = 0
+
+    @property
+    def client(self):
+        """This process's boto3 S3 client (thread-safe once built)."""
+        if self._client is None or self._client_pid != os.getpid():
+            with self._lock:
+                if self._client is None or self._client_pid != os.getpid():
+                    self._client = boto3.session.Session().client("s3", **self._client_args)
+                    self._client_pid = os.getpid()
+        return self._client
+
+    def object_key(self, key: str) -> str:
+        """The S3 object key of store key ``key`` (``prefix/key``). Raises ``ValueError`` for an
+        empty key, a leading ``/`` or a ``.``/``..``/empty segment (what the local store refuses
+        as escaping its root)."""
+        if not key or any(part in ("", ".", "..") for part in key.split("/")):
+            raise ValueError(f"unsafe store key {key!r}")
+        return self.prefix + key
+
+    def begin(self, key: str) -> _S3Upload:
+        """See :meth:`FileStore.begin` (nothing is sent before the first full part)."""
+        return _S3Upload(self, self.object_key(key))
+
+    def read(self, key: str, offset: int = 0, length: int | None = None,
+             chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """See :meth:`FileStore.read`; ``FileNotFoundError`` is raised before the first chunk, and a
+        failure mid-stream as ``OSError``."""
+        name = self.object_key(key)
+        if length is not None and length <= 0:
+            self.size(key)  # FileNotFoundError when missing
+            return iter(())
+        args = {"Bucket": self.bucket, "Key": name}
+        if offset or length is not None:  # a Range on an empty object is refused (416)
+            args["Range"] = f"bytes={offset}-" + ("" if length is None else str(offset + length - 1))
+        try:
+            body = self.client.get_object(**args)["Body"]
+        except _AWS_ERRORS as exc:
+            if _code(exc) == "InvalidRange":  # offset at or past the end: nothing to read
+                return iter(())
+            raise _os_error(exc, key) from exc
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                yield from body.iter_chunks(chunk_bytes)
+            except _AWS_ERRORS as exc:
+                raise _os_error(exc, key) from exc
+            finally:
+                body.close()
+
+        return chunks()
+
+    def delete(self, key: str) -> None:
+        """See :meth:`FileStore.delete` (S3 answers a missing key with success too). Raises
+        ``OSError`` when S3 fails."""
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.object_key(key))
+        except _AWS_ERRORS as exc:
+            raise _os_error(exc, key) from exc
+
+    def size(self, key: str) -> int:
+        """See :meth:`FileStore.size` (``HeadObject``)."""
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=self.object_key(key))["ContentLength"]
+        except _AWS_ERRORS as exc:
+            raise _os_error(exc, key) from exc
+
+    def exists(self, key: str) -> bool:
+        """See :meth:`FileStore.exists` (``HeadObject``); ``OSError`` when S3 fails otherwise."""
+        try:
+            self.size(key)
+        except FileNotFoundError:
+            return False
+        return True
