@@ -7,8 +7,9 @@ body, the model, the prompt (rendered text or token ids) for the tokenizer backe
 :meth:`~RequestError.envelope` is OpenAI's error body; nothing else escapes for any body.
 
 The proxy forwards the client's ORIGINAL bytes (``ParsedRequest.raw``) unless it must change the
-body: :func:`with_engine_priority` (the engine's scheduling priority) and :func:`with_stream_usage`
-(ask the engine for the final usage chunk); :func:`engine_body` does both in one serialisation.
+body: :func:`with_engine_priority` (vLLM's scheduling priority, :func:`engine_priority` of the
+objective's) and :func:`with_stream_usage` (ask the engine for the final usage chunk);
+:func:`engine_body` does both in one serialisation.
 
 Paths and what the prompt is:
 
@@ -395,18 +396,28 @@ def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> ParsedR
 
 
 # ---- bodies for the engine ---------------------------------------------------------------------
+def engine_priority(objective_priority: int) -> int:
+    """vLLM's ``priority`` for an objective's priority: ``-objective_priority``.
+
+    vLLM's ``--scheduling-policy priority`` runs LOWER values first ("lower value means earlier
+    handling", vLLM's engine arguments docs for ``--scheduling-policy``); llm-d's
+    ``InferenceObjective`` priority is the other way round, HIGHER is more important
+    (``shared/contracts/vllm-engine.md``, "Priority"). So ``interactive`` at 100 and ``batch`` at
+    -100 become engine priorities -100 and 100.
+    """
+    return -objective_priority
+
+
 def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_usage: bool = False) -> bytes:
     """The body to send to the engine: the original bytes when nothing changes, else re-serialised.
 
     Args:
         parsed: the request.
-        priority: the objective's priority in llm-d's convention (HIGHER is more important), or None
-            to leave the body's ``priority`` alone. Written as vLLM's ``priority`` = ``-priority``:
-            vLLM's ``--scheduling-policy priority`` runs LOWER values first ("lower value means
-            earlier handling", vLLM's engine arguments docs), while llm-d's ``InferenceObjective``
-            priority is "higher value means higher priority" (``shared/contracts/vllm-engine.md``).
-            A client's own ``priority`` field is overwritten: the trusted objective decides. With
-            0 and no ``priority`` in the body nothing changes (0 is vLLM's default).
+        priority: vLLM's ``priority`` value to write (ENGINE convention, lower runs first: pass
+            :func:`engine_priority` of the objective's priority), or None to leave the body's
+            ``priority`` alone. A client's own ``priority`` field is overwritten: the trusted
+            objective decides. With 0 and no ``priority`` in the body nothing changes (0 is vLLM's
+            default).
         stream_usage: ensure ``stream_options.include_usage = true`` on a streaming chat /
             completions request (see :func:`with_stream_usage`).
 
@@ -415,7 +426,7 @@ def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_us
     """
     changes: dict[str, Any] = {}
     if priority is not None and (priority != 0 or "priority" in parsed.body):
-        changes["priority"] = -priority
+        changes["priority"] = priority
     if stream_usage and parsed.stream and parsed.kind in _USAGE_STREAM_KINDS and not parsed.stream_include_usage:
         changes["stream_options"] = {**(parsed.body.get("stream_options") or {}), "include_usage": True}
     if not changes:
@@ -424,9 +435,11 @@ def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_us
 
 
 def with_engine_priority(parsed: ParsedRequest, priority: int) -> bytes:
-    """The body with vLLM's ``priority`` = ``-priority`` (llm-d's higher-is-more-important turned
-    into vLLM's lower-runs-first); see :func:`engine_body`. Engines must run with
-    ``--scheduling-policy priority`` for it to matter; under ``fcfs`` vLLM accepts and ignores it."""
+    """The body with vLLM's ``priority`` field set to ``priority``, already in the ENGINE's
+    convention (lower runs first): callers pass ``engine_priority(objective priority)``, i.e. the
+    objective's priority negated (see :func:`engine_priority` for the sources). Engines must run
+    with ``--scheduling-policy priority`` for it to matter; under ``fcfs`` vLLM accepts and ignores
+    it. See :func:`engine_body`."""
     return engine_body(parsed, priority=priority)
 
 
@@ -455,7 +468,7 @@ def _bench() -> None:  # pragma: no cover - a measurement, run by hand
     t = timeit.timeit(lambda: parse_request(CHAT_PATH, raw, headers), number=n) / n
     print(f"parse_request, {len(raw) / 1000:.0f} kB chat body: {t * 1e3:.3f} ms")
     parsed = parse_request(CHAT_PATH, raw, headers)
-    t = timeit.timeit(lambda: engine_body(parsed, priority=1, stream_usage=True), number=n) / n
+    t = timeit.timeit(lambda: engine_body(parsed, priority=engine_priority(1), stream_usage=True), number=n) / n
     print(f"engine_body (priority + usage), same body: {t * 1e3:.3f} ms")
 
 
