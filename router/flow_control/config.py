@@ -1,0 +1,164 @@
+"""Flow-control configuration: priority bands keyed by objective, limits, TTLs, quotas, eviction.
+
+YAML (or a dict) of this shape; every field is optional and defaults to the values below::
+
+    default_objective: interactive     # band for requests with no or an unknown objective
+    eviction: false                    # evict sheddable in-flight work for a blocked higher band
+    eviction_interval_s: 1.0           # at most one eviction per this many seconds
+    poll_interval_s: 0.01              # saturation re-read period while something waits
+    bands:
+    - objective: interactive           # x-llm-d-inference-objective value
+      priority: 100                    # higher dispatches first (llm-d convention)
+      max_queued_requests: 10000
+      max_queued_bytes: 1000000000
+      ttl_s: 30                        # longest wait in the queue; null = no limit; 0 = never queue
+      sheddable: false                 # may be evicted while in flight
+      bypass_saturation: true          # may dispatch while the pool is saturated ...
+      max_in_flight: 64                # ... while the band has fewer than this in flight
+      tenant_max_in_flight: null       # per fairness id, this band; null = no quota
+      tenant_max_queued: null          # per fairness id, this band; null = no quota
+
+Where the defaults come from:
+
+* priorities ``interactive`` 100, ``async`` 10, ``batch`` −10: the project's objectives (DESIGN.md),
+  spaced around 0 as llm-d's priority bands are ("highest value first, centred on 0").
+* ``max_queued_bytes`` 1 GB per band: llm-d's ``defaultPriorityBandMaxBytes``. Lower it on a small
+  router host: queued bodies live in the router's memory.
+* ``max_queued_requests`` 10,000 per band: ours; at llm-d's byte limit that is 100 kB per request, and
+  it keeps a queue scan (stats, shutdown) cheap.
+* ``interactive`` TTL 30 s: ours; an interactive caller left waiting longer is better served by a
+  429 and its own retry than by a router queue. ``async``/``batch`` TTL 600 s: the default request
+  timeout of OpenAI's Python client, which the processor's traffic resembles; a request queued
+  longer would have been given up by such a client anyway, and the processor re-sends with its own
+  deadline (``x-llm-d-slo-ttft-ms``) so nothing is lost but queue space.
+* ``interactive`` bypasses saturation up to 64 in flight: ROUTING.md lets the highest band reach the
+  engines' own queues "up to a bound"; 64 is ours (llm-d's per-engine queue threshold of 5 × about a
+  dozen engines) — set it near 5 × the number of engines.
+* ``async``/``batch`` are sheddable and gated by saturation: they run on spare capacity only.
+* ``tenant_max_queued`` 2,500 for ``async``/``batch``: a quarter of the band, so one flooding tenant
+  cannot fill the band's queue and turn the others' requests into ``rejected-capacity`` (F11).
+* ``eviction`` off: llm-d's default evictor is the no-op one; evicting wastes the victim's work.
+* ``eviction_interval_s`` 1 s: ours; about the time an abort takes to show in scraped engine metrics,
+  so one eviction's effect is seen before the next.
+* ``poll_interval_s`` 10 ms: ours; well below llm-d's 200 ms metrics-staleness bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from router.flow_control.errors import ConfigError
+
+DEFAULT_MAX_QUEUED_BYTES = 1_000_000_000
+DEFAULT_MAX_QUEUED_REQUESTS = 10_000
+
+
+class BandConfig(BaseModel):
+    """One priority band (module docstring: fields and defaults).
+
+    Raises:
+        pydantic.ValidationError: a limit is out of range, or ``bypass_saturation`` without
+            ``max_in_flight``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    objective: str = Field(min_length=1)
+    priority: int
+    max_queued_requests: int = Field(DEFAULT_MAX_QUEUED_REQUESTS, ge=0)
+    max_queued_bytes: int = Field(DEFAULT_MAX_QUEUED_BYTES, ge=0)
+    ttl_s: float | None = Field(None, ge=0)
+    sheddable: bool = False
+    bypass_saturation: bool = False
+    max_in_flight: int | None = Field(None, ge=1)
+    tenant_max_in_flight: int | None = Field(None, ge=1)
+    tenant_max_queued: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _bypass_needs_bound(self) -> BandConfig:
+        if self.bypass_saturation and self.max_in_flight is None:
+            raise ValueError(f"band {self.objective!r}: bypass_saturation needs a max_in_flight bound")
+        return self
+
+
+def default_bands() -> list[BandConfig]:
+    """The three default bands (module docstring explains each number)."""
+    gated = {"ttl_s": 600.0, "sheddable": True, "tenant_max_queued": DEFAULT_MAX_QUEUED_REQUESTS // 4}
+    return [
+        BandConfig(objective="interactive", priority=100, ttl_s=30.0, bypass_saturation=True, max_in_flight=64),
+        BandConfig(objective="async", priority=10, **gated),
+        BandConfig(objective="batch", priority=-10, **gated),
+    ]
+
+
+class FlowControlConfig(BaseModel):
+    """The flow controller's configuration (module docstring: shape and defaults).
+
+    Raises:
+        pydantic.ValidationError: duplicate objectives or priorities, no band, or a
+            ``default_objective`` that names no band.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bands: list[BandConfig] = Field(default_factory=default_bands, min_length=1)
+    default_objective: str = "interactive"
+    eviction: bool = False
+    eviction_interval_s: float = Field(1.0, ge=0)
+    poll_interval_s: float = Field(0.01, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FlowControlConfig:
+        objectives = [b.objective for b in self.bands]
+        priorities = [b.priority for b in self.bands]
+        if len(set(objectives)) != len(objectives):
+            raise ValueError(f"duplicate band objective in {objectives}")
+        if len(set(priorities)) != len(priorities):
+            raise ValueError(f"duplicate band priority in {priorities}")
+        if self.default_objective not in objectives:
+            raise ValueError(f"default_objective {self.default_objective!r} is not one of {objectives}")
+        return self
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> FlowControlConfig:
+        """Build from a parsed mapping (``None`` or empty → all defaults).
+
+        Raises:
+            ConfigError: the mapping is not a valid config (the message lists the fields at fault).
+        """
+        try:
+            return cls.model_validate(dict(data or {}))
+        except ValidationError as exc:
+            raise ConfigError(f"invalid flow-control config: {exc}") from exc
+
+    @classmethod
+    def from_yaml(cls, text: str) -> FlowControlConfig:
+        """Build from YAML text (empty → all defaults).
+
+        Raises:
+            ConfigError: not YAML, not a mapping, or not a valid config.
+        """
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"flow-control config is not valid YAML: {exc}") from exc
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError("flow-control config must be a mapping")
+        return cls.from_mapping(data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> FlowControlConfig:
+        """Build from a YAML file. Raises :class:`ConfigError` (and ``OSError`` if unreadable)."""
+        return cls.from_yaml(Path(path).read_text(encoding="utf-8"))
+
+    def band(self, objective: str | None) -> BandConfig:
+        """The band for ``objective``; the default objective's band when it is None or unknown."""
+        for band in self.bands:
+            if band.objective == objective:
+                return band
+        return next(b for b in self.bands if b.objective == self.default_objective)

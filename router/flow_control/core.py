@@ -1,0 +1,467 @@
+"""The pure flow-control core: bands, flows, ordering, limits, TTLs, quotas, gating and eviction.
+
+No asyncio, no I/O, no clock of its own: every call takes ``now`` (seconds, any monotonic clock) and
+the saturation signal is a callable, so the same code runs under the router's asyncio facade
+(``router/flow_control/controller.py``) and in a discrete-event simulation.
+
+The model is llm-d's flow control (gateway-api-inference-extension ``pkg/epp/flowcontrol``):
+
+* **Bands** by the objective's priority, higher first (llm-d: "highest numeric value is highest
+  priority"). An absent or unknown objective goes to the configured default objective's band.
+* **Flows** keyed by fairness id (tenant) inside a band: llm-d's flow key is (fairness id, priority).
+* **Inter-band: strict priority.** Each dispatch takes from the highest band that has something
+  eligible; a band whose flows are all at their tenant quota is skipped (work conserving).
+* **Inter-flow: round-robin** over the band's flows with queued work; a flow with nothing eligible
+  (at its ``tenant_max_in_flight``) is skipped and keeps no credit (llm-d's round-robin fairness
+  policy).
+* **Intra-flow: earliest deadline first**, FIFO on equal deadlines; items without a deadline come
+  after those with one, FIFO among themselves (llm-d's EDF ordering policy).
+* **Capacity**: per-band ``max_queued_requests`` / ``max_queued_bytes``; an item that would exceed
+  either is rejected at once (``rejected-capacity``; llm-d rejects over-capacity the same way).
+* **TTL**: an item waiting longer than its band's ``ttl_s`` or past its own ``deadline`` is shed
+  (``rejected-ttl-expired``). A band with ``ttl_s`` 0 never queues: what it cannot dispatch in the
+  step that admitted it is shed as ``rejected-saturated``. Expiry is strict: at ``now > expiry``.
+* **Tenant quota** per band: a flow with ``tenant_max_in_flight`` requests in flight is not
+  dispatched (its items wait, subject to TTL); a tenant with ``tenant_max_queued`` items waiting in
+  the band gets ``rejected-quota`` at once (ours; llm-d has per-band limits only).
+* **Saturation gating**: a dispatch happens only while ``saturation() < 1.0`` (llm-d's saturation
+  detector; ROUTING.md), re-read before every dispatch because the router's signal counts its own
+  dispatches since the last scrape. A band with ``bypass_saturation`` dispatches while saturated as
+  long as it has fewer than ``max_in_flight`` in flight (ROUTING.md: the highest band may go to an
+  engine's own queue up to a bound).
+* **Eviction** (optional; llm-d's evictor): when the highest blocked band's next item is held back
+  only by saturation, the most recently dispatched in-flight item of the lowest sheddable band below
+  it is evicted (llm-d orders victims lowest priority first, newest dispatch first: the least work
+  lost). At most one eviction per blocked item, at most one per ``eviction_interval_s``.
+
+Retry-After (``retry_after_for``): 1 s for ``rejected-saturated``, ``rejected-capacity``,
+``rejected-ttl-expired``, ``evicted`` and ``rejected-context-cancelled`` — room appears as soon as
+the engines finish work, which the saturation detector sees within a scrape, so a short wait is
+right and the processor's own backoff (base 2 s) dominates anyway; ``rejected-quota``: the band's
+TTL capped at 60 s (the processor's backoff cap) — the tenant's own backlog has to drain first,
+which takes up to a TTL.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from router.flow_control.config import BandConfig, FlowControlConfig
+from router.flow_control.errors import DropReason, RequestDropped
+
+QUOTA_RETRY_CAP_S = 60.0
+SHORT_RETRY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class FlowItem:
+    """A request asking to run.
+
+    Attributes:
+        request_id: the request's id (logs and eviction reports; need not be unique).
+        fairness_id: tenant id from ``x-llm-d-inference-fairness-id`` ("" when none).
+        objective: objective name from ``x-llm-d-inference-objective``; None or unknown → the
+            default objective.
+        byte_size: request body size, bytes (≥ 0), counted against ``max_queued_bytes``.
+        deadline: time after which the request must not be dispatched, seconds on the same clock as
+            ``now`` (the controller's clock), or None.
+
+    Raises:
+        ValueError: ``byte_size`` is negative or ``deadline`` is NaN.
+    """
+
+    request_id: str
+    fairness_id: str
+    objective: str | None
+    byte_size: int
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.byte_size < 0:
+            raise ValueError(f"byte_size must be ≥ 0, got {self.byte_size}")
+        if self.deadline is not None and math.isnan(self.deadline):
+            raise ValueError("deadline must be a number of seconds or None")
+
+
+class TicketState(StrEnum):
+    """Where an admitted item is."""
+
+    QUEUED = "queued"
+    IN_FLIGHT = "in_flight"
+    RELEASED = "released"
+    DROPPED = "dropped"
+    EVICTED = "evicted"
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """The core's handle on one enqueued item (identity, not request id, is the key).
+
+    Attributes:
+        item: the item.
+        band: the band's config (``band.objective``, ``band.priority``).
+        enqueued_at: ``now`` at enqueue, seconds.
+        expires_at: time after which it is shed (``math.inf`` when never).
+        state: see :class:`TicketState`.
+        dispatched_at: ``now`` at dispatch, or None.
+    """
+
+    item: FlowItem
+    band: BandConfig
+    seq: int
+    enqueued_at: float
+    expires_at: float
+    state: TicketState = TicketState.QUEUED
+    dispatched_at: float | None = None
+    eviction_tried: bool = False
+    _flow: _Flow | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one :meth:`FlowControlCore.step` did: tickets dispatched (in order), in-flight tickets
+    evicted, and queued tickets shed with their drop."""
+
+    dispatched: list[Ticket] = field(default_factory=list)
+    evicted: list[Ticket] = field(default_factory=list)
+    expired: list[tuple[Ticket, RequestDropped]] = field(default_factory=list)
+
+
+def retry_after_for(reason: DropReason, band: BandConfig) -> float:
+    """Seconds to advertise in ``Retry-After`` for a drop in ``band`` (module docstring: why)."""
+    if reason is DropReason.QUOTA:
+        return max(SHORT_RETRY_S, min(band.ttl_s if band.ttl_s is not None else QUOTA_RETRY_CAP_S, QUOTA_RETRY_CAP_S))
+    return SHORT_RETRY_S
+
+
+class _Flow:
+    """One tenant's queue in one band: an EDF heap of ``(deadline, seq, ticket)``."""
+
+    __slots__ = ("key", "heap", "queued", "in_flight", "in_ring")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.heap: list[tuple[float, int, Ticket]] = []
+        self.queued = 0
+        self.in_flight = 0
+        self.in_ring = False
+
+    def head(self) -> Ticket | None:
+        heap = self.heap
+        while heap and heap[0][2].state is not TicketState.QUEUED:
+            heapq.heappop(heap)  # lazily drop entries cancelled or shed while queued
+        return heap[0][2] if heap else None
+
+
+class _Band:
+    """One priority band: its flows, the round-robin ring, queued and in-flight tickets, counters."""
+
+    __slots__ = ("config", "flows", "ring", "queued", "queued_bytes", "in_flight", "dispatched_total", "shed")
+
+    def __init__(self, config: BandConfig) -> None:
+        self.config = config
+        self.flows: dict[str, _Flow] = {}
+        self.ring: deque[_Flow] = deque()  # flows that may have queued work, in turn order
+        self.queued: dict[int, Ticket] = {}  # by seq: enqueue order, so the first is the oldest
+        self.queued_bytes = 0
+        self.in_flight: dict[int, Ticket] = {}  # by seq, in dispatch order: the last is the newest
+        self.dispatched_total = 0
+        self.shed: Counter[DropReason] = Counter()
+
+    def can_bypass(self) -> bool:
+        cfg = self.config
+        return cfg.bypass_saturation and cfg.max_in_flight is not None and len(self.in_flight) < cfg.max_in_flight
+
+    def select(self, take: bool) -> Ticket | None:
+        """The next eligible ticket by round-robin over flows; with ``take`` the flow's turn is used."""
+        quota = self.config.tenant_max_in_flight
+        ring = self.ring
+        examined = 0
+        while ring and examined < len(ring):
+            flow = ring[0]
+            if flow.queued == 0:
+                ring.popleft()
+                flow.in_ring = False
+                self.forget_if_idle(flow)
+                continue
+            if quota is not None and flow.in_flight >= quota:
+                ring.rotate(-1)
+                examined += 1
+                continue
+            ticket = flow.head()
+            if take:
+                heapq.heappop(flow.heap)
+                ring.rotate(-1)
+            return ticket
+        return None
+
+    def forget_if_idle(self, flow: _Flow) -> None:
+        if flow.queued == 0 and flow.in_flight == 0 and not flow.in_ring and self.flows.get(flow.key) is flow:
+            del self.flows[flow.key]
+
+
+class FlowControlCore:
+    """Pure flow-control state machine (module docstring: the policy and its sources).
+
+    Typical use: ``enqueue`` each arriving item (may raise :class:`RequestDropped`), call ``step``
+    whenever time passed or saturation may have changed, ``release`` a dispatched ticket when its
+    request ends, ``cancel`` a queued ticket whose client went away.
+    """
+
+    def __init__(self, config: FlowControlConfig) -> None:
+        self.config = config
+        self._bands = sorted((_Band(b) for b in config.bands), key=lambda b: -b.config.priority)
+        self._by_objective = {b.config.objective: b for b in self._bands}
+        self._default = self._by_objective[config.default_objective]
+        self._expiry: list[tuple[float, int, Ticket]] = []
+        self._seq = itertools.count()
+        self._last_eviction = -math.inf
+        self.dispatched_total = 0
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def band_config(self, objective: str | None) -> BandConfig:
+        """The band an item with ``objective`` goes to (unknown or None → the default objective's)."""
+        return self._band(objective).config
+
+    @property
+    def queued_requests(self) -> int:
+        """Items waiting, over all bands."""
+        return sum(len(b.queued) for b in self._bands)
+
+    def queued_tickets(self) -> Iterator[Ticket]:
+        """Every waiting ticket, band by band (highest first), oldest first within a band."""
+        for band in self._bands:
+            yield from list(band.queued.values())
+
+    def next_expiry(self) -> float | None:
+        """The earliest time a waiting item will be shed, or None (for a simulation's next event)."""
+        heap = self._expiry
+        while heap and heap[0][2].state is not TicketState.QUEUED:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """Counters and gauges, bands highest first::
+
+            {"bands": [{"objective", "priority", "queued_requests", "queued_bytes", "in_flight",
+                        "dispatched_total", "shed_total": {reason: n for every DropReason},
+                        "oldest_wait_s"}], "dispatched_total": n}
+
+        ``oldest_wait_s`` is ``now`` minus the oldest waiting item's enqueue time (0.0 when none).
+        """
+        bands = []
+        for band in self._bands:
+            oldest = next(iter(band.queued.values()), None)
+            bands.append({
+                "objective": band.config.objective,
+                "priority": band.config.priority,
+                "queued_requests": len(band.queued),
+                "queued_bytes": band.queued_bytes,
+                "in_flight": len(band.in_flight),
+                "dispatched_total": band.dispatched_total,
+                "shed_total": {r.value: band.shed[r] for r in DropReason},
+                "oldest_wait_s": max(0.0, now - oldest.enqueued_at) if oldest else 0.0,
+            })
+        return {"bands": bands, "dispatched_total": self.dispatched_total}
+
+    # --- transitions ---------------------------------------------------------------------------
+
+    def enqueue(self, item: FlowItem, now: float) -> Ticket:
+        """Queue ``item`` in its band and flow; it dispatches on a later :meth:`step`.
+
+        Returns:
+            The ticket (state ``queued``).
+
+        Raises:
+            RequestDropped: ``rejected-ttl-expired`` (deadline already past), ``rejected-quota``
+                (the tenant has ``tenant_max_queued`` waiting in the band) or ``rejected-capacity``
+                (the band's request or byte limit would be exceeded), checked in that order.
+        """
+        band = self._band(item.objective)
+        cfg = band.config
+        if item.deadline is not None and item.deadline < now:
+            raise self._reject(band, DropReason.TTL_EXPIRED, "the request's deadline has passed")
+        flow = band.flows.get(item.fairness_id)
+        if cfg.tenant_max_queued is not None and flow is not None and flow.queued >= cfg.tenant_max_queued:
+            raise self._reject(band, DropReason.QUOTA, f"tenant queue quota ({cfg.tenant_max_queued}) reached")
+        if len(band.queued) >= cfg.max_queued_requests:
+            raise self._reject(band, DropReason.CAPACITY, f"queue full ({cfg.max_queued_requests} requests)")
+        if band.queued_bytes + item.byte_size > cfg.max_queued_bytes:
+            raise self._reject(band, DropReason.CAPACITY, f"queue full ({cfg.max_queued_bytes} bytes)")
+        if flow is None:
+            flow = band.flows[item.fairness_id] = _Flow(item.fairness_id)
+        expires_at = min(now + cfg.ttl_s if cfg.ttl_s is not None else math.inf,
+                         item.deadline if item.deadline is not None else math.inf)
+        seq = next(self._seq)
+        ticket = Ticket(item, cfg, seq, now, expires_at, _flow=flow)
+        heapq.heappush(flow.heap, (item.deadline if item.deadline is not None else math.inf, seq, ticket))
+        flow.queued += 1
+        if not flow.in_ring:
+            band.ring.append(flow)
+            flow.in_ring = True
+        band.queued[seq] = ticket
+        band.queued_bytes += item.byte_size
+        if expires_at < math.inf:
+            heapq.heappush(self._expiry, (expires_at, seq, ticket))
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Remove a waiting ticket whose client went away (counted as ``rejected-context-cancelled``).
+
+        Returns:
+            True if it was waiting; False (and nothing changes) otherwise.
+        """
+        if ticket.state is not TicketState.QUEUED:
+            return False
+        band = self._by_objective[ticket.band.objective]
+        self._unqueue(band, ticket, TicketState.DROPPED)
+        band.shed[DropReason.CONTEXT_CANCELLED] += 1
+        return True
+
+    def release(self, ticket: Ticket) -> bool:
+        """The dispatched request ended: free its in-flight and quota slots. Idempotent.
+
+        Returns:
+            True if it was in flight; False otherwise (already released, evicted, or never dispatched).
+        """
+        if ticket.state is not TicketState.IN_FLIGHT:
+            return False
+        self._end_flight(ticket, TicketState.RELEASED)
+        return True
+
+    def expire(self, now: float) -> list[tuple[Ticket, RequestDropped]]:
+        """Shed every waiting ticket past its TTL or deadline (``now > expires_at``).
+
+        Returns:
+            ``(ticket, drop)`` pairs, earliest expiry first; ``drop.reason`` is
+            ``rejected-ttl-expired``, or ``rejected-saturated`` for a band with ``ttl_s`` 0.
+        """
+        shed: list[tuple[Ticket, RequestDropped]] = []
+        heap = self._expiry
+        while heap and heap[0][0] < now:
+            _, _, ticket = heapq.heappop(heap)
+            if ticket.state is not TicketState.QUEUED:
+                continue
+            band = self._by_objective[ticket.band.objective]
+            self._unqueue(band, ticket, TicketState.DROPPED)
+            if band.config.ttl_s == 0:
+                drop = self._reject(band, DropReason.SATURATED, "no room to run the request now")
+            elif ticket.item.deadline is not None and ticket.expires_at == ticket.item.deadline:
+                drop = self._reject(band, DropReason.TTL_EXPIRED, "the request's deadline passed while it waited")
+            else:
+                drop = self._reject(band, DropReason.TTL_EXPIRED, f"waited longer than the TTL ({band.config.ttl_s} s)")
+            shed.append((ticket, drop))
+        if len(heap) > 1024 and len(heap) > 4 * self.queued_requests:  # drop entries of dispatched tickets
+            self._expiry = [e for e in heap if e[2].state is TicketState.QUEUED]
+            heapq.heapify(self._expiry)
+        return shed
+
+    def step(self, now: float, saturation: Callable[[], float]) -> StepResult:
+        """Shed what expired, then dispatch as much as the bands, quotas and saturation allow.
+
+        Args:
+            now: current time, seconds.
+            saturation: the pool's saturation (< 1.0: room; NaN counts as saturated); called before
+                every dispatch, so it may count the dispatches made so far in this step.
+
+        Returns:
+            What was shed, evicted and dispatched (dispatched tickets are now ``in_flight``).
+        """
+        result = StepResult(expired=self.expire(now))
+        while self.queued_requests:
+            saturated = not saturation() < 1.0
+            chosen: Ticket | None = None
+            blocked_seen = False
+            for band in self._bands:
+                if not band.queued:
+                    continue
+                if saturated and not band.can_bypass():
+                    if self.config.eviction and not blocked_seen:
+                        head = band.select(take=False)
+                        if head is not None:
+                            blocked_seen = True
+                            victim = self._maybe_evict(head, now)
+                            if victim is not None:
+                                result.evicted.append(victim)
+                    continue
+                chosen = band.select(take=True)
+                if chosen is not None:
+                    self._dispatch(band, chosen, now)
+                    result.dispatched.append(chosen)
+                    break
+            if chosen is None:
+                break
+        return result
+
+    def drain(self, reason: DropReason, message: str, status: int = 429) -> list[tuple[Ticket, RequestDropped]]:
+        """Drop every waiting ticket with ``reason`` (shutdown). Returns ``(ticket, drop)`` pairs."""
+        out = []
+        for ticket in list(self.queued_tickets()):
+            band = self._by_objective[ticket.band.objective]
+            self._unqueue(band, ticket, TicketState.DROPPED)
+            drop = self._reject(band, reason, message)
+            drop.status = status
+            out.append((ticket, drop))
+        return out
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _band(self, objective: str | None) -> _Band:
+        return self._by_objective.get(objective, self._default) if objective is not None else self._default
+
+    def _reject(self, band: _Band, reason: DropReason, what: str) -> RequestDropped:
+        band.shed[reason] += 1
+        return RequestDropped(reason, f"{band.config.objective} band: {what}",
+                              retry_after_s=retry_after_for(reason, band.config))
+
+    def _unqueue(self, band: _Band, ticket: Ticket, state: TicketState) -> None:
+        del band.queued[ticket.seq]
+        band.queued_bytes -= ticket.item.byte_size
+        ticket.state = state
+        flow = ticket._flow
+        assert flow is not None
+        flow.queued -= 1
+        if flow.queued == 0:
+            flow.heap.clear()
+
+    def _dispatch(self, band: _Band, ticket: Ticket, now: float) -> None:
+        self._unqueue(band, ticket, TicketState.IN_FLIGHT)
+        ticket.dispatched_at = now
+        band.in_flight[ticket.seq] = ticket
+        assert ticket._flow is not None
+        ticket._flow.in_flight += 1
+        band.dispatched_total += 1
+        self.dispatched_total += 1
+
+    def _end_flight(self, ticket: Ticket, state: TicketState) -> None:
+        band = self._by_objective[ticket.band.objective]
+        del band.in_flight[ticket.seq]
+        ticket.state = state
+        flow = ticket._flow
+        assert flow is not None
+        flow.in_flight -= 1
+        band.forget_if_idle(flow)
+
+    def _maybe_evict(self, blocked: Ticket, now: float) -> Ticket | None:
+        """Evict for ``blocked`` (held back by saturation only) if allowed; returns the victim."""
+        if blocked.eviction_tried or now - self._last_eviction < self.config.eviction_interval_s:
+            return None
+        for band in reversed(self._bands):  # lowest priority first
+            if band.config.priority >= blocked.band.priority:
+                return None
+            if band.config.sheddable and band.in_flight:
+                victim = next(reversed(band.in_flight.values()))  # the most recently dispatched
+                self._end_flight(victim, TicketState.EVICTED)
+                band.shed[DropReason.EVICTED] += 1
+                blocked.eviction_tried = True
+                self._last_eviction = now
+                return victim
+        return None
