@@ -165,12 +165,13 @@ class JinjaChatTemplate:
         return cls(source, tokens)
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               tools: list[Any] | None = None, **kwargs: Any) -> str:
+               tools: list[Any] | None = None, variables: Mapping[str, Any] | None = None) -> str:
         """The prompt text for ``messages``.
 
         Message contents given as a list of parts are flattened to their text parts joined with
         ``"\\n"`` (vLLM's ``string`` content format, its default for templates that expect string
-        contents). ``kwargs`` are extra template variables (vLLM's ``chat_template_kwargs``).
+        contents). ``variables`` are extra template variables (vLLM's ``chat_template_kwargs``);
+        they cannot replace ``messages``, ``tools`` or ``add_generation_prompt``.
 
         Raises:
             ChatTemplateError: the template failed (bad roles order, a missing variable it requires…).
@@ -179,9 +180,9 @@ class JinjaChatTemplate:
             {**m, "content": content_text(m["content"], "\n")} if isinstance(m.get("content"), list) else m
             for m in messages
         ]
-        variables = {**self.special_tokens, **kwargs, "messages": flat, "tools": tools,
+        context = {**self.special_tokens, **(variables or {}), "messages": flat, "tools": tools,
                      "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(variables)
+            return self._template.render(context)
         except Exception as exc:  # the template's raise_exception, sandbox errors, or a TypeError on odd input
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
