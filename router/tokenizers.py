@@ -119,17 +119,19 @@ class HFPromptTokenizer:
     ``add_special_tokens`` as vLLM does (:func:`_add_special_tokens`). A list of string prompts is
     encoded as its ``"\\n"``-joined text (one token sequence for the router; the engine runs each).
 
-    Cost: encoding is CPU work of about 2 µs per token on the 2-core CI machine (a 32k-vocabulary
-    byte-level BPE: about 17 ms for an 8k-token prompt, 2 ms for 1k). ``tokenizers`` releases the
-    GIL while encoding, so texts of at least ``offload_min_chars`` characters are encoded in a
-    worker thread (``asyncio.to_thread``) instead of stalling the event loop; shorter ones inline.
+    Cost, measured on the 2-core CI machine with a 32k-vocabulary byte-level BPE (``tokenizers``
+    0.23): about 6 ms for an 8k-token prompt of prose (0.75 µs per token; 1 ms for 1k tokens), and
+    up to about 20 ms for 8k tokens of code or markdown (long whitespace and symbol runs cost more).
+    ``tokenizers`` releases the GIL while encoding (two threads ran 1.5× faster than one), so texts
+    of at least ``offload_min_chars`` characters are encoded in a worker thread
+    (``asyncio.to_thread``, ~50 µs of overhead) instead of stalling the event loop; shorter inline.
 
     Args:
         path: the tokenizer.json.
         chat_template: the template to use, None for ChatML, or ``"beside"`` (the default) for the one
             found beside ``path`` (ChatML when there is none).
         offload_min_chars: text length from which encoding leaves the event loop (default 4096
-            characters, about 1k tokens or 2 ms of encoding by the figure above).
+            characters: about 1k tokens, 1 ms of encoding by the figures above).
 
     Raises:
         Exception: from ``tokenizers`` when the file is missing or malformed.
