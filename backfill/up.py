@@ -2,16 +2,14 @@
 
 Starts the stores (embedded PostgreSQL and Redis under ``--data-dir`` unless ``DATABASE_URL`` /
 ``REDIS_URL`` are set), applies migrations, starts ``--engines`` simulated vLLM engines (or uses the
-real ones given with ``--engine-url``), the async processor (sending to the first engine until
-the router exists), the Celery worker, beat and the gateway as child processes, waits until the
-gateway and engines answer, and prints one line beginning ``backfill ready`` with
-``gateway=http://HOST:PORT/v1``. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then
+real ones given with ``--engine-url``), the router in front of them, the async processor (sending
+to the router, gated on its saturation), the Celery worker, beat and the gateway as child
+processes, waits until the gateway, the router and the engines answer, and prints one line
+beginning ``backfill ready`` with ``gateway=http://HOST:PORT/v1`` and ``router=http://…``. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then
 SIGKILL after the grace period) and the stores, and exits 0; children also get SIGTERM from the
 kernel if ``backfill up`` itself is killed. One stack at a time may use a data directory (a lock
 file), and a busy port is refused before anything starts. A child that dies on its own is
 restarted; one that keeps dying (more than 5 times a minute) stops everything with exit code 1.
-
-The router joins this list in a later issue.
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ class Stack:
     """Environment of the children (``DATABASE_URL``, ``REDIS_URL``, ``BACKFILL_DATA_DIR``, …)."""
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     engine_urls: list[str] = field(default_factory=list)
+    router_url: str | None = None
     argv: dict[str, list[str]] = field(default_factory=dict)
     restarts: dict[str, list[float]] = field(default_factory=dict)
 
@@ -159,6 +158,20 @@ def start_engines(stack: Stack, count: int, served_model_names: list[str],
             raise click.ClickException(f"engine-{index}: {exc}; see {stack.data_dir / 'logs'}") from None
 
 
+def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
+    """Start ``backfill router`` on a free port in front of ``stack.engine_urls`` and wait until it
+    has a healthy engine. Simulated engines run vLLM's priority policy, so the router sends them
+    vLLM's ``priority`` field; real engines given by URL may not, so it does not."""
+    from router.cli import router_argv
+
+    port = free_port(host)
+    stack.router_url = f"http://{host}:{port}"
+    stack.env["BACKFILL_ROUTER_URL"] = stack.router_url  # the gateway's dashboard reads its admin JSON
+    stack.start("router", router_argv(port, stack.engine_urls, host=host, engine_priority=simulated,
+                                      extra=["--log-level", "WARNING"]))
+    _wait_ready(f"{stack.router_url}/health", stack)
+
+
 def _check_port_free(host: str, port: int) -> None:
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -246,10 +259,10 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)
         try:
             start_engines(stack, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [])
-            if stack.engine_urls:  # until the router exists, the processor sends to the first engine
+            if stack.engine_urls:
+                start_router(stack, host, simulated=not engine_urls)
                 stack.start("processor", _backfill("processor", "--backend", "redis", "--router-url",
-                                                   stack.engine_urls[0], "--no-saturation-gate",
-                                                   "--log-level", "WARNING"))
+                                                   stack.router_url, "--log-level", "WARNING"))
             stack.start("worker", _backfill("worker"))
             stack.start("beat", _backfill("beat", "--data-dir", str(data_dir)))
             stack.start("gateway", _backfill("gateway", "--host", host, "--port", str(port)))
@@ -301,8 +314,8 @@ def up_command(data_dir: Path, host: str, port: int, api_key: str | None, admin_
                        engine_urls=list(engine_urls), admin_key=admin_key) as stack:
             admin = stack.gateway_url.removesuffix("/v1") + "/admin"
             click.echo(f"backfill ready gateway={stack.gateway_url} admin={admin} api_key={stack.api_key} "
-                       f"engines={','.join(stack.engine_urls) or '-'} redis={stack.env['REDIS_URL']} "
-                       f"data_dir={stack.data_dir} logs={stack.data_dir / 'logs'}", err=False)
+                       f"router={stack.router_url or '-'} engines={','.join(stack.engine_urls) or '-'} "
+                       f"redis={stack.env['REDIS_URL']} data_dir={stack.data_dir} logs={stack.data_dir / 'logs'}", err=False)
             sys.stdout.flush()
             while True:
                 failing = stack.restart_dead()

@@ -1,0 +1,264 @@
+"""``create_app(settings)``: the router's aiohttp application and everything it owns.
+
+Routes:
+
+==============================  ==============================================================
+``POST /v1/chat/completions``,  inference: flow control → scheduling → forward (:mod:`router.proxy`)
+``/v1/completions``,
+``/v1/embeddings``,
+``/v1/responses``
+``GET /v1/models``              models served by healthy endpoints (OpenAI list shape)
+``GET /health``                 200 ``{"status": "ok", …}`` with ≥ 1 healthy endpoint, else 503
+``GET /admin/state``            the admin JSON (:func:`admin_state`); the async processor's
+                                saturation gate reads ``pool_saturation`` from it
+``GET /metrics``                Prometheus (:mod:`router.metrics`)
+==============================  ==============================================================
+
+A cleanup context owns the HTTP sessions, the endpoint pool's probes, the flow controller's
+dispatch task, the KV-event subscriber and the Kubernetes discovery; nothing lives at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from router.metrics import RouterMetrics
+from router.pool import EndpointPool, KubernetesSource
+from router.proxy import Router, error_response
+from router.scheduling.config import build_scheduler, load_config
+from router.scheduling.interfaces import PluginHandle
+from router.scheduling.saturation import SaturationThresholds, endpoint_saturation, pool_saturation
+from router.scheduling.scheduler import Scheduler
+from router.settings import RouterSettings
+from router.tokenizers import build_tokenizer
+
+log = logging.getLogger(__name__)
+
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
+
+
+class RouterRuntime:
+    """What the admin page and metrics read: built in the cleanup context, kept on the app."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.thresholds = SaturationThresholds(
+            queue_threshold=settings.queue_threshold, kv_threshold=settings.kv_threshold,
+            max_metrics_age_s=settings.max_metrics_age_s, in_flight_credit=True)
+        self.pool: EndpointPool | None = None
+        self.scheduler: Scheduler | None = None
+        self.flow: Any | None = None
+        self.index: Any | None = None
+        self.subscriber: Any | None = None
+        self.router: Router | None = None
+
+    def saturation(self) -> float:
+        """Pool saturation now (credit for dispatches the last scrape cannot show yet)."""
+        assert self.pool is not None
+        return pool_saturation(self.pool.candidates(), time.monotonic(), self.thresholds)
+
+    def state(self) -> dict[str, Any]:
+        """The admin JSON (see :func:`admin_state`)."""
+        return admin_state(self)
+
+
+def admin_state(rt: RouterRuntime) -> dict[str, Any]:
+    """``GET /admin/state``::
+
+        {"pool_saturation": float ≥ 0 (≥ 1.0: saturated), "time": Unix s,
+         "decisions_per_s": float, "profile": str, "tokenizer": str,
+         "endpoints": [{"name", "healthy", "models", "num_requests_waiting", "num_requests_running",
+                        "kv_cache_usage_perc" (0..1), "in_flight_requests",
+                        "in_flight_uncached_tokens" (tokens), "saturation", "metrics_age_s" (s|None),
+                        "block_size", "num_gpu_blocks", "num_cpu_blocks",
+                        "cache_blocks": {"gpu", "cpu", "disk"} (blocks the router's prefix
+                        index holds there), "prefix_cache_hit_rate" (GPU hits ÷ queries, tokens),
+                        "external_prefix_cache_hit_rate" (CPU/disk tier), "last_error"}],
+         "bands": [{"objective", "priority", "queued_requests", "queued_bytes", "in_flight",
+                    "dispatched_total", "shed_total": {reason: n}, "oldest_wait_s"}],
+         "index": {"kind": "kv-events"|"approximate"|None, "tiers": {tier: blocks}, …}}
+    """
+    assert rt.pool is not None and rt.router is not None
+    now = time.monotonic()
+    per_endpoint_blocks, index_info = _index_view(rt)
+    endpoints = []
+    for state in rt.pool.states.values():
+        ep, m = state.endpoint, state.metrics
+        age = None if ep.metrics_updated_at is None else now - ep.metrics_updated_at
+        endpoints.append({
+            "name": ep.name, "healthy": state.healthy, "models": state.models,
+            "num_requests_waiting": ep.num_requests_waiting, "num_requests_running": ep.num_requests_running,
+            "kv_cache_usage_perc": ep.kv_cache_usage_perc, "in_flight_requests": ep.in_flight_requests,
+            "in_flight_uncached_tokens": ep.in_flight_uncached_tokens,
+            "saturation": endpoint_saturation(ep, now, rt.thresholds) if state.healthy else None,
+            "metrics_age_s": age, "block_size": ep.block_size, "num_gpu_blocks": ep.num_gpu_blocks,
+            "num_cpu_blocks": ep.num_cpu_blocks,
+            "cache_blocks": per_endpoint_blocks.get(ep.name, {"gpu": 0, "cpu": 0, "disk": 0}),
+            "prefix_cache_hit_rate": _ratio(m.prefix_cache_hits, m.prefix_cache_queries),
+            "external_prefix_cache_hit_rate": _ratio(m.external_prefix_cache_hits, m.prefix_cache_queries),
+            "last_error": state.last_error,
+        })
+    bands = rt.flow.stats()["bands"] if rt.flow is not None else []
+    return {
+        "pool_saturation": rt.saturation(), "time": time.time(),
+        "decisions_per_s": rt.router.decisions.rate(), "profile": rt.router.profile or rt.scheduler.default_profile,
+        "tokenizer": rt.settings.tokenizer, "endpoints": endpoints, "bands": bands, "index": index_info,
+    }
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def _index_view(rt: RouterRuntime) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
+    if rt.index is not None:
+        stats = rt.index.stats()
+        per = {name: {"gpu": v.get("gpu", 0), "cpu": v.get("cpu", 0), "disk": v.get("disk", 0)}
+               for name, v in stats.get("endpoints", {}).items()}
+        tiers = {t: sum(v[t] for v in per.values()) for t in ("gpu", "cpu", "disk")}
+        return per, {"kind": "kv-events", "tiers": tiers, **{k: v for k, v in stats.items() if k != "endpoints"}}
+    approx = _approx_producer(rt.scheduler)
+    if approx is None or rt.pool is None:
+        return {}, {"kind": None, "tiers": {}}
+    per = {name: {"gpu": approx.blocks_held(name), "cpu": 0, "disk": 0} for name in rt.pool.states}
+    return per, {"kind": "approximate", "tiers": {"gpu": sum(v["gpu"] for v in per.values())}}
+
+
+def _plugins(scheduler: Scheduler | None) -> list[object]:
+    if scheduler is None:
+        return []
+    seen: dict[int, object] = {}
+    for profile in scheduler.profiles.values():
+        for plugin in (*profile.producers, *profile.filters, *(s for s, _ in profile.scorers), profile.picker):
+            seen[id(plugin)] = plugin
+    return list(seen.values())
+
+
+def _approx_producer(scheduler: Scheduler | None) -> Any:
+    for plugin in _plugins(scheduler):
+        if hasattr(plugin, "blocks_held"):
+            return plugin
+    return None
+
+
+def create_app(settings: RouterSettings) -> web.Application:
+    """The router application; its cleanup context starts and stops everything it owns.
+
+    Raises:
+        router.scheduling.errors.ConfigError: the scheduling config is invalid (at startup).
+    """
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    rt = RouterRuntime(settings)
+    app["runtime"] = rt
+    app.cleanup_ctx.append(lambda a: _lifespan(a, rt))
+
+    async def inference(request: web.Request) -> web.StreamResponse:
+        return await request.app[ROUTER_KEY].handle(request)
+
+    async def models(request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "backfill"} for m in rt.pool.models()]
+        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    async def health(request: web.Request) -> web.Response:
+        healthy = len(rt.pool.candidates()) if rt.pool else 0
+        status = 200 if healthy else 503
+        return web.json_response({"status": "ok" if healthy else "no_healthy_endpoints",
+                                  "healthy_endpoints": healthy}, status=status, dumps=_dumps)
+
+    async def state(request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(rt.state()), content_type="application/json")
+
+    async def metrics(request: web.Request) -> web.Response:
+        body = request.app[ROUTER_KEY].metrics.render()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def not_found(request: web.Request) -> web.Response:
+        return error_response(404, f"Unknown path {request.path}", code="unknown_url")
+
+    for path in INFERENCE_PATHS:
+        app.router.add_post(path, inference)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/admin/state", state)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[None]:
+    settings = rt.settings
+    control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    forward = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                                    auto_decompress=False)
+    kick = lambda: rt.flow.kick() if rt.flow is not None else None  # noqa: E731
+    rt.pool = EndpointPool(control, scrape_interval_s=settings.scrape_interval_s,
+                           health_interval_s=settings.health_interval_s,
+                           unhealthy_after=settings.unhealthy_after, on_change=kick)
+    handle = PluginHandle()
+    if settings.kv_events_bind:
+        from router.kv_index import KVBlockIndex, KVEventSubscriber
+
+        rt.index = KVBlockIndex(block_size_tokens=64, max_blocks=settings.index_max_blocks)
+        rt.subscriber = KVEventSubscriber(rt.index, bind=settings.kv_events_bind)
+        handle.prefix_index = rt.index
+    rt.scheduler = build_scheduler(load_config(settings.scheduling_config), handle)
+    if settings.profile is not None and settings.profile not in rt.scheduler.profiles:
+        raise ValueError(f"profile {settings.profile!r} is not in {settings.scheduling_config} "
+                         f"(profiles: {', '.join(rt.scheduler.profiles)})")
+    for plugin in _plugins(rt.scheduler):
+        forget = getattr(plugin, "forget_endpoint", None)
+        if forget is not None:
+            rt.pool.add_on_down(forget)
+    if rt.index is not None:
+        rt.pool.add_on_down(rt.index.remove_endpoint)
+
+    from router.flow_control import FlowControlConfig, FlowController
+
+    flow_config = FlowControlConfig.from_file(settings.flow_control) if settings.flow_control else FlowControlConfig()
+    if settings.flow_control_enabled:
+        rt.flow = FlowController(flow_config, saturation=rt.saturation,
+                                 has_endpoints=lambda: bool(rt.pool.candidates()))
+    objective_priority = {band.objective: band.priority for band in flow_config.bands}
+    tokenizer = build_tokenizer(settings.tokenizer, tokenizer_path=str(settings.tokenizer_path) if settings.tokenizer_path else None,
+                                engine_url=settings.engines[0] if settings.engines else None, client=None)
+    router = Router(pool=rt.pool, scheduler=rt.scheduler, profile=settings.profile, tokenizer=tokenizer,
+                    flow=rt.flow, session=forward, metrics=RouterMetrics(rt.state),
+                    objective_priority=objective_priority, default_objective=flow_config.default_objective,
+                    engine_priority=settings.engine_priority, max_body_bytes=settings.max_body_bytes,
+                    request_timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
+    rt.router = router
+    app[ROUTER_KEY] = router
+    discovery = None
+    try:
+        if rt.subscriber is not None:
+            await rt.subscriber.start()
+        if rt.flow is not None:
+            await rt.flow.start()
+        rt.pool.set_endpoints(settings.engines)
+        if settings.engine_selector:
+            discovery = KubernetesSource(rt.pool, settings.engine_selector, settings.engine_port,
+                                         settings.engine_namespace, static=settings.engines)
+            discovery.start()
+        yield
+    finally:
+        if discovery is not None:
+            await discovery.stop()
+        await rt.pool.close()
+        if rt.flow is not None:
+            await rt.flow.stop()
+        if rt.subscriber is not None:
+            await rt.subscriber.stop()
+        await forward.close()
+        await control.close()

@@ -1,0 +1,95 @@
+"""``backfill router``: serve the router (flags override ``BACKFILL_ROUTER_*`` settings)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import click
+from pydantic import ValidationError
+
+from router.settings import build_settings
+
+
+@click.command("router")
+@click.option("--host", default=None, help="address to listen on (default 127.0.0.1)")
+@click.option("--port", type=int, default=None, help="port to listen on (default 8100)")
+@click.option("--engine", "engines", multiple=True, help="engine base URL, e.g. http://127.0.0.1:8001 (repeat)")
+@click.option("--engine-selector", default=None, help="Kubernetes label selector of engine pods (discovery)")
+@click.option("--engine-namespace", default=None, help="namespace of the engine pods (default: the router's)")
+@click.option("--engine-port", type=int, default=None, help="engine port on discovered pods (default 8000)")
+@click.option("--config", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="scheduling YAML (default: router/scheduling/default-config.yaml)")
+@click.option("--profile", default=None, help="scheduling profile to run (default: the config's first)")
+@click.option("--tokenizer", type=click.Choice(["estimate", "hf", "engine"]), default=None,
+              help="prompt tokenizer backend (default estimate)")
+@click.option("--tokenizer-path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="tokenizer.json for --tokenizer hf")
+@click.option("--kv-events-bind", default=None,
+              help="ZMQ address to bind for the engines' KV events, e.g. tcp://0.0.0.0:5557 (precise prefix routing)")
+@click.option("--flow-control", "flow_control", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="flow-control YAML (bands, limits, quotas)")
+@click.option("--no-flow-control", "no_flow_control", is_flag=True, help="route every request at once")
+@click.option("--engine-priority/--no-engine-priority", default=None,
+              help="send vLLM's priority field (engines run --scheduling-policy priority)")
+@click.option("--log-level", default=None, help="logging level (default INFO)")
+def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -> None:
+    """Serve the prefix-cache-aware router with flow control in front of the engines."""
+    import uvloop
+    from aiohttp import web
+
+    from router.app import create_app
+
+    overrides = dict(options)
+    if engines:
+        overrides["engines"] = list(engines)
+    if no_flow_control:
+        overrides["flow_control_enabled"] = False
+    try:
+        settings = build_settings(**overrides)
+    except ValidationError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    if not settings.engines and not settings.engine_selector:
+        raise click.UsageError("give at least one --engine URL or an --engine-selector")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+    def ready(*_args) -> None:
+        click.echo(f"router ready on http://{settings.host}:{settings.port} engines={','.join(settings.engines)}",
+                   err=True)
+
+    app = create_app(settings)
+    app.on_startup.append(lambda _app: _announce(ready))
+    web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
+                handler_cancellation=True, shutdown_timeout=5.0)
+
+
+async def _announce(ready) -> None:  # noqa: ANN001
+    asyncio.get_running_loop().call_soon(ready)
+
+
+def router_argv(port: int, engines: list[str], *, host: str = "127.0.0.1", config: str | None = None,
+                profile: str | None = None, tokenizer: str | None = None, kv_events_bind: str | None = None,
+                flow_control: str | None = None, no_flow_control: bool = False, engine_priority: bool = False,
+                extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """argv of ``backfill router …`` for ``subprocess.Popen`` (``backfill up``, tests, benchmarks).
+
+    Raises:
+        ValueError: no engine URL.
+    """
+    from router.fleet.launch import backfill_executable
+
+    if not engines:
+        raise ValueError("router_argv needs at least one engine URL")
+    argv = [*backfill_executable(), "router", "--host", host, "--port", str(port)]
+    for url in engines:
+        argv += ["--engine", url]
+    for flag, value in (("--config", config), ("--profile", profile), ("--tokenizer", tokenizer),
+                        ("--kv-events-bind", kv_events_bind), ("--flow-control", flow_control)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if no_flow_control:
+        argv.append("--no-flow-control")
+    if engine_priority:
+        argv.append("--engine-priority")
+    return argv + list(extra)

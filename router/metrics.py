@@ -1,0 +1,114 @@
+"""The router's Prometheus series (ROUTING.md "Metrics"), in a registry owned by the app.
+
+Tenant (fairness) ids are never labels. Endpoint labels are engine base URLs (a bounded set).
+
+=====================================================  =========  ===============================
+series                                                 type       labels
+=====================================================  =========  ===============================
+``backfill_router_requests_total``                     counter    ``objective``, ``code`` (HTTP
+                                                                  status the client got)
+``backfill_router_decision_duration_seconds``          histogram  ``plugin`` (``total`` for the
+                                                                  whole decision)
+``backfill_router_dispatched_total``                   counter    ``band``
+``backfill_router_shed_total``                         counter    ``band``, ``reason``
+``backfill_router_flow_queue_requests``                gauge      ``band``
+``backfill_router_flow_queue_bytes``                   gauge      ``band``
+``backfill_router_flow_wait_seconds``                  histogram  ``band``
+``backfill_router_pool_saturation``                    gauge      —
+``backfill_router_endpoint_healthy``                   gauge      ``endpoint``
+``backfill_router_endpoint_in_flight_requests``        gauge      ``endpoint``
+``backfill_router_endpoint_in_flight_tokens``          gauge      ``endpoint`` (uncached prompt
+                                                                  tokens)
+``backfill_router_prefix_index_blocks``                gauge      ``tier``
+``backfill_router_prefix_lookups_total``               counter    —
+``backfill_router_prefix_hits_total``                  counter    — (a lookup with ≥ 1 block
+                                                                  matched somewhere)
+``backfill_router_time_to_first_byte_seconds``         histogram  ``band``
+``backfill_router_upstream_errors_total``              counter    ``kind`` (connect, stream)
+=====================================================  =========  ===============================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+#: Decision-time buckets, seconds: 10 µs … 50 ms (llm-d's scheduler runs at 0.1–0.2 ms p50).
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+#: Waiting/first-byte buckets, seconds: 1 ms … 10 min.
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class RouterMetrics:
+    """Counters and histograms updated by the proxy, plus a collector of live gauges.
+
+    Args:
+        state: a callable returning the admin state dict (:func:`router.admin.admin_state` shape);
+            read at every scrape for the gauges.
+    """
+
+    def __init__(self, state: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("backfill_router_requests", "Requests answered, by objective and HTTP status.",
+                                ["objective", "code"], registry=reg)
+        self.decision = Histogram("backfill_router_decision_duration_seconds",
+                                  "Scheduling decision time (plugin=total: the whole decision).",
+                                  ["plugin"], buckets=DECISION_BUCKETS, registry=reg)
+        self.decision_total = self.decision.labels("total")
+        self.dispatched = Counter("backfill_router_dispatched", "Requests released by flow control, by band.",
+                                  ["band"], registry=reg)
+        self.shed = Counter("backfill_router_shed", "Requests refused or dropped by flow control.",
+                            ["band", "reason"], registry=reg)
+        self.flow_wait = Histogram("backfill_router_flow_wait_seconds", "Time waiting in flow control.",
+                                   ["band"], buckets=WAIT_BUCKETS, registry=reg)
+        self.first_byte = Histogram("backfill_router_time_to_first_byte_seconds",
+                                    "From request received to the first response byte from the engine.",
+                                    ["band"], buckets=WAIT_BUCKETS, registry=reg)
+        self.prefix_lookups = Counter("backfill_router_prefix_lookups", "Prefix lookups (one per decision).",
+                                      registry=reg)
+        self.prefix_hits = Counter("backfill_router_prefix_hits",
+                                   "Prefix lookups that matched at least one block on some endpoint.", registry=reg)
+        self.upstream_errors = Counter("backfill_router_upstream_errors", "Failures talking to an engine.",
+                                       ["kind"], registry=reg)
+        reg.register(_LiveCollector(state))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)
+
+
+class _LiveCollector(Collector):
+    def __init__(self, state: Callable[[], dict[str, Any]]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        yield _gauge("backfill_router_pool_saturation", "Pool saturation (1.0 = at the thresholds).", {},
+                     [((), state["pool_saturation"])])
+        eps = state["endpoints"]
+        yield _gauge("backfill_router_endpoint_healthy", "1 when the endpoint is a candidate.", ("endpoint",),
+                     [((e["name"],), 1.0 if e["healthy"] else 0.0) for e in eps])
+        yield _gauge("backfill_router_endpoint_in_flight_requests", "Requests forwarded and not finished.",
+                     ("endpoint",), [((e["name"],), e["in_flight_requests"]) for e in eps])
+        yield _gauge("backfill_router_endpoint_in_flight_tokens", "Uncached prompt tokens of in-flight requests.",
+                     ("endpoint",), [((e["name"],), e["in_flight_uncached_tokens"]) for e in eps])
+        bands = state["bands"]
+        yield _gauge("backfill_router_flow_queue_requests", "Requests waiting in flow control.", ("band",),
+                     [((b["objective"],), b["queued_requests"]) for b in bands])
+        yield _gauge("backfill_router_flow_queue_bytes", "Body bytes waiting in flow control.", ("band",),
+                     [((b["objective"],), b["queued_bytes"]) for b in bands])
+        tiers = state.get("index", {}).get("tiers", {})
+        yield _gauge("backfill_router_prefix_index_blocks", "Blocks in the prefix index, by tier.", ("tier",),
+                     [((tier,), n) for tier, n in tiers.items()])
+
+
+def _gauge(name: str, doc: str, labels: tuple[str, ...] | dict, values: list[tuple[tuple[str, ...], float]]) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=list(labels))
+    for label_values, value in values:
+        family.add_metric(list(label_values), value)
+    return family

@@ -1,0 +1,410 @@
+"""The endpoint pool: which engines exist, whether they are healthy, and their scraped load.
+
+Sources of endpoints: a static list of base URLs and, optionally, Kubernetes pods matched by a label
+selector (:class:`KubernetesSource`). For each endpoint the pool runs
+
+* a **metrics scrape** every ``scrape_interval_s`` (``GET /metrics``, vLLM's Prometheus text): it
+  fills the scheduler's :class:`~router.scheduling.types.Endpoint` in place (waiting, running, KV
+  use, ``cache_config_info``) and stamps ``metrics_updated_at``; a failed scrape leaves the stamp
+  alone, so the metrics go stale and the saturation detector counts the endpoint as saturated;
+* a **health check** every ``health_interval_s`` (``GET /health``): ``unhealthy_after`` failures in
+  a row (or one failed connection reported by the proxy and confirmed by a check) take it out of
+  the candidate set and call the ``on_down`` hooks, which drop its in-flight counters and its
+  prefix-index entries (RELIABILITY.md F9). A healthy answer brings it back (F10).
+
+Endpoints are named by their base URL, the key of every per-endpoint index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.scheduling.types import Endpoint
+
+log = logging.getLogger(__name__)
+
+#: The series the router reads from an engine (shared/contracts/vllm-engine.md, "Metrics the
+#: router reads"); other lines of the exposition are skipped before parsing.
+SCRAPED_SERIES = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:external_prefix_cache_hits",
+)
+_WANTED_PREFIXES = tuple(s.encode() for s in SCRAPED_SERIES)
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """One scrape of an engine's ``/metrics``, summed over its ``engine`` series (data-parallel
+    ranks): waiting/running in requests, ``kv_cache_usage_perc`` the mean fraction 0..1, prefix
+    counters in tokens, block fields from ``vllm:cache_config_info`` (None when absent)."""
+
+    num_requests_waiting: int = 0
+    num_requests_running: int = 0
+    kv_cache_usage_perc: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    external_prefix_cache_hits: float = 0.0
+
+
+def parse_engine_metrics(text: bytes) -> EngineMetrics:
+    """Parse the series in :data:`SCRAPED_SERIES` out of a Prometheus text exposition.
+
+    Only the wanted lines reach ``prometheus_client``'s parser (a vLLM exposition is mostly
+    histograms the router does not read). Counters are accepted with or without ``_total``.
+
+    Raises:
+        ValueError: the wanted lines do not parse as Prometheus text.
+    """
+    lines = [ln for ln in text.splitlines() if ln.startswith(_WANTED_PREFIXES)]
+    out = EngineMetrics()
+    kv_values: list[float] = []
+    for family in text_string_to_metric_families(b"\n".join(lines).decode() + "\n"):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name == "vllm:num_requests_waiting":
+                out.num_requests_waiting += int(sample.value)
+            elif name == "vllm:num_requests_running":
+                out.num_requests_running += int(sample.value)
+            elif name == "vllm:kv_cache_usage_perc":
+                kv_values.append(float(sample.value))
+            elif name == "vllm:cache_config_info":
+                labels = sample.labels
+                out.block_size = _int_or_none(labels.get("block_size"))
+                out.num_gpu_blocks = _int_or_none(labels.get("num_gpu_blocks"))
+                out.num_cpu_blocks = _int_or_none(labels.get("num_cpu_blocks"))
+            elif name == "vllm:prefix_cache_queries":
+                out.prefix_cache_queries += sample.value
+            elif name == "vllm:prefix_cache_hits":
+                out.prefix_cache_hits += sample.value
+            elif name == "vllm:external_prefix_cache_hits":
+                out.external_prefix_cache_hits += sample.value
+    if kv_values:
+        out.kv_cache_usage_perc = sum(kv_values) / len(kv_values)
+    return out
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+@dataclass(slots=True, eq=False)
+class EndpointState:
+    """The pool's record of one engine: the scheduler's :class:`Endpoint` plus health.
+
+    Attributes:
+        endpoint: what the scheduler reads (updated in place).
+        healthy: in the candidate set.
+        failures: failed health checks / connections in a row.
+        models: model names from the engine's ``/v1/models`` (empty until read).
+        metrics: the last successful scrape.
+        last_error: text of the last failure, for the admin page.
+    """
+
+    endpoint: Endpoint
+    healthy: bool = False
+    failures: int = 0
+    models: list[str] = field(default_factory=list)
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    last_error: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The endpoint's base URL."""
+        return self.endpoint.name
+
+
+OnDown = Callable[[str], None]
+
+
+class EndpointPool:
+    """Engines, their health and load; :meth:`candidates` is what the scheduler chooses among.
+
+    Args:
+        session: an aiohttp session for scrapes and health checks (owned by the caller).
+        scrape_interval_s, health_interval_s, unhealthy_after: see the module docstring.
+        clock: the monotonic clock ``metrics_updated_at`` is stamped with (the saturation
+            detector's clock).
+        on_change: called with no argument whenever fresh metrics arrived or the candidate set
+            changed (flow control re-checks saturation).
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        scrape_interval_s: float = 0.05,
+        health_interval_s: float = 1.0,
+        unhealthy_after: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self._session = session
+        self.scrape_interval_s = scrape_interval_s
+        self.health_interval_s = health_interval_s
+        self.unhealthy_after = unhealthy_after
+        self.clock = clock
+        self.on_change = on_change or (lambda: None)
+        self.states: dict[str, EndpointState] = {}
+        self._candidates: list[Endpoint] = []
+        self._on_down: list[OnDown] = []
+        self._tasks: dict[str, list[asyncio.Task]] = {}
+        self._scrape_timeout = aiohttp.ClientTimeout(total=max(1.0, 10 * scrape_interval_s))
+        self._health_timeout = aiohttp.ClientTimeout(total=max(1.0, health_interval_s))
+
+    # ---- membership --------------------------------------------------------------------------
+    def add_on_down(self, hook: OnDown) -> None:
+        """Call ``hook(endpoint_name)`` when an endpoint leaves the candidate set or the pool."""
+        self._on_down.append(hook)
+
+    def set_endpoints(self, urls: Iterable[str]) -> None:
+        """Make the pool hold exactly ``urls`` (base URLs): start probing new ones, drop gone ones.
+
+        Must be called from the event loop. New endpoints join the candidate set after their
+        first healthy check.
+        """
+        wanted = {u.rstrip("/") for u in urls}
+        for name in list(self.states):
+            if name not in wanted:
+                self._remove(name)
+        for name in wanted:
+            if name not in self.states:
+                self.states[name] = EndpointState(Endpoint(name))
+                self._tasks[name] = [
+                    asyncio.create_task(self._health_loop(name), name=f"health {name}"),
+                    asyncio.create_task(self._scrape_loop(name), name=f"scrape {name}"),
+                ]
+
+    def _remove(self, name: str) -> None:
+        state = self.states.pop(name)
+        for task in self._tasks.pop(name, []):
+            task.cancel()
+        if state.healthy:
+            state.healthy = False
+            self._down(name)
+        self._rebuild()
+
+    async def close(self) -> None:
+        """Stop every probe task."""
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- what others read ---------------------------------------------------------------------
+    def candidates(self) -> list[Endpoint]:
+        """Healthy endpoints, the scheduler's candidates (a shared list: do not mutate)."""
+        return self._candidates
+
+    def get(self, name: str) -> EndpointState | None:
+        """The state of endpoint ``name``, or None."""
+        return self.states.get(name)
+
+    def models(self) -> list[str]:
+        """Model names served by healthy endpoints, sorted, each once."""
+        return sorted({m for s in self.states.values() if s.healthy for m in s.models})
+
+    # ---- reports from the proxy -----------------------------------------------------------------
+    def report_failure(self, name: str, error: str) -> None:
+        """The proxy could not reach ``name``: check its health now (a failed check takes it out)."""
+        state = self.states.get(name)
+        if state is None:
+            return
+        state.last_error = error
+        if state.healthy:
+            asyncio.get_running_loop().create_task(self._check_health(name, immediate=True))
+
+    # ---- probes -------------------------------------------------------------------------------
+    async def _health_loop(self, name: str) -> None:
+        while True:
+            await self._check_health(name)
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _check_health(self, name: str, immediate: bool = False) -> None:
+        state = self.states.get(name)
+        if state is None:
+            return
+        try:
+            async with self._session.get(f"{name}/health", timeout=self._health_timeout) as resp:
+                ok = resp.status == 200
+                await resp.read()
+            if ok and not state.models:
+                state.models = await self._read_models(name)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            ok = False
+            state.last_error = f"{type(exc).__name__}: {exc}"
+        if name not in self.states:
+            return
+        if ok:
+            state.failures = 0
+            state.last_error = None
+            if not state.healthy:
+                state.healthy = True
+                log.info("endpoint up", extra={"action": "endpoint_up", "endpoint": name})
+                self._rebuild()
+            return
+        state.failures += 1
+        if state.healthy and (immediate or state.failures >= self.unhealthy_after):
+            state.healthy = False
+            state.models = []
+            log.warning("endpoint down", extra={"action": "endpoint_down", "endpoint": name, "error": state.last_error})
+            self._down(name)
+            self._rebuild()
+
+    async def _read_models(self, name: str) -> list[str]:
+        try:
+            async with self._session.get(f"{name}/v1/models", timeout=self._health_timeout) as resp:
+                if resp.status != 200:
+                    return []
+                body = await resp.json()
+            return [m["id"] for m in body.get("data", []) if isinstance(m, dict) and "id" in m]
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, TypeError, KeyError):
+            return []
+
+    async def _scrape_loop(self, name: str) -> None:
+        while True:
+            started = self.clock()
+            await self.scrape(name)
+            await asyncio.sleep(max(0.0, self.scrape_interval_s - (self.clock() - started)))
+
+    async def scrape(self, name: str) -> bool:
+        """Scrape ``name``'s ``/metrics`` once into its :class:`Endpoint`; False when it failed."""
+        state = self.states.get(name)
+        if state is None:
+            return False
+        try:
+            async with self._session.get(f"{name}/metrics", timeout=self._scrape_timeout) as resp:
+                if resp.status != 200:
+                    return False
+                text = await resp.read()
+            metrics = parse_engine_metrics(text)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return False
+        ep = state.endpoint
+        ep.num_requests_waiting = metrics.num_requests_waiting
+        ep.num_requests_running = metrics.num_requests_running
+        ep.kv_cache_usage_perc = metrics.kv_cache_usage_perc
+        if metrics.block_size is not None:
+            ep.block_size = metrics.block_size
+        if metrics.num_gpu_blocks is not None:
+            ep.num_gpu_blocks = metrics.num_gpu_blocks
+        if metrics.num_cpu_blocks is not None:
+            ep.num_cpu_blocks = metrics.num_cpu_blocks
+        ep.metrics_updated_at = self.clock()
+        state.metrics = metrics
+        self.on_change()
+        return True
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        self._candidates = [s.endpoint for s in self.states.values() if s.healthy]
+        self.on_change()
+
+    def _down(self, name: str) -> None:
+        state = self.states.get(name)
+        if state is not None:
+            state.endpoint.in_flight_requests = 0
+            state.endpoint.in_flight_uncached_tokens = 0
+            state.endpoint.metrics_updated_at = None
+        for hook in self._on_down:
+            try:
+                hook(name)
+            except Exception:  # a hook's bug must not stop the others
+                log.exception("on_down hook failed for %s", name)
+
+
+class KubernetesSource:
+    """Keeps a pool's endpoints equal to the Ready pods matching a label selector.
+
+    Uses the official ``kubernetes`` client (``pip install kubernetes``; in-cluster credentials,
+    else the local kubeconfig) and lists pods every ``interval_s`` seconds — a list rather than a
+    watch keeps it simple and self-healing; engines come and go on a scale of minutes.
+
+    Args:
+        pool: the pool to update.
+        selector: label selector (``app.kubernetes.io/component=vllm``).
+        port: engine port on each pod.
+        namespace: namespace to list (default: the service account's namespace, else ``default``).
+        interval_s: seconds between lists.
+        static: URLs always kept in the pool besides the discovered ones.
+
+    Raises:
+        RuntimeError: the ``kubernetes`` package is not installed (raised by :meth:`start`).
+    """
+
+    NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+    def __init__(self, pool: EndpointPool, selector: str, port: int, namespace: str | None = None,
+                 interval_s: float = 5.0, static: Iterable[str] = ()) -> None:
+        self.pool = pool
+        self.selector = selector
+        self.port = port
+        self.namespace = namespace
+        self.interval_s = interval_s
+        self.static = list(static)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Load credentials and start listing pods in the background."""
+        try:
+            from kubernetes import client, config
+        except ImportError as exc:
+            raise RuntimeError("engine discovery by label selector needs the 'kubernetes' package") from exc
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        if self.namespace is None:
+            try:
+                with open(self.NAMESPACE_FILE) as fh:
+                    self.namespace = fh.read().strip()
+            except OSError:
+                self.namespace = "default"
+        api = client.CoreV1Api()
+        self._task = asyncio.create_task(self._loop(api), name="kubernetes discovery")
+
+    async def stop(self) -> None:
+        """Stop listing."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self, api) -> None:  # noqa: ANN001 - kubernetes.client.CoreV1Api
+        while True:
+            try:
+                pods = await asyncio.to_thread(api.list_namespaced_pod, self.namespace, label_selector=self.selector)
+                self.pool.set_endpoints([*self.static, *ready_pod_urls(pods.items, self.port)])
+            except Exception:  # API unreachable: keep the last known set
+                log.exception("listing engine pods failed")
+            await asyncio.sleep(self.interval_s)
+
+
+def ready_pod_urls(pods: Iterable, port: int) -> list[str]:
+    """``http://<pod IP>:<port>`` of each running pod whose ``Ready`` condition is true."""
+    urls = []
+    for pod in pods:
+        status = pod.status
+        if status is None or status.phase != "Running" or not status.pod_ip:
+            continue
+        ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+        if ready:
+            urls.append(f"http://{status.pod_ip}:{port}")
+    return urls

@@ -1,0 +1,357 @@
+"""The request path: parse → flow control → schedule → forward → learn (ROUTING.md "Request path").
+
+:class:`Router` owns nothing it did not build itself; :func:`router.app.create_app` builds it with
+the pool, scheduler, flow controller, tokenizer and KV index, and its handlers call
+:meth:`Router.handle`. One request:
+
+1. read the body (≤ ``max_body_bytes``, else 413), parse it once (:mod:`router.parsing`; a bad
+   body is a 4xx in OpenAI's envelope), tokenize it (:mod:`router.tokenizers`);
+2. no healthy endpoint → 503 at once with ``Retry-After`` (RELIABILITY.md F10: fast 503);
+3. flow control admits it (waiting while the pool is saturated) or refuses it: 429 (503 when no
+   engine exists) with ``Retry-After`` and ``x-llm-d-request-dropped-reason``;
+4. the scheduler picks an endpoint among the healthy ones; the plugins learn (``pre_request``);
+   in-flight counters rise;
+5. the body goes to the engine (with vLLM's ``priority`` when configured); the answer streams back
+   chunk by chunk; a connection failure before any byte reached the client retries once on
+   another endpoint (nothing ran), a failure mid-stream ends the client's stream with an error
+   event; the client going away cancels the upstream request (aiohttp closes the connection,
+   which vLLM treats as an abort);
+6. counters fall, ``response_complete`` hooks get ``usage.prompt_tokens_details.cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from router.metrics import RouterMetrics
+from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
+from router.pool import EndpointPool
+from router.scheduling.errors import NoCandidatesError
+from router.scheduling.scheduler import Scheduler, SchedulingResult
+from router.scheduling.types import LLMRequest, PrefixMatchInfo
+from router.tokenizers import PromptTokenizer, to_llm_request
+
+log = logging.getLogger(__name__)
+
+#: Request headers passed on to the engine (besides Content-Type, which is always JSON).
+FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate", "x-session-id")
+#: Response headers passed back from the engine.
+RETURNED_HEADERS = ("content-type", "x-request-id")
+#: Drop reason header (shared/contracts/queue-and-headers.md).
+DROPPED_REASON = "x-llm-d-request-dropped-reason"
+
+
+def error_response(status: int, message: str, *, code: str | None = None, err_type: str | None = None,
+                   param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI error envelope ``{"error": {message, type, param, code}}`` with ``status``."""
+    if err_type is None:
+        err_type = "invalid_request_error" if status < 500 and status != 429 else (
+            "rate_limit_error" if status == 429 else "server_error")
+    body = orjson.dumps({"error": {"message": message, "type": err_type, "param": param, "code": code}})
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+class DecisionRate:
+    """Decisions per second over the last ``window_s`` seconds (for the admin page)."""
+
+    def __init__(self, window_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._times: deque[float] = deque()
+
+    def record(self) -> None:
+        """Count one decision now."""
+        now = self.clock()
+        self._times.append(now)
+        self._trim(now)
+
+    def rate(self) -> float:
+        """Decisions per second over the window."""
+        self._trim(self.clock())
+        return len(self._times) / self.window_s
+
+    def _trim(self, now: float) -> None:
+        cutoff = now - self.window_s
+        while self._times and self._times[0] < cutoff:
+            self._times.popleft()
+
+
+class Router:
+    """The proxy's state and request handler.
+
+    Args:
+        pool: the endpoint pool (health, metrics, candidates).
+        scheduler: the scheduling profiles; ``profile`` picks one (None: the first).
+        tokenizer: the prompt tokenizer backend.
+        flow: the flow controller, or None to skip flow control.
+        session: aiohttp session for forwarding (owned by the app).
+        metrics: the Prometheus series.
+        objective_priority: objective name → priority (llm-d convention, higher first); used when
+            flow control is off, and for the engine's ``priority`` field.
+        engine_priority: add vLLM's ``priority`` field (``-objective priority``) to forwarded bodies.
+        max_body_bytes: 413 above this many body bytes.
+        request_timeout_s: a whole forwarded request, seconds (0 = none).
+    """
+
+    def __init__(self, *, pool: EndpointPool, scheduler: Scheduler, profile: str | None,
+                 tokenizer: PromptTokenizer, flow: Any | None, session: aiohttp.ClientSession,
+                 metrics: RouterMetrics, objective_priority: dict[str, int], default_objective: str,
+                 engine_priority: bool = False, max_body_bytes: int = 32 * 1024 * 1024,
+                 request_timeout_s: float = 600.0, connect_timeout_s: float = 2.0) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.profile = profile
+        self.tokenizer = tokenizer
+        self.flow = flow
+        self.session = session
+        self.metrics = metrics
+        self.objective_priority = objective_priority
+        self.default_objective = default_objective
+        self.engine_priority = engine_priority
+        self.max_body_bytes = max_body_bytes
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s or None, sock_connect=connect_timeout_s)
+        self.decisions = DecisionRate()
+
+    # ---- entry point --------------------------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Serve one inference request (any of the OpenAI POST paths)."""
+        received = time.monotonic()
+        objective = "unknown"
+        response: web.StreamResponse | None = None
+        try:
+            if request.content_length is not None and request.content_length > self.max_body_bytes:
+                response = error_response(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+                return response
+            body = await request.read()
+            parsed = parse_request(request.path, body, request.headers)
+            objective = self._objective(parsed)
+            response = await self._serve(request, parsed, objective, received)
+            return response
+        except web.HTTPRequestEntityTooLarge:
+            response = error_response(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+            return response
+        except RequestError as exc:
+            response = web.Response(status=exc.status, body=exc.envelope(), content_type="application/json")
+            return response
+        finally:
+            status = response.status if response is not None else 499
+            self.metrics.requests.labels(objective, str(status)).inc()
+
+    def _objective(self, parsed: ParsedRequest) -> str:
+        name = parsed.objective or self.default_objective
+        return name if name in self.objective_priority else self.default_objective
+
+    async def _serve(self, request: web.Request, parsed: ParsedRequest, objective: str,
+                     received: float) -> web.StreamResponse:
+        if not self.pool.candidates():
+            return error_response(503, "no healthy inference endpoint is available", code="no_healthy_endpoints",
+                                  headers={"Retry-After": "1", DROPPED_REASON: "rejected-capacity"})
+        prompt = await self.tokenizer.prompt(parsed)
+        priority = self.objective_priority[objective]
+        llm_request = to_llm_request(parsed, prompt, priority)
+        llm_request.objective = objective
+        admission = None
+        if self.flow is not None:
+            admission = await self._admit(parsed, objective, len(parsed.raw), received)
+            if isinstance(admission, web.Response):
+                return admission
+        try:
+            return await self._forward(request, parsed, llm_request, objective, admission, received)
+        finally:
+            if admission is not None:
+                admission.release()
+
+    async def _admit(self, parsed: ParsedRequest, objective: str, size: int, received: float) -> Any:
+        from router.flow_control import FlowItem, RequestDropped
+
+        deadline = received + parsed.slo_ttft_ms / 1000.0 if parsed.slo_ttft_ms is not None else None
+        item = FlowItem(request_id=parsed.request_id, fairness_id=parsed.fairness_id or "",
+                        objective=objective, byte_size=size, deadline=deadline)
+        try:
+            admission = await self.flow.admit(item)
+        except RequestDropped as exc:
+            self.metrics.shed.labels(objective, exc.reason).inc()
+            return error_response(exc.status, exc.message, code=exc.reason.replace("-", "_"),
+                                  headers={"Retry-After": str(max(1, round(exc.retry_after_s))),
+                                           DROPPED_REASON: exc.reason})
+        self.metrics.dispatched.labels(objective).inc()
+        self.metrics.flow_wait.labels(objective).observe(time.monotonic() - received)
+        return admission
+
+    # ---- scheduling ----------------------------------------------------------------------------------
+    def _decide(self, llm_request: LLMRequest, exclude: set[str]) -> SchedulingResult | None:
+        candidates = self.pool.candidates()
+        if exclude:
+            candidates = [ep for ep in candidates if ep.name not in exclude]
+        started = time.perf_counter()
+        try:
+            result = self.scheduler.schedule(llm_request, candidates, self.profile)
+        except NoCandidatesError:
+            return None
+        self.metrics.decision_total.observe(time.perf_counter() - started)
+        self.decisions.record()
+        self.metrics.prefix_lookups.inc()
+        if any(_matched(result)):
+            self.metrics.prefix_hits.inc()
+        self.scheduler.pre_request(llm_request, result)
+        return result
+
+    # ---- forwarding ----------------------------------------------------------------------------------
+    async def _forward(self, request: web.Request, parsed: ParsedRequest, llm_request: LLMRequest,
+                       objective: str, admission: Any, received: float) -> web.StreamResponse:
+        body = (with_engine_priority(parsed, engine_priority(llm_request.priority)) if self.engine_priority
+                else parsed.raw)
+        headers = {"Content-Type": "application/json"}
+        for name in FORWARDED_HEADERS:
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        headers.setdefault("x-request-id", parsed.request_id)
+        tried: set[str] = set()
+        current = asyncio.current_task()
+        evicted = False
+
+        def evict() -> None:
+            nonlocal evicted
+            evicted = True
+            if current is not None:
+                current.cancel()
+
+        if admission is not None:
+            admission.on_evict(evict)
+        for attempt in range(2):
+            result = self._decide(llm_request, tried)
+            if result is None:
+                return error_response(503, "no healthy inference endpoint is available", code="no_healthy_endpoints",
+                                      headers={"Retry-After": "1", DROPPED_REASON: "rejected-capacity"})
+            endpoint = result.endpoint
+            tried.add(endpoint.name)
+            uncached = _uncached_tokens(result, llm_request)
+            endpoint.in_flight_requests += 1
+            endpoint.in_flight_uncached_tokens += uncached
+            cached_tokens: int | None = None
+            box: list[web.StreamResponse] = []  # the client response once made (for error events)
+            try:
+                try:
+                    upstream = await self.session.post(endpoint.name + parsed.path, data=body, headers=headers,
+                                                       timeout=self.timeout)
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
+                    self.metrics.upstream_errors.labels("connect").inc()
+                    self.pool.report_failure(endpoint.name, f"{type(exc).__name__}: {exc}")
+                    if attempt == 0:
+                        continue
+                    return error_response(502, f"inference endpoint unreachable: {type(exc).__name__}",
+                                          code="upstream_unreachable", err_type="server_error")
+                complete = False
+                try:
+                    self.metrics.first_byte.labels(objective).observe(time.monotonic() - received)
+                    cached_tokens = await self._relay(request, upstream, box)
+                    response = box[0]
+                    complete = True
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    self.metrics.upstream_errors.labels("stream").inc()
+                    self.pool.report_failure(endpoint.name, f"{type(exc).__name__}: {exc}")
+                    return await self._fail_stream(request, box[0] if box else None, exc)
+                finally:
+                    if complete:
+                        upstream.release()  # keep-alive: back to the pool
+                    else:
+                        upstream.close()  # the engine sees the disconnect and aborts the request
+                return response
+            except asyncio.CancelledError:
+                if not evicted:
+                    raise  # the client went away: the upstream connection was closed above
+                if current is not None:
+                    current.uncancel()
+                self.metrics.shed.labels(objective, "evicted").inc()
+                return await self._evicted(request, box[0] if box else None)
+            finally:
+                endpoint.in_flight_requests = max(0, endpoint.in_flight_requests - 1)
+                endpoint.in_flight_uncached_tokens = max(0, endpoint.in_flight_uncached_tokens - uncached)
+                self.scheduler.response_complete(llm_request, result, cached_tokens)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                     box: list[web.StreamResponse]) -> int | None:
+        """Pass the engine's answer to the client (the response is appended to ``box`` as soon as
+        it exists); returns the cached prompt tokens the engine reported, if any."""
+        out_headers = {k: v for k in RETURNED_HEADERS if (v := upstream.headers.get(k)) is not None}
+        content_type = upstream.headers.get("content-type", "")
+        if not content_type.startswith("text/event-stream"):
+            data = await upstream.read()
+            box.append(web.Response(status=upstream.status, body=data, headers=out_headers))
+            return _cached_from_json(data)
+        response = web.StreamResponse(status=upstream.status, headers=out_headers)
+        box.append(response)
+        response.headers["Cache-Control"] = "no-cache"
+        await response.prepare(request)
+        tail = b""
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+            tail = (tail + chunk)[-8192:]
+        await response.write_eof()
+        return _cached_from_sse_tail(tail)
+
+    async def _fail_stream(self, request: web.Request, response: web.StreamResponse | None,
+                           exc: BaseException) -> web.StreamResponse:
+        message = f"the inference endpoint failed mid-response: {type(exc).__name__}"
+        if response is None or not response.prepared:
+            return error_response(502, message, code="upstream_failed", err_type="server_error")
+        event = orjson.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                        "code": "upstream_failed"}})
+        try:
+            await response.write(b"data: " + event + b"\n\n")
+            await response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return response
+
+    async def _evicted(self, request: web.Request, response: web.StreamResponse | None) -> web.StreamResponse:
+        message = "evicted to make room for higher-priority work; retry later"
+        if response is None or not response.prepared:
+            return error_response(429, message, code="evicted",
+                                  headers={"Retry-After": "1", DROPPED_REASON: "evicted"})
+        return await self._fail_stream(request, response, RuntimeError(message))
+
+
+def _matched(result: SchedulingResult) -> list[float]:
+    info = _prefix_info(result)
+    return list(info.matched.values()) if info is not None else []
+
+
+def _prefix_info(result: SchedulingResult) -> PrefixMatchInfo | None:
+    for value in result.state._data.values():  # the producers' output, whatever their names
+        if isinstance(value, PrefixMatchInfo):
+            return value
+    return None
+
+
+def _uncached_tokens(result: SchedulingResult, request: LLMRequest) -> int:
+    info = _prefix_info(result)
+    if info is None:
+        return request.prompt_tokens
+    return info.uncached_tokens(result.endpoint.name, request.prompt_tokens)
+
+
+def _cached_from_json(data: bytes) -> int | None:
+    try:
+        usage = orjson.loads(data).get("usage") or {}
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (orjson.JSONDecodeError, AttributeError, TypeError):
+        return None
+
+
+def _cached_from_sse_tail(tail: bytes) -> int | None:
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            return _cached_from_json(line[6:])
+    return None

@@ -1,0 +1,113 @@
+"""Settings of ``backfill router`` (env prefix ``BACKFILL_ROUTER_``), built by :func:`build_settings`.
+
+Every field can come from the environment (``BACKFILL_ROUTER_PORT=8100``) or from the command line
+(``--port 8100``); the command line wins. Defaults and their sources:
+
+* ``scrape_interval_s`` 0.05 s — llm-d's EPP refreshes endpoint metrics every 50 ms
+  (``--refresh-metrics-interval``), so its 200 ms staleness bound (``max_metrics_age_s``) leaves
+  room for three missed scrapes.
+* ``health_interval_s`` 1 s, ``unhealthy_after`` 2 failures — a dead engine leaves the candidate
+  set within about 2 s even with no traffic; a failed connection while proxying marks it at once.
+* ``port`` 8100 — beside the gateway's 8000 and the simulated engines' 8001+ on one host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: The shipped scheduling config (approximate prefix + load scorers) used when none is given.
+DEFAULT_SCHEDULING_CONFIG = Path(__file__).parent / "scheduling" / "default-config.yaml"
+
+
+class RouterSettings(BaseSettings):
+    """Everything the router process needs.
+
+    Attributes:
+        host, port: where the proxy listens.
+        engines: static engine base URLs (``http://10.0.0.7:8000``), the endpoint pool's first source.
+        engine_selector: Kubernetes label selector of engine pods (second source; needs the
+            ``kubernetes`` package and in-cluster or kubeconfig credentials).
+        engine_namespace: namespace watched by the selector (default: the pod's own).
+        engine_port: port of the engines found by the selector.
+        config: scheduling YAML (llm-d ``EndpointPickerConfig`` shape); the shipped default if None.
+        profile: scheduling profile to run (default: the config's first).
+        tokenizer: ``estimate`` (4 bytes per token), ``hf`` (``tokenizer_path`` tokenizer.json) or
+            ``engine`` (an engine's ``/tokenize``).
+        tokenizer_path: tokenizer.json for the ``hf`` backend.
+        kv_events_bind: ZMQ address the KV-event subscriber binds (``tcp://0.0.0.0:5557``); engines
+            publish to it. None: no KV-event index (``precise-prefix-cache-producer`` unusable).
+        index_max_blocks: cap of the KV-event index, in our 64-token blocks.
+        flow_control: path of a flow-control YAML (bands, limits); None: the built-in defaults.
+        flow_control_enabled: False sends every request straight to scheduling (a pure router).
+        engine_priority: add vLLM's ``priority`` field (engines run ``--scheduling-policy
+            priority``); leave off for engines on the default FCFS policy, which refuse it.
+        scrape_interval_s, health_interval_s, unhealthy_after, max_metrics_age_s: see the module doc.
+        queue_threshold, kv_threshold: saturation detector thresholds (llm-d defaults 5 and 0.8).
+        connect_timeout_s: connecting to an engine, seconds.
+        request_timeout_s: a whole proxied request, seconds (0 = none).
+        max_body_bytes: largest request body accepted, bytes (413 past it).
+        log_level: Python logging level name.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="BACKFILL_ROUTER_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=0, le=65535)
+    engines: list[str] = Field(default_factory=list)
+    engine_selector: str | None = None
+    engine_namespace: str | None = None
+    engine_port: int = Field(8000, ge=1, le=65535)
+    config: Path | None = None
+    profile: str | None = None
+    tokenizer: Literal["estimate", "hf", "engine"] = "estimate"
+    tokenizer_path: Path | None = None
+    kv_events_bind: str | None = None
+    index_max_blocks: int = Field(4_000_000, ge=1)
+    flow_control: Path | None = None
+    flow_control_enabled: bool = True
+    engine_priority: bool = False
+    scrape_interval_s: float = Field(0.05, gt=0)
+    health_interval_s: float = Field(1.0, gt=0)
+    unhealthy_after: int = Field(2, ge=1)
+    max_metrics_age_s: float = Field(0.2, gt=0)
+    queue_threshold: float = Field(5, gt=0)
+    kv_threshold: float = Field(0.8, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    request_timeout_s: float = Field(600.0, ge=0)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    log_level: str = "INFO"
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split() if v]
+        return value
+
+    @field_validator("engines")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        out = []
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL must start with http:// or https://: {url!r}")
+            out.append(url.rstrip("/"))
+        return out
+
+    @property
+    def scheduling_config(self) -> Path:
+        """The scheduling YAML in force."""
+        return self.config or DEFAULT_SCHEDULING_CONFIG
+
+
+def build_settings(**overrides: Any) -> RouterSettings:
+    """Settings from the environment, with non-None ``overrides`` (command-line values) on top.
+
+    Raises:
+        pydantic.ValidationError: a value is out of range or malformed.
+    """
+    return RouterSettings(**{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,163 @@
+"""``backfill router`` in front of simulated engines, driven with the real ``openai`` client.
+
+What a user of the router sees: the OpenAI endpoints answer through it (JSON and SSE passed
+through chunk by chunk), repeated prefixes stick to the engine that has them cached (the engines'
+own ``cached_tokens`` say so), new prefixes spread over the pool, a saturated engine is avoided,
+bad input gets OpenAI's error envelope, and the admin JSON and Prometheus series are there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.router_stack import RouterStack
+
+SPREAD_CONFIG = """
+plugins:
+- type: approx-prefix-cache-producer
+- type: prefix-cache-scorer
+- type: no-hit-lru-scorer
+- type: queue-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+  - {pluginRef: no-hit-lru-scorer, weight: 2}
+  - {pluginRef: queue-scorer, weight: 1}
+  - {pluginRef: max-score-picker}
+"""
+
+#: A shared prefix of 2,000 bytes = 500 estimate tokens (the simulator's built-in tokenizer counts
+#: 4 bytes per token too): 7 blocks of 64 tokens for the router, 31 blocks of 16 for the engine.
+PREFIX = "".join(f"Rule {i}: answer politely and cite the handbook section {i}. " for i in range(40))[:2000]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> RouterStack:
+    log_dir: Path = tmp_path_factory.mktemp("router-stack")
+    config = log_dir / "spread.yaml"
+    config.write_text(SPREAD_CONFIG)
+    with RouterStack(log_dir, engines=3, router_options={"config": str(config)}) as s:
+        yield s
+
+
+@pytest.fixture
+def client(stack: RouterStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def chat(client: openai.OpenAI, system: str, user: str, **kw):
+    return client.chat.completions.create(model="sim-model", max_tokens=4, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": user}], **kw)
+
+
+def test_chat_completions_and_streaming_pass_through(client: openai.OpenAI, stack: RouterStack) -> None:
+    answer = chat(client, "You are terse.", "Say hi")
+    assert answer.object == "chat.completion" and answer.choices[0].message.content
+    assert answer.usage.prompt_tokens > 0 and answer.usage.completion_tokens == 4
+
+    chunks = list(chat(client, "You are terse.", "Stream please", stream=True,
+                       stream_options={"include_usage": True}))
+    assert [c.object for c in chunks] == ["chat.completion.chunk"] * len(chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+    completion = client.completions.create(model="sim-model", prompt="Once upon a time", max_tokens=3)
+    assert completion.object == "text_completion" and completion.usage.completion_tokens == 3
+    emb = client.embeddings.create(model="sim-model", input="hello")
+    assert emb.data[0].embedding
+    assert [m.id for m in client.models.list()] == ["sim-model"]
+
+
+def test_repeated_prefix_sticks_to_the_engine_that_caches_it(client: openai.OpenAI) -> None:
+    first = chat(client, PREFIX, "question 0")
+    cached = [chat(client, PREFIX, f"question {i}").usage.prompt_tokens_details.cached_tokens for i in range(1, 7)]
+    # the system prompt alone is 500 tokens: every follow-up finds at least 30 blocks of 16 cached
+    assert first.usage.prompt_tokens > 500
+    assert all(c >= 480 for c in cached), cached
+
+
+def test_new_prefixes_spread_over_the_pool(client: openai.OpenAI, stack: RouterStack) -> None:
+    before = stack.served_counts()
+    for i in range(6):
+        chat(client, f"Tenant {i} has its own long instructions. " * 40, "hello")
+    after = stack.served_counts()
+    per_engine = [a - b for a, b in zip(after, before)]
+    assert sum(per_engine) == 6
+    assert per_engine == [2, 2, 2], per_engine  # no-hit LRU: each cold prefix to the least recently used
+
+
+def test_a_saturated_engine_is_avoided(tmp_path: Path) -> None:
+    # engine 0 runs one sequence at a time, slowly: a few direct requests fill its waiting queue
+    slow = {"time_scale": 1.0, "max_num_seqs": 1}
+    with RouterStack(tmp_path, engines=2, engine_options=[slow, {}]) as s:
+        busy = s.engine_urls[0]
+
+        def hog() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the engine is stopped under it at the end
+                httpx.post(f"{busy}/v1/completions", timeout=60,
+                           json={"model": "sim-model", "prompt": "x", "max_tokens": 400})
+
+        hogs = [threading.Thread(target=hog, daemon=True) for _ in range(6)]
+        for t in hogs:
+            t.start()
+        deadline = time.monotonic() + 10
+        while not any(e["num_requests_waiting"] >= 3 for e in s.state()["endpoints"]):
+            assert time.monotonic() < deadline, "the slow engine never showed a waiting queue"
+            time.sleep(0.05)
+        before = s.served_counts()
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        for i in range(4):
+            chat(client, f"fresh prompt {i}", "go")
+        after = s.served_counts()
+        assert after[1] - before[1] == 4  # all on the idle engine
+        assert after[0] == before[0] or after[0] - before[0] <= 1  # hogs may finish, none of ours ran there
+
+
+def test_bad_input_gets_openai_error_envelopes(stack: RouterStack) -> None:
+    cases = [
+        (b"not json", 400, None),
+        (b'{"messages": []}', 400, "model"),
+        (b'{"model": "sim-model"}', 400, "messages"),
+    ]
+    for body, status, param in cases:
+        r = httpx.post(f"{stack.url}/v1/chat/completions", content=body,
+                       headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
+    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10, headers={"x-llm-d-inference-fairness-id": "t" * 300},
+                   json={"model": "sim-model", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-llm-d-inference-fairness-id"
+    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10,
+                   json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]  # the engine's answer
+    r = httpx.get(f"{stack.url}/v1/nope", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
+
+
+def test_admin_state_and_metrics(stack: RouterStack, client: openai.OpenAI) -> None:
+    chat(client, PREFIX, "metrics please")
+    state = stack.state()
+    assert 0 <= state["pool_saturation"] < 1
+    assert {e["name"] for e in state["endpoints"]} == set(stack.engine_urls)
+    for e in state["endpoints"]:
+        assert e["healthy"] and e["block_size"] == 16 and e["num_gpu_blocks"] > 0
+        assert e["metrics_age_s"] < 1.0
+    assert {b["objective"] for b in state["bands"]} >= {"interactive", "async", "batch"}
+    assert state["index"]["kind"] == "approximate" and state["index"]["tiers"]["gpu"] > 0
+    text = httpx.get(f"{stack.url}/metrics", timeout=10).text
+    for series in ("backfill_router_requests_total", "backfill_router_decision_duration_seconds_bucket",
+                   "backfill_router_pool_saturation", "backfill_router_endpoint_in_flight_requests",
+                   "backfill_router_flow_queue_requests", "backfill_router_prefix_index_blocks",
+                   "backfill_router_dispatched_total", "backfill_router_prefix_lookups_total"):
+        assert series in text, series
+    assert 'backfill_router_requests_total{code="200",objective="interactive"}' in text

@@ -1,0 +1,120 @@
+"""Simulated engines and a ``backfill router`` as subprocesses, as an operator runs them.
+
+``RouterStack(engines=3, …)`` starts ``backfill engine-sim`` processes on free ports and one
+``backfill router`` in front of them, waits until the router's ``/health`` answers 200 (≥ 1
+engine healthy) and, with ``wait_all``, until every engine is a candidate. ``kill_engine(i)``
+SIGKILLs one engine; ``restart_engine(i)`` starts it again on the same port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from router.cli import router_argv
+from router.fleet.launch import sim_engine_argv, wait_ready
+from tests.integration.fleet.conftest import free_port
+
+
+class RouterStack:
+    """Engines + router on 127.0.0.1; use as a context manager (stops everything on exit)."""
+
+    def __init__(self, log_dir: Path, *, engines: int = 3, model: str = "sim-model",
+                 engine_options: list[dict[str, Any]] | None = None, router_options: dict[str, Any] | None = None,
+                 kv_events: bool = False) -> None:
+        self.log_dir = log_dir
+        self.model = model
+        self.engine_ports = [free_port() for _ in range(engines)]
+        self.engine_urls = [f"http://127.0.0.1:{p}" for p in self.engine_ports]
+        self.engine_options = engine_options or [{} for _ in range(engines)]
+        self.kv_bind = f"tcp://127.0.0.1:{free_port()}" if kv_events else None
+        self.router_port = free_port()
+        self.url = f"http://127.0.0.1:{self.router_port}"
+        self.router_options = router_options or {}
+        self.engines: list[subprocess.Popen | None] = [None] * engines
+        self.router: subprocess.Popen | None = None
+
+    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def start_engine(self, i: int) -> None:
+        """Start engine ``i`` (again) on its port and wait until it answers."""
+        options = {"time_scale": 0.0, **self.engine_options[i]}
+        argv = sim_engine_argv(self.engine_ports[i], [self.model], self.kv_bind, **options)
+        self.engines[i] = self._spawn(argv, f"engine{i}")
+        wait_ready(self.engine_urls[i], timeout=30, process=self.engines[i])
+
+    def __enter__(self) -> RouterStack:
+        try:
+            for i in range(len(self.engine_ports)):
+                self.start_engine(i)
+            argv = router_argv(self.router_port, self.engine_urls, kv_events_bind=self.kv_bind,
+                               **self.router_options)
+            self.router = self._spawn(argv, "router")
+            wait_ready(self.url, timeout=30, process=self.router)
+            self.wait_candidates(len(self.engine_urls))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def state(self) -> dict:
+        """The router's ``/admin/state``."""
+        return httpx.get(f"{self.url}/admin/state", timeout=5).json()
+
+    def wait_candidates(self, n: int, timeout: float = 15.0) -> dict:
+        """Wait until exactly ``n`` endpoints are healthy with fresh metrics; returns the state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.state()
+            healthy = [e for e in state["endpoints"] if e["healthy"] and e["metrics_age_s"] is not None]
+            if len(healthy) == n:
+                return state
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(healthy)} healthy endpoints, wanted {n}: {state['endpoints']}")
+            time.sleep(0.05)
+
+    def kill_engine(self, i: int) -> None:
+        """SIGKILL engine ``i`` (no goodbye: connections drop mid-stream)."""
+        proc = self.engines[i]
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def served_counts(self) -> list[int]:
+        """Requests each engine has finished (``vllm:request_success_total`` summed)."""
+        counts = []
+        for url in self.engine_urls:
+            try:
+                text = httpx.get(f"{url}/metrics", timeout=5).text
+            except httpx.HTTPError:
+                counts.append(-1)
+                continue
+            counts.append(int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                  if line.startswith("vllm:request_success_total"))))
+        return counts
+
+    def stop(self) -> None:
+        """Stop the router and every engine (SIGTERM, then SIGKILL)."""
+        for proc in [self.router, *self.engines]:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in [self.router, *self.engines]:
+            if proc is None:
+                continue
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
