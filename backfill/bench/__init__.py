@@ -13,6 +13,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "processor": ("async_processor.bench:bench_processor_command", "Messages/s through one processor."),
     "end-to-end": ("backfill.bench.end_to_end:end_to_end_command",
                    "A 50,000-request batch through the stack vs the fleet's capacity."),
+    "prefix": ("router.bench.prefix:prefix_command",
+               "Captured prefix reuse and TTFT: ours vs round-robin, vllm-router, sglang-router."),
+    "router-overhead": ("router.bench.overhead:router_overhead_command",
+                        "Decision time, added proxy latency and max requests/s: ours vs vllm-router."),
 }
 
 
