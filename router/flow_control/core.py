@@ -29,10 +29,12 @@ The model is llm-d's flow control (gateway-api-inference-extension ``pkg/epp/flo
   dispatches since the last scrape. A band with ``bypass_saturation`` dispatches while saturated as
   long as it has fewer than ``max_in_flight`` in flight (ROUTING.md: the highest band may go to an
   engine's own queue up to a bound).
-* **Eviction** (optional; llm-d's evictor): when the highest blocked band's next item is held back
-  only by saturation, the most recently dispatched in-flight item of the lowest sheddable band below
-  it is evicted (llm-d orders victims lowest priority first, newest dispatch first: the least work
-  lost). At most one eviction per blocked item, at most one per ``eviction_interval_s``.
+* **Eviction** (optional; llm-d's evictor): when the highest band with an eligible item is held
+  back by saturation alone, the most recently dispatched in-flight item of the lowest sheddable band
+  below it is evicted (llm-d orders victims lowest priority first, newest dispatch first: the least
+  work lost). Each eviction is charged to one waiting item of the blocked band (its oldest not yet
+  charged), so there is at most one eviction per blocked item, and at most one per
+  ``eviction_interval_s``.
 
 Retry-After (``retry_after_for``): 1 s for ``rejected-saturated``, ``rejected-capacity``,
 ``rejected-ttl-expired``, ``evicted`` and ``rejected-context-cancelled`` — room appears as soon as
@@ -168,7 +170,7 @@ class _Band:
     def __init__(self, config: BandConfig) -> None:
         self.config = config
         self.flows: dict[str, _Flow] = {}
-        self.ring: deque[_Flow] = deque()  # flows that may have queued work, in turn order
+        self.ring: deque[_Flow] = deque()  # exactly the flows with queued work, in turn order
         self.queued: dict[int, Ticket] = {}  # by seq: enqueue order, so the first is the oldest
         self.queued_bytes = 0
         self.in_flight: dict[int, Ticket] = {}  # by seq, in dispatch order: the last is the newest
@@ -180,25 +182,19 @@ class _Band:
         return cfg.bypass_saturation and cfg.max_in_flight is not None and len(self.in_flight) < cfg.max_in_flight
 
     def select(self, take: bool) -> Ticket | None:
-        """The next eligible ticket by round-robin over flows; with ``take`` the flow's turn is used."""
+        """The next eligible ticket by round-robin over flows, or None. Flows at their in-flight
+        quota are skipped (moved to the back). With ``take`` the ticket leaves its flow's heap and
+        its flow stays at the front of the ring; :meth:`FlowControlCore._dispatch` moves it back."""
         quota = self.config.tenant_max_in_flight
         ring = self.ring
-        examined = 0
-        while ring and examined < len(ring):
+        for _ in range(len(ring)):
             flow = ring[0]
-            if flow.queued == 0:
-                ring.popleft()
-                flow.in_ring = False
-                self.forget_if_idle(flow)
-                continue
             if quota is not None and flow.in_flight >= quota:
                 ring.rotate(-1)
-                examined += 1
                 continue
             ticket = flow.head()
             if take:
                 heapq.heappop(flow.heap)
-                ring.rotate(-1)
             return ticket
         return None
 
@@ -269,6 +265,7 @@ class FlowControlCore:
                 "dispatched_total": band.dispatched_total,
                 "shed_total": {r.value: band.shed[r] for r in DropReason},
                 "oldest_wait_s": max(0.0, now - oldest.enqueued_at) if oldest else 0.0,
+                "flows": len(band.flows),
             })
         return {"bands": bands, "dispatched_total": self.dispatched_total}
 
@@ -384,13 +381,11 @@ class FlowControlCore:
                 if not band.queued:
                     continue
                 if saturated and not band.can_bypass():
-                    if self.config.eviction and not blocked_seen:
-                        head = band.select(take=False)
-                        if head is not None:
-                            blocked_seen = True
-                            victim = self._maybe_evict(head, now)
-                            if victim is not None:
-                                result.evicted.append(victim)
+                    if self.config.eviction and not blocked_seen and band.select(take=False) is not None:
+                        blocked_seen = True  # the highest band held back by saturation alone
+                        victim = self._maybe_evict(band, now)
+                        if victim is not None:
+                            result.evicted.append(victim)
                     continue
                 chosen = band.select(take=True)
                 if chosen is not None:
@@ -429,11 +424,20 @@ class FlowControlCore:
         flow = ticket._flow
         assert flow is not None
         flow.queued -= 1
-        if flow.queued == 0:
+        if flow.queued == 0:  # leaves the ring: O(1) on dispatch (it is at the front), O(flows) otherwise
             flow.heap.clear()
+            if band.ring[0] is flow:
+                band.ring.popleft()
+            else:
+                band.ring.remove(flow)
+            flow.in_ring = False
+        if state is not TicketState.IN_FLIGHT:
+            band.forget_if_idle(flow)
 
     def _dispatch(self, band: _Band, ticket: Ticket, now: float) -> None:
         self._unqueue(band, ticket, TicketState.IN_FLIGHT)
+        if ticket._flow is not None and ticket._flow.in_ring:
+            band.ring.rotate(-1)  # the flow had its turn: to the back
         ticket.dispatched_at = now
         band.in_flight[ticket.seq] = ticket
         assert ticket._flow is not None
@@ -450,12 +454,22 @@ class FlowControlCore:
         flow.in_flight -= 1
         band.forget_if_idle(flow)
 
-    def _maybe_evict(self, blocked: Ticket, now: float) -> Ticket | None:
-        """Evict for ``blocked`` (held back by saturation only) if allowed; returns the victim."""
-        if blocked.eviction_tried or now - self._last_eviction < self.config.eviction_interval_s:
+    def _maybe_evict(self, blocked_band: _Band, now: float) -> Ticket | None:
+        """Evict for ``blocked_band`` (held back by saturation alone) if allowed; returns the victim.
+
+        The eviction is charged to the band's oldest eligible waiting item that has not had one yet
+        (so each blocked item causes at most one); none left, or the last eviction less than
+        ``eviction_interval_s`` ago → no eviction.
+        """
+        if now - self._last_eviction < self.config.eviction_interval_s:
+            return None
+        quota = blocked_band.config.tenant_max_in_flight
+        blocked = next((t for t in blocked_band.queued.values() if not t.eviction_tried
+                        and (quota is None or t._flow is None or t._flow.in_flight < quota)), None)
+        if blocked is None:
             return None
         for band in reversed(self._bands):  # lowest priority first
-            if band.config.priority >= blocked.band.priority:
+            if band.config.priority >= blocked_band.config.priority:
                 return None
             if band.config.sheddable and band.in_flight:
                 victim = next(reversed(band.in_flight.values()))  # the most recently dispatched
