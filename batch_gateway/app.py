@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batch_gateway import queries
+from batch_gateway import admin, queries
 from batch_gateway.api import batches, files
 from batch_gateway.db import make_engine, make_sessionmaker
 from batch_gateway.errors import GatewayError, error_body
@@ -54,6 +54,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="backfill gateway", version="0.1.0", lifespan=lifespan)
     app.include_router(files.router)
     app.include_router(batches.router)
+    admin.install(app)  # the dashboard at /admin
 
     @app.get("/health", include_in_schema=False)
     def health() -> dict:

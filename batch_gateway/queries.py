@@ -12,7 +12,7 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 
-from sqlalchemy import Select, func, or_, select, text, update
+from sqlalchemy import Select, func, or_, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -581,3 +581,145 @@ def upsert_output_file(session: Session, *, file_id: str, tenant_id: str, size: 
                 expires_at=text(f"extract(epoch from now())::bigint + {int(expires_after_seconds)}"))
         .on_conflict_do_nothing(index_elements=[File.id])
     )
+
+
+# --- admin dashboard (every tenant; only the admin-key-protected /admin pages call these) -----
+
+BatchCursor = tuple[int, str]
+"""A keyset position in the admin job list: ``(created_at, id)`` of the last batch shown."""
+
+
+def admin_list_batches(session: Session, *, limit: int, after: BatchCursor | None = None,
+                       status: str | None = None, tenant_id: str | None = None) -> tuple[list, bool]:
+    """A page of batches of every tenant, newest first (``created_at`` then ``id``, descending),
+    after the keyset position ``after``, optionally of one ``status`` and/or one tenant: rows
+    ``(Batch, tenant name)`` and whether more follow. Served by ``ix_batches_created_at_id`` (or its
+    status / tenant twin), so a page reads ``limit + 1`` index entries whatever the table's size;
+    counts come from the batch row, never from its requests."""
+    stmt = select(Batch, Tenant.name).join(Tenant, Tenant.id == Batch.tenant_id)
+    if status is not None:
+        stmt = stmt.where(Batch.status == status)
+    if tenant_id is not None:
+        stmt = stmt.where(Batch.tenant_id == tenant_id)
+    if after is not None:
+        stmt = stmt.where(tuple_(Batch.created_at, Batch.id) < tuple_(after[0], after[1]))
+    rows = list(session.execute(
+        stmt.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
+    ).all())
+    return rows[:limit], len(rows) > limit
+
+
+def admin_get_batch(session: Session, batch_id: str):
+    """Row ``(Batch, tenant name)`` of any tenant's batch ``batch_id``, or None."""
+    if not can_exist(batch_id):
+        return None
+    return session.execute(
+        select(Batch, Tenant.name).join(Tenant, Tenant.id == Batch.tenant_id).where(Batch.id == batch_id)
+    ).one_or_none()
+
+
+def tenant_by_name(session: Session, name: str) -> Tenant | None:
+    """The tenant called ``name``, or None."""
+    return session.execute(select(Tenant).where(Tenant.name == name)).scalar_one_or_none()
+
+
+def batch_events(session: Session, batch_id: str, limit: int = 200) -> list[Event]:
+    """The batch's timeline: its first ``limit`` events, oldest first (``ix_events_batch_id_id``)."""
+    return list(session.execute(
+        select(Event).where(Event.batch_id == batch_id).order_by(Event.id).limit(limit)
+    ).scalars())
+
+
+def request_state_counts(session: Session, batch_id: str) -> dict[str, int]:
+    """``{state: requests}`` of one batch (an index-only count on ``ix_batch_requests_batch_id_state``)."""
+    return dict(session.execute(
+        select(BatchRequest.state, func.count()).where(BatchRequest.batch_id == batch_id)
+        .group_by(BatchRequest.state)
+    ).all())
+
+
+def admin_request_page(session: Session, batch_id: str, *, limit: int, after: str | None = None,
+                       state: str | None = None) -> tuple[list, bool]:
+    """A page of the batch's requests ordered by ``custom_id`` (the primary key), after the
+    ``custom_id`` ``after``, optionally in one ``state``: rows ``(custom_id, line, state, attempts,
+    status_code, error_code, error_message, prompt_tokens, completion_tokens, finished_at)`` and
+    whether more follow. Bodies are not read."""
+    stmt = select(BatchRequest.custom_id, BatchRequest.line, BatchRequest.state, BatchRequest.attempts,
+                  BatchRequest.status_code, BatchRequest.error_code, BatchRequest.error_message,
+                  BatchRequest.prompt_tokens, BatchRequest.completion_tokens, BatchRequest.finished_at
+                  ).where(BatchRequest.batch_id == batch_id)
+    if state is not None:
+        stmt = stmt.where(BatchRequest.state == state)
+    if after is not None:
+        stmt = stmt.where(BatchRequest.custom_id > after)
+    rows = list(session.execute(stmt.order_by(BatchRequest.custom_id).limit(limit + 1)).all())
+    return rows[:limit], len(rows) > limit
+
+
+def get_any_file(session: Session, file_id: str) -> File | None:
+    """Any tenant's file ``file_id`` whose bytes are still stored, or None (admin downloads)."""
+    if not can_exist(file_id):
+        return None
+    return session.execute(select(File).where(File.id == file_id, File.purged_at.is_(None))).scalar_one_or_none()
+
+
+def tenant_names(session: Session, limit: int = 500) -> list[str]:
+    """Tenant names in alphabetical order (at most ``limit``), for the dashboard's filter."""
+    return list(session.execute(select(Tenant.name).order_by(Tenant.name).limit(limit)).scalars())
+
+
+def tenant_usage(session: Session, *, limit: int, after: str | None = None) -> tuple[list, bool]:
+    """A page of tenants by name, after the name ``after``: rows ``(id, name, enqueued_token_limit,
+    reserved_tokens, active_batches)`` (reserved = enqueued tokens of the tenant's batches that have
+    not ended, read through ``ix_batches_status_deadline``) and whether more follow."""
+    active = (select(Batch.tenant_id, func.sum(Batch.enqueued_tokens).label("reserved"),
+                     func.count().label("batches"))
+              .where(Batch.status.in_(ACTIVE_BATCH_STATUSES)).group_by(Batch.tenant_id).subquery())
+    stmt = (select(Tenant.id, Tenant.name, Tenant.enqueued_token_limit,
+                   func.coalesce(active.c.reserved, 0).label("reserved_tokens"),
+                   func.coalesce(active.c.batches, 0).label("active_batches"))
+            .outerjoin(active, active.c.tenant_id == Tenant.id))
+    if after is not None:
+        stmt = stmt.where(Tenant.name > after)
+    rows = list(session.execute(stmt.order_by(Tenant.name).limit(limit + 1)).all())
+    return rows[:limit], len(rows) > limit
+
+
+IN_FLIGHT_REQUEST_STATES = ("queued", "running")
+
+
+def in_flight_by_tenant(session: Session, tenant_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+    """``{tenant_id: {state: requests}}`` of requests handed out and not finished (``queued``,
+    ``running``). Only batches ``in_progress`` or ``cancelling`` can hold such requests, so the count
+    starts from those (``ix_batches_status_deadline``) and reaches their requests through
+    ``ix_batch_requests_batch_id_state``: ended batches' requests are never scanned."""
+    if not tenant_ids:
+        return {}
+    rows = session.execute(
+        select(Batch.tenant_id, BatchRequest.state, func.count())
+        .join(BatchRequest, BatchRequest.batch_id == Batch.id)
+        .where(Batch.status.in_(("in_progress", "cancelling")), Batch.tenant_id.in_(list(tenant_ids)),
+               BatchRequest.state.in_(IN_FLIGHT_REQUEST_STATES))
+        .group_by(Batch.tenant_id, BatchRequest.state)
+    ).all()
+    out: dict[str, dict[str, int]] = {}
+    for tenant_id, state, count in rows:
+        out.setdefault(tenant_id, {})[state] = count
+    return out
+
+
+def batch_traceparents(session: Session, batch_ids: Sequence[str]) -> dict[str, str]:
+    """``{batch_id: traceparent}`` of the given batches created with a trace context (the
+    ``batch.created`` event's payload, found through ``ix_events_batch_id_id``)."""
+    if not batch_ids:
+        return {}
+    value = Event.payload["traceparent"].astext
+    return dict(session.execute(
+        select(Event.batch_id, value)
+        .where(Event.batch_id.in_(list(batch_ids)), Event.type == "batch.created", value.is_not(None))
+    ).all())
+
+
+def batch_status_counts(session: Session) -> dict[str, int]:
+    """``{status: batches}`` over every tenant (one grouped count; the gateway's metrics cache it)."""
+    return dict(session.execute(select(Batch.status, func.count()).group_by(Batch.status)).all())

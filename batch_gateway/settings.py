@@ -101,6 +101,22 @@ class GatewaySettings(SharedSettings):
     body_idle_timeout_seconds: float = 60.0
     """An upload whose body sends nothing for this long is answered 408 and discarded."""
 
+    admin_key: str | None = Field(default=None, validation_alias="BACKFILL_ADMIN_KEY")
+    """Key of the admin dashboard at ``/admin`` (``backfill up --admin-key``); None keeps it closed
+    (503). Tenants' API keys never open it."""
+    admin_session_seconds: int = 12 * 3600
+    """How long a dashboard login lasts (the cookie's and the signed token's lifetime)."""
+    router_url: str | None = Field(default=None, validation_alias="BACKFILL_ROUTER_URL")
+    """Base URL of the router whose ``GET /admin/state`` feeds the lanes and fleet pages."""
+    router_poll_seconds: float = 5.0
+    """How often the dashboard's sampler reads the router's state."""
+    router_history: int = 720
+    """Samples kept for the charts (720 x 5 s = the last hour)."""
+    queue_pool: str = "default"
+    """Pool of the processors' request streams shown on the lanes page (``backfill:requests:POOL:LANE``)."""
+    queue_consumer_group: str = "backfill-processors"
+    """Consumer group of the processors on those streams (their ``XPENDING`` is shown)."""
+
 
 def load_settings(**overrides) -> GatewaySettings:
     """Build the settings from the environment, with keyword ``overrides`` taking precedence.

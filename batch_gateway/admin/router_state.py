@@ -1,0 +1,183 @@
+"""The router's admin state as the dashboard reads it, and the sampler that keeps its recent past.
+
+``GET {BACKFILL_ROUTER_URL}/admin/state`` answers (the router's contract)::
+
+    {"pool_saturation": float, "time": unix_s, "decisions_per_s": float,
+     "endpoints": [{"name", "healthy", "model", "num_requests_waiting", "num_requests_running",
+                    "kv_cache_usage_perc", "in_flight_requests", "in_flight_uncached_tokens",
+                    "saturation", "metrics_age_s", "cache_blocks": {"gpu", "cpu", "disk"},
+                    "prefix_cache_hit_rate": float | null}],
+     "bands": [{"objective", "priority", "queued_requests", "queued_bytes", "in_flight",
+                "dispatched_total", "shed_total": {reason: n}}]}
+
+:class:`RouterSampler` polls it every ``router_poll_seconds`` into a ring buffer of
+``router_history`` samples (a ``deque``), from which the lanes page draws saturation and dispatch
+rate over time. A router that is down or answers garbage is recorded as ``last_error``; the pages
+say so instead of failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger(__name__)
+
+SATURATION_THRESHOLD = 1.0
+"""Pool saturation at or above which the router holds sheddable (batch) work (llm-d's saturation
+detector: 1.0 = every endpoint at its queue-depth or KV-use limit)."""
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CacheBlocks(_Lenient):
+    """KV-cache blocks an endpoint holds per tier."""
+
+    gpu: int = 0
+    cpu: int = 0
+    disk: int = 0
+
+
+class EndpointState(_Lenient):
+    """One engine as the router sees it (units: requests, fraction 0..1, tokens, seconds)."""
+
+    name: str
+    healthy: bool = False
+    model: str | None = None
+    num_requests_waiting: int = 0
+    num_requests_running: int = 0
+    kv_cache_usage_perc: float = 0.0
+    in_flight_requests: int = 0
+    in_flight_uncached_tokens: int = 0
+    saturation: float = 0.0
+    metrics_age_s: float | None = None
+    cache_blocks: CacheBlocks = Field(default_factory=CacheBlocks)
+    prefix_cache_hit_rate: float | None = None
+
+
+class BandState(_Lenient):
+    """One priority band (objective) of the router's flow control; ``*_total`` are counters."""
+
+    objective: str
+    priority: int = 0
+    queued_requests: int = 0
+    queued_bytes: int = 0
+    in_flight: int = 0
+    dispatched_total: int = 0
+    shed_total: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def shed(self) -> int:
+        """Requests shed for any reason."""
+        return sum(self.shed_total.values())
+
+
+class RouterState(_Lenient):
+    """One answer of ``GET /admin/state``."""
+
+    pool_saturation: float
+    time: float
+    decisions_per_s: float = 0.0
+    endpoints: list[EndpointState] = Field(default_factory=list)
+    bands: list[BandState] = Field(default_factory=list)
+
+    @property
+    def gate_open(self) -> bool:
+        """Whether sheddable work may dispatch: saturation below :data:`SATURATION_THRESHOLD`."""
+        return self.pool_saturation < SATURATION_THRESHOLD
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A state and the local Unix time it was read at."""
+
+    at: float
+    state: RouterState
+
+
+class RouterSampler:
+    """Reads ``{router_url}/admin/state`` every ``interval_s`` seconds into a ring of ``history``
+    samples. :meth:`start` and :meth:`stop` run it as an asyncio task; :meth:`poll_once` reads once."""
+
+    def __init__(self, router_url: str, interval_s: float, history: int,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        self.url = router_url.rstrip("/") + "/admin/state"
+        self.interval_s = interval_s
+        self.samples: deque[Sample] = deque(maxlen=history)
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None
+        self._client = httpx.AsyncClient(timeout=min(2.0, max(interval_s, 0.5)), transport=transport)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def latest(self) -> Sample | None:
+        """The newest sample, or None before the first one."""
+        return self.samples[-1] if self.samples else None
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the last read succeeded."""
+        return self.latest is not None and (self.last_error_at is None or self.last_error_at < self.latest.at)
+
+    async def poll_once(self) -> None:
+        """Read the state once; on failure keep the samples and set ``last_error``."""
+        try:
+            response = await self._client.get(self.url)
+            response.raise_for_status()
+            state = RouterState.model_validate_json(response.content)
+        except httpx.HTTPStatusError as exc:
+            self._failed(f"the router answered HTTP {exc.response.status_code}")
+        except httpx.HTTPError as exc:
+            self._failed(f"the router is unreachable ({type(exc).__name__})")
+        except ValidationError as exc:
+            self._failed(f"the router's state is malformed ({exc.error_count()} errors)")
+        else:
+            self.samples.append(Sample(at=time.time(), state=state))
+
+    def _failed(self, message: str) -> None:
+        if self.last_error != message:
+            log.warning("router state unavailable", extra={"action": "admin_router_poll_failed",
+                                                           "url": self.url, "error": message})
+        self.last_error, self.last_error_at = message, time.time()
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        """Start polling in the running loop."""
+        self._task = asyncio.create_task(self._run(), name="admin-router-sampler")
+
+    async def stop(self) -> None:
+        """Stop polling and close the HTTP client."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._client.aclose()
+
+
+def rates(samples: list[Sample]) -> dict[str, list[tuple[float, float]]]:
+    """Dispatch rate per objective between consecutive samples: ``{objective: [(unix_s, requests/s)]}``
+    (a counter that went down — a router restart — gives no point for that interval)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for before, after in zip(samples, samples[1:]):
+        seconds = after.state.time - before.state.time
+        if seconds <= 0:
+            continue
+        previous = {band.objective: band.dispatched_total for band in before.state.bands}
+        for band in after.state.bands:
+            if band.objective in previous and band.dispatched_total >= previous[band.objective]:
+                out.setdefault(band.objective, []).append(
+                    (after.state.time, (band.dispatched_total - previous[band.objective]) / seconds))
+    return out

@@ -1,0 +1,455 @@
+"""The dashboard's pages, fragments (for live refresh) and JSON, all under ``/admin``.
+
+Pages: ``/admin`` (jobs), ``/admin/jobs/{id}``, ``/admin/lanes``, ``/admin/fleet``,
+``/admin/tenants``, ``/admin/login``. ``/admin/fragments/…`` answer the part of a page that the
+page's script re-reads every few seconds; ``/admin/api/jobs`` and ``/admin/api/state`` answer JSON.
+Every route needs the admin key (:mod:`batch_gateway.admin.auth`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlencode
+
+import redis
+from fastapi import APIRouter, Depends, Form, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.templating import Jinja2Templates
+
+from async_processor.messages import LANE_PRIORITIES, dead_letter_stream, request_stream
+from batch_gateway import queries
+from batch_gateway.admin import auth
+from batch_gateway.admin.auth import Admin, AdminError, require_admin
+from batch_gateway.admin.charts import line_chart
+from batch_gateway.admin.router_state import SATURATION_THRESHOLD, RouterSampler, rates
+from batch_gateway.api.files import content_disposition
+from batch_gateway.deps import SessionDep
+from batch_gateway.models import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).parent
+templates = Jinja2Templates(directory=HERE / "templates")
+STATIC = {"admin.css": "text/css", "admin.js": "text/javascript"}
+
+BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL_BATCH_STATUSES)
+REQUEST_STATES = ("pending", "queued", "running", "succeeded", "failed", "cancelled", "expired")
+PAGE_SIZE = 50
+REFRESH_MS = 2000
+SECURITY_HEADERS = {
+    "content-security-policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+                               "script-src 'self'; form-action 'self'; frame-ancestors 'none'",
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+    "cache-control": "no-store",
+}
+
+AdminDep = Annotated[Admin, Depends(require_admin)]
+
+
+class AdminBadRequest(AdminError):
+    """400: a filter or cursor the dashboard cannot read."""
+
+    status = 400
+
+
+# --- formatting ------------------------------------------------------------------------------
+
+
+def fmt_time(value: float | int | None) -> str:
+    """Unix seconds as ``YYYY-MM-DD HH:MM:SS`` UTC (``—`` for None)."""
+    if value is None:
+        return "—"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(value))
+
+
+def fmt_in(value: float | None, now: float) -> str:
+    """How far ``value`` (Unix s) is from ``now``: ``in 3m 20s`` / ``5m ago``."""
+    if value is None:
+        return "—"
+    seconds = int(value - now)
+    later, seconds = seconds >= 0, abs(seconds)
+    text = (f"{seconds}s" if seconds < 60 else f"{seconds // 60}m {seconds % 60:02d}s" if seconds < 3600
+            else f"{seconds // 3600}h {seconds % 3600 // 60:02d}m")
+    return f"in {text}" if later else f"{text} ago"
+
+
+templates.env.filters["time"] = fmt_time
+templates.env.globals["fmt_in"] = fmt_in
+
+
+def estimated_finish(total: int, done: int, in_progress_at: int | None, now: float) -> float | None:
+    """When the batch will have every request done (Unix s) at its rate so far:
+    ``now + (total - done) × (now - in_progress_at) / done``; None before the first result, when
+    everything is done, or before the batch started."""
+    if in_progress_at is None or done <= 0 or done >= total or now <= in_progress_at:
+        return None
+    return now + (total - done) * (now - in_progress_at) / done
+
+
+def job_view(batch, tenant: str, now: float) -> dict[str, Any]:
+    """What the job list and the job page show of one batch (counts from the batch row)."""
+    total, done = batch.request_total, batch.request_completed + batch.request_failed
+    percent = 100 if batch.status == "completed" else (100 * done // total if total else 0)
+    eta = estimated_finish(total, done, batch.in_progress_at, now) if batch.status == "in_progress" else None
+    return {"id": batch.id, "tenant": tenant, "model": batch.model, "endpoint": batch.endpoint,
+            "status": batch.status, "total": total, "completed": batch.request_completed,
+            "failed": batch.request_failed, "done": done, "percent": percent,
+            "created_at": batch.created_at, "in_progress_at": batch.in_progress_at,
+            "expires_at": batch.expires_at, "eta": eta, "active": batch.status in ACTIVE_BATCH_STATUSES,
+            "cancellable": batch.status in ("validating", "in_progress")}
+
+
+def _render(request: Request, name: str, admin: Admin | None, status_code: int = 200,
+            **context) -> HTMLResponse:
+    context.update(admin=admin, now=time.time(), refresh_ms=REFRESH_MS, csrf_field=auth.CSRF_FIELD)
+    return templates.TemplateResponse(request, name, context, status_code=status_code,
+                                      headers=SECURITY_HEADERS)
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+def _cursor(after: str | None) -> queries.BatchCursor | None:
+    if after is None:
+        return None
+    created, _, batch_id = after.partition("~")
+    if not created.isdigit() or not batch_id or not queries.can_exist(batch_id):
+        raise AdminBadRequest(f"Invalid cursor '{after[:80]}'.", param="after")
+    return int(created), batch_id
+
+
+def _jobs(session, status: str | None, tenant: str | None, after: str | None, limit: int) -> dict:
+    if status is not None and status not in BATCH_STATUSES:
+        raise AdminBadRequest(f"Unknown status '{status[:40]}'; one of: {', '.join(BATCH_STATUSES)}.",
+                              param="status")
+    tenant_id = None
+    if tenant:
+        found = queries.tenant_by_name(session, tenant)
+        if found is None:
+            return {"jobs": [], "next": None, "status": status, "tenant": tenant}
+        tenant_id = found.id
+    rows, more = queries.admin_list_batches(session, limit=limit, after=_cursor(after),
+                                            status=status, tenant_id=tenant_id)
+    now = time.time()
+    jobs = [job_view(batch, name, now) for batch, name in rows]
+    last = rows[-1][0] if rows else None
+    return {"jobs": jobs, "next": f"{last.created_at}~{last.id}" if more and last else None,
+            "status": status, "tenant": tenant}
+
+
+def _query(**params) -> str:
+    return urlencode({k: v for k, v in params.items() if v not in (None, "")})
+
+
+Status = Annotated[str | None, Query(max_length=32)]
+TenantName = Annotated[str | None, Query(max_length=256)]
+After = Annotated[str | None, Query(max_length=200)]
+Limit = Annotated[int, Query(ge=1, le=200)]
+
+
+def build_router() -> APIRouter:
+    """The ``/admin`` router; its lifespan opens the Redis client and the router sampler
+    (``app.state.admin_redis``, ``app.state.admin_sampler``; None without ``BACKFILL_ROUTER_URL``)."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        settings = app.state.settings
+        app.state.admin_redis = redis.Redis.from_url(settings.redis_url, socket_timeout=2.0,
+                                                     socket_connect_timeout=2.0)
+        sampler = None
+        if settings.admin_key and settings.router_url:
+            sampler = RouterSampler(settings.router_url, settings.router_poll_seconds, settings.router_history)
+            sampler.start()
+        app.state.admin_sampler = sampler
+        try:
+            yield
+        finally:
+            if sampler is not None:
+                await sampler.stop()
+            app.state.admin_redis.close()
+
+    router = APIRouter(prefix="/admin", include_in_schema=False, lifespan=lifespan)
+
+    @router.get("/static/{name}")
+    def static(name: str) -> Response:
+        if name not in STATIC:
+            raise AdminBadRequest("No such file.", code="not_found")
+        return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
+                        headers={"cache-control": "max-age=300"})
+
+    # login ----------------------------------------------------------------------------------
+
+    @router.get("/login")
+    def login_page(request: Request, next: Annotated[str, Query(max_length=500)] = "/admin") -> HTMLResponse:
+        auth.enabled(request.app.state.settings)
+        return _render(request, "login.html", None, next=_safe_next(next), error=None)
+
+    @router.post("/login")
+    def login(request: Request, key: Annotated[str, Form(max_length=512)] = "",
+              next: Annotated[str, Form(max_length=500)] = "/admin") -> Response:
+        settings = request.app.state.settings
+        admin_key = auth.enabled(settings)
+        try:
+            auth.check_key(settings, key, request.app.state.sessionmaker)
+        except (auth.AdminLoginRequired, auth.AdminForbiddenError) as exc:
+            log.info("admin login refused", extra={"action": "admin_login_refused", "reason": exc.code})
+            return _render(request, "login.html", None, status_code=exc.status, next=_safe_next(next),
+                           error=exc.message)
+        response = RedirectResponse(_safe_next(next), status_code=303)
+        response.set_cookie(auth.COOKIE, auth.session_token(admin_key), max_age=settings.admin_session_seconds,
+                            path="/admin", httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https")
+        log.info("admin login", extra={"action": "admin_login"})
+        return response
+
+    @router.post("/logout")
+    def logout(admin: AdminDep, csrf_token: Annotated[str | None, Form()] = None) -> Response:
+        auth.check_csrf(admin, csrf_token)
+        response = RedirectResponse("/admin/login", status_code=303)
+        response.delete_cookie(auth.COOKIE, path="/admin")
+        return response
+
+    # jobs -----------------------------------------------------------------------------------
+
+    @router.get("")
+    def jobs_page(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
+                  tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE) -> HTMLResponse:
+        page = _jobs(session, status or None, tenant or None, after, limit)
+        return _render(request, "jobs.html", admin, nav="jobs", statuses=BATCH_STATUSES,
+                       tenants=queries.tenant_names(session), **page,
+                       fragment=f"/admin/fragments/jobs?{_query(status=status, tenant=tenant, after=after, limit=limit)}",
+                       next_url=(f"/admin?{_query(status=status, tenant=tenant, after=page['next'], limit=limit)}"
+                                 if page["next"] else None),
+                       first_url=f"/admin?{_query(status=status, tenant=tenant, limit=limit)}" if after else None)
+
+    @router.get("/fragments/jobs")
+    def jobs_fragment(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
+                      tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE) -> HTMLResponse:
+        return _render(request, "_job_rows.html", admin, **_jobs(session, status or None, tenant or None,
+                                                                 after, limit))
+
+    @router.get("/api/jobs")
+    def jobs_json(admin: AdminDep, session: SessionDep, status: Status = None, tenant: TenantName = None,
+                  after: After = None, limit: Limit = PAGE_SIZE) -> dict:
+        """``{"data": [job, …], "next": cursor | null}``: a page of every tenant's batches, newest
+        first; ``next`` goes back as ``after``."""
+        page = _jobs(session, status or None, tenant or None, after, limit)
+        return {"data": page["jobs"], "next": page["next"]}
+
+    def _job(session, batch_id: str) -> dict:
+        row = queries.admin_get_batch(session, batch_id)
+        if row is None:
+            raise AdminBadRequest(f"No such Batch object: {batch_id[:100]}", param="batch_id", code="not_found")
+        batch, tenant = row
+        job = job_view(batch, tenant, time.time())
+        job.update(errors=(batch.errors or []), input_file_id=batch.input_file_id,
+                   output_file_id=batch.output_file_id, error_file_id=batch.error_file_id,
+                   completion_window=batch.completion_window, metadata=batch.metadata_ or {},
+                   usage={"input": batch.usage_input_tokens, "cached": batch.usage_cached_tokens,
+                          "output": batch.usage_output_tokens})
+        timeline = [{"type": e.type, "at": e.created_at.timestamp(), "payload": e.payload}
+                    for e in queries.batch_events(session, batch_id)]
+        return {"job": job, "timeline": timeline, "states": queries.request_state_counts(session, batch_id)}
+
+    @router.get("/jobs/{batch_id}")
+    def job_page(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
+                 state: Status = None, after: After = None,
+                 notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
+        if state is not None and state not in REQUEST_STATES:
+            raise AdminBadRequest(f"Unknown request state '{state[:40]}'.", param="state")
+        detail = _job(session, batch_id)
+        rows, more = queries.admin_request_page(session, batch_id, limit=PAGE_SIZE, after=after, state=state)
+        base = f"/admin/jobs/{batch_id}"
+        return _render(request, "job.html", admin, nav="jobs", **detail, requests=rows,
+                       request_states=REQUEST_STATES, state=state,
+                       notice=notice if notice in BATCH_STATUSES else None,
+                       fragment=f"/admin/fragments/jobs/{batch_id}",
+                       next_url=f"{base}?{_query(state=state, after=rows[-1].custom_id)}" if more else None,
+                       first_url=f"{base}?{_query(state=state)}" if after else None)
+
+    @router.get("/fragments/jobs/{batch_id}")
+    def job_fragment(request: Request, batch_id: str, admin: AdminDep, session: SessionDep) -> HTMLResponse:
+        return _render(request, "_job_summary.html", admin, **_job(session, batch_id))
+
+    @router.post("/jobs/{batch_id}/cancel")
+    def cancel(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
+               csrf_token: Annotated[str | None, Form()] = None) -> Response:
+        """Cancel through the API's own path (:func:`queries.cancel_batch`, then the outbox hands the
+        cancel task to the worker), then back to the job page with the status it reached."""
+        auth.check_csrf(admin, csrf_token)
+        row = queries.admin_get_batch(session, batch_id)
+        if row is None:
+            raise AdminBadRequest(f"No such Batch object: {batch_id[:100]}", param="batch_id", code="not_found")
+        moved = queries.cancel_batch(session, row[0].tenant_id, batch_id)
+        session.commit()
+        request.app.state.tasks.publish_pending(session)
+        log.info("batch cancel", extra={"action": "batch_cancel", "batch_id": batch_id, "tenant": row[1],
+                                        "status": moved.status, "by": "admin"})
+        return RedirectResponse(f"/admin/jobs/{batch_id}?notice={moved.status}", status_code=303)
+
+    @router.get("/files/{file_id}")
+    def file_download(request: Request, file_id: str, admin: AdminDep, session: SessionDep) -> StreamingResponse:
+        row = queries.get_any_file(session, file_id)
+        try:
+            chunks = request.app.state.store.read(row.storage_key) if row is not None else None
+        except FileNotFoundError:
+            chunks = None
+        if chunks is None:
+            raise AdminBadRequest(f"No such File object: {file_id[:100]}", param="file_id", code="not_found")
+        return StreamingResponse(chunks, media_type="application/octet-stream",
+                                 headers={"content-disposition": content_disposition(row.filename)})
+
+    # lanes and fleet --------------------------------------------------------------------------
+
+    @router.get("/lanes")
+    def lanes_page(request: Request, admin: AdminDep) -> HTMLResponse:
+        return _render(request, "lanes.html", admin, nav="lanes", fragment="/admin/fragments/lanes",
+                       **_lanes(request))
+
+    @router.get("/fragments/lanes")
+    def lanes_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
+        return _render(request, "_lanes.html", admin, **_lanes(request))
+
+    @router.get("/fleet")
+    def fleet_page(request: Request, admin: AdminDep) -> HTMLResponse:
+        return _render(request, "fleet.html", admin, nav="fleet", fragment="/admin/fragments/fleet",
+                       **_fleet(request))
+
+    @router.get("/fragments/fleet")
+    def fleet_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
+        return _render(request, "_fleet.html", admin, **_fleet(request))
+
+    @router.get("/api/state")
+    def state_json(request: Request, admin: AdminDep) -> dict:
+        """``{"queues": [lane depth, …], "queues_error", "router": state | null, "router_error",
+        "sampled_at"}``."""
+        settings = request.app.state.settings
+        queues, queues_error = queue_depths(request.app.state.admin_redis, settings.queue_pool,
+                                            settings.queue_consumer_group)
+        sampler = request.app.state.admin_sampler
+        latest = sampler.latest if sampler else None
+        return {"queues": queues, "queues_error": queues_error,
+                "router": latest.state.model_dump() if latest else None,
+                "router_error": _router_problem(request.app.state.settings, sampler),
+                "sampled_at": latest.at if latest else None}
+
+    # tenants ------------------------------------------------------------------------------------
+
+    @router.get("/tenants")
+    def tenants_page(request: Request, admin: AdminDep, session: SessionDep, after: After = None) -> HTMLResponse:
+        settings = request.app.state.settings
+        rows, more = queries.tenant_usage(session, limit=PAGE_SIZE, after=after)
+        in_flight = queries.in_flight_by_tenant(session, [row.id for row in rows])
+        tenants = []
+        for row in rows:
+            limit = row.enqueued_token_limit or settings.default_enqueued_token_limit
+            tenants.append({"name": row.name, "reserved": int(row.reserved_tokens), "limit": limit,
+                            "percent": min(100.0, 100 * int(row.reserved_tokens) / limit) if limit else 0,
+                            "active_batches": row.active_batches,
+                            "queued": in_flight.get(row.id, {}).get("queued", 0),
+                            "running": in_flight.get(row.id, {}).get("running", 0)})
+        return _render(request, "tenants.html", admin, nav="tenants", tenants=tenants,
+                       next_url=f"/admin/tenants?{_query(after=rows[-1].name)}" if more else None,
+                       first_url="/admin/tenants" if after else None)
+
+    return router
+
+
+def _safe_next(target: str) -> str:
+    """``target`` when it is a path of the dashboard, else ``/admin`` (no open redirect)."""
+    if target.startswith("/admin") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/admin"
+
+
+def queue_depths(client: redis.Redis, pool: str, group: str) -> tuple[list[dict], str | None]:
+    """Per lane (highest priority first): ``{"lane", "priority", "stream", "length", "pending",
+    "dead"}`` — ``length`` = ``XLEN`` of the request stream (entries not yet acknowledged, as the
+    processors delete acknowledged ones), ``pending`` = delivered to a processor and not yet
+    acknowledged (``XPENDING``), ``dead`` = ``XLEN`` of its dead-letter stream; and an error text
+    when Redis cannot be read."""
+    lanes = sorted(LANE_PRIORITIES.items(), key=lambda item: -item[1])
+    try:
+        with client.pipeline(transaction=False) as pipe:
+            for lane, _ in lanes:
+                stream = request_stream(lane, pool)
+                pipe.xlen(stream)
+                pipe.xpending(stream, group)
+                pipe.xlen(dead_letter_stream(stream))
+            replies = pipe.execute(raise_on_error=False)
+    except redis.RedisError as exc:
+        return [], f"Redis cannot be read ({type(exc).__name__})"
+    out = []
+    for index, (lane, priority) in enumerate(lanes):
+        length, pending, dead = replies[3 * index: 3 * index + 3]
+        out.append({"lane": lane, "priority": priority, "stream": request_stream(lane, pool),
+                    "length": length if isinstance(length, int) else 0,
+                    "pending": pending["pending"] if isinstance(pending, dict) else 0,  # NOGROUP: none yet
+                    "dead": dead if isinstance(dead, int) else 0})
+    return out, None
+
+
+def _router_problem(settings, sampler: RouterSampler | None) -> str | None:
+    if sampler is None:
+        return "No router is configured (set BACKFILL_ROUTER_URL)."
+    if sampler.latest is None and sampler.last_error is None:
+        return "Waiting for the first reading of the router's state."
+    if not sampler.reachable:
+        return f"{sampler.last_error or 'The router cannot be read'} at {sampler.url}."
+    return None
+
+
+def _router_context(request: Request) -> dict:
+    sampler: RouterSampler | None = request.app.state.admin_sampler
+    samples = list(sampler.samples) if sampler else []
+    latest = samples[-1] if samples else None
+    return {"sampler": sampler, "samples": samples, "latest": latest.state if latest else None,
+            "sampled_at": latest.at if latest else None,
+            "router_error": _router_problem(request.app.state.settings, sampler)}
+
+
+def _lanes(request: Request) -> dict:
+    settings = request.app.state.settings
+    context = _router_context(request)
+    queues, queues_error = queue_depths(request.app.state.admin_redis, settings.queue_pool,
+                                        settings.queue_consumer_group)
+    samples, latest = context["samples"], context["latest"]
+    per_objective = rates(samples[-2:]) if len(samples) >= 2 else {}
+    bands = {band.objective: band for band in latest.bands} if latest else {}
+    lanes = []
+    for queue in queues:
+        band = bands.pop(queue["lane"], None)
+        lanes.append({**queue, "band": band, "rate": (per_objective.get(queue["lane"]) or [(0, None)])[-1][1]})
+    lanes += [{"lane": name, "priority": band.priority, "stream": None, "length": None, "pending": None,
+               "dead": None, "band": band, "rate": (per_objective.get(name) or [(0, None)])[-1][1]}
+              for name, band in bands.items()]  # objectives the router knows that have no stream
+    now = time.time()
+    saturation = {"pool": [(s.state.time, s.state.pool_saturation) for s in samples]}
+    charts = [
+        line_chart(saturation, title="Fleet saturation", now=now, threshold=SATURATION_THRESHOLD,
+                   y_max=max([1.2] + [v for _, v in saturation["pool"]])),
+        line_chart(rates(samples), title="Dispatch rate per objective", unit="requests/s", now=now),
+    ]
+    return {**context, "lanes": lanes, "queues_error": queues_error, "charts": charts,
+            "threshold": SATURATION_THRESHOLD, "pool": settings.queue_pool}
+
+
+def _fleet(request: Request) -> dict:
+    context = _router_context(request)
+    samples = context["samples"]
+    series: dict[str, list[tuple[float, float]]] = {}
+    kv: dict[str, list[tuple[float, float]]] = {}
+    for sample in samples:
+        for endpoint in sample.state.endpoints:
+            series.setdefault(endpoint.name, []).append((sample.state.time, endpoint.saturation))
+            kv.setdefault(endpoint.name, []).append((sample.state.time, 100 * endpoint.kv_cache_usage_perc))
+    now = time.time()
+    charts = [line_chart(series, title="Saturation per engine", now=now, threshold=SATURATION_THRESHOLD,
+                         y_max=max([1.2] + [v for values in series.values() for _, v in values])),
+              line_chart(kv, title="KV-cache use per engine", unit="%", now=now, y_max=100)]
+    return {**context, "charts": charts, "threshold": SATURATION_THRESHOLD}
