@@ -462,8 +462,9 @@ class KVBlockIndex:
         ``approx_bytes`` (from the measured per-entry costs), per endpoint the keys held per
         tier, ``decode_errors``, ``unknown_parents``, ``seq_gaps`` (missed batches), plus
         ``skipped`` (blocks not indexable), ``evicted`` (keys dropped by the cap) and
-        ``speculative`` (live speculative (key, endpoint) pairs, expired ones not yet swept
-        included)."""
+        ``speculative`` (live speculative (key, endpoint) pairs; expired ones are swept first)."""
+        if self._spec_heap:
+            self._sweep_spec(self._clock())
         blocks, engine = len(self._keys), self._engine_blocks
         return {
             "blocks": blocks,
