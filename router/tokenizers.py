@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from router.chat_template import ChatTemplateError, JinjaChatTemplate, render_chat
+from router.chat_template import ChatTemplateError, JinjaChatTemplate, content_text
 from router.parsing import ParsedRequest, RequestError
 from router.scheduling.types import ESTIMATE_BYTES_PER_TOKEN, LLMRequest
 
@@ -193,7 +193,8 @@ class HFPromptTokenizer:
 class EngineTokenizer:
     """``engine``: the engine's ``POST {engine_url}/tokenize`` (vLLM's tokenizer endpoint).
 
-    Sends ``{"model", "messages"}`` for chat and responses (plus a chat body's
+    Sends ``{"model", "messages"}`` for chat and responses (responses items flattened to string
+    contents; plus a chat body's
     ``add_generation_prompt``, ``tools``, ``chat_template_kwargs`` and ``add_special_tokens``) and
     ``{"model", "prompt"}`` for completions and embeddings (plus ``add_special_tokens``); reads
     ``tokens``. On any failure — connection error, timeout, a non-200 answer, a body without a list
@@ -222,13 +223,16 @@ class EngineTokenizer:
     def request_body(parsed: ParsedRequest) -> dict[str, Any]:
         """The ``/tokenize`` body for ``parsed``."""
         body: dict[str, Any] = {"model": parsed.model}
-        if parsed.kind in _CHAT_KINDS and parsed.messages is not None:
+        if parsed.kind == "response" and parsed.messages is not None:
+            # responses items as chat messages: their input_text parts are not chat content parts
+            body["messages"] = [{"role": m.get("role", "user"), "content": content_text(m.get("content"))}
+                                for m in parsed.messages]
+        elif parsed.kind == "chat" and parsed.messages is not None:
             body["messages"] = parsed.messages
-            if parsed.kind == "chat":
-                body["add_generation_prompt"] = parsed.add_generation_prompt
-                for name in ("tools", "chat_template_kwargs"):
-                    if parsed.body.get(name) is not None:
-                        body[name] = parsed.body[name]
+            body["add_generation_prompt"] = parsed.add_generation_prompt
+            for name in ("tools", "chat_template_kwargs"):
+                if parsed.body.get(name) is not None:
+                    body[name] = parsed.body[name]
         else:
             body["prompt"] = parsed.prompt_text
         if isinstance(parsed.body.get("add_special_tokens"), bool):

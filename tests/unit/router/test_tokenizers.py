@@ -256,7 +256,10 @@ def test_engine_backend_sends_vllm_tokenize_bodies():
             "chat_template_kwargs": {"enable_thinking": False}, "add_special_tokens": True}
     for path, body in ((CHAT_PATH, chat), (COMPLETIONS_PATH, {"model": "m", "prompt": ["a", "b"]}),
                        (EMBEDDINGS_PATH, {"model": "e", "input": "x"}),
-                       (RESPONSES_PATH, {"model": "m", "input": "hi", "instructions": "sys"})):
+                       (RESPONSES_PATH, {"model": "m", "input": "hi", "instructions": "sys"}),
+                       (RESPONSES_PATH, {"model": "m", "input": [
+                           {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                                           {"type": "input_text", "text": "b"}]}]})):
         assert list(run(backend.prompt(parse(path, body))).token_ids) == [1, 2]
     assert seen == [
         {"model": "m", "messages": MESSAGES, "add_generation_prompt": False, "tools": [{"type": "function"}],
@@ -264,6 +267,7 @@ def test_engine_backend_sends_vllm_tokenize_bodies():
         {"model": "m", "prompt": "a\nb"},
         {"model": "e", "prompt": "x"},
         {"model": "m", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]},
+        {"model": "m", "messages": [{"role": "user", "content": "ab"}]},
     ]
 
 
