@@ -199,7 +199,8 @@ def test_jinja_template_trims_blocks_like_transformers():
 
 
 def test_jinja_template_tojson_keeps_non_ascii_and_takes_tools_and_variables():
-    template = JinjaChatTemplate("{{ tools | tojson }}|{% if enable_thinking %}think{% endif %}|{{ messages | length }}")
+    template = JinjaChatTemplate("{{ tools | tojson }}|{% if enable_thinking %}think{% endif %}|"
+                                 "{{ messages | length }}")
     out = template.render([{"role": "user", "content": "x"}], tools=[{"name": "météo"}],
                           variables={"enable_thinking": True, "messages": "ignored"})
     assert out == '[{"name": "météo"}]|think|1'
