@@ -7,11 +7,13 @@ bound PUB (``tcp://*:port``) can be read instead by connecting to them (``source
 
 Topic → endpoint: our fleet's topic is ``kv@<host>:<port>@<model>`` (``router.fleet.launch``), which
 names the endpoint ``http://<host>:<port>`` (the engine's base URL, as the router's pool names
-endpoints) and the model seeding the key chain. ``endpoint_for_topic`` overrides this for engines
-whose topic does not carry their address: ``{topic or topic prefix: endpoint name or (endpoint
-name, model)}``, the exact topic first, then the longest matching prefix; without a model in the
-value, the model comes from a ``kv@…@<model>`` topic, else ``default_model``. Messages whose topic
-resolves to nothing are dropped and counted (``unresolved``).
+endpoints) and the model seeding the key chain. ``endpoint_for_topic`` overrides this, and names
+engines whose topic does not carry their address: ``{topic or topic prefix: endpoint name or
+(endpoint name, model)}``. Order: the exact topic, then the longest matching non-empty prefix,
+then a ``kv@<host>:<port>@<model>`` topic, then the ``""`` entry as a catch-all (vLLM's default
+topic is empty). Without a model in the value, the model comes from a ``kv@…@<model>`` topic, else
+``default_model``. Messages whose topic resolves to nothing are dropped and counted
+(``unresolved``).
 
 Sequence numbers are tracked per (topic, data-parallel rank): a jump forward counts the missed
 batches as ``seq_gaps`` on the index (their removals are lost: the caps bound the leak); a jump
@@ -88,7 +90,7 @@ class KVEventSubscriber:
         self.sources = dict(sources or {})
         self.default_model = default_model
         self._explicit = dict(endpoint_for_topic or {})
-        self._prefixes = sorted((t for t in self._explicit), key=len, reverse=True)
+        self._prefixes = sorted((t for t in self._explicit if t), key=len, reverse=True)
         self._resolved: dict[str, tuple[str, str] | None] = {}
         self._own_context = context is None
         self._context = context
@@ -203,6 +205,8 @@ class KVEventSubscriber:
         found: tuple[str, str] | None = None
         fleet = parse_fleet_topic(topic)
         key = topic if topic in self._explicit else next((p for p in self._prefixes if topic.startswith(p)), None)
+        if key is None and fleet is None and "" in self._explicit:
+            key = ""  # the catch-all
         if key is not None:
             value = self._explicit[key]
             if isinstance(value, tuple):
@@ -210,7 +214,7 @@ class KVEventSubscriber:
             else:
                 model = fleet[1] if fleet else self.default_model
                 found = (value, model) if model else None
-        elif fleet is not None:
+        else:
             found = fleet
         self._resolved[topic] = found
         return found
