@@ -39,14 +39,18 @@ _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
 @click.option("--backoff-base", "backoff_base_s", type=float, help="retry backoff base in seconds (default 2)")
 @click.option("--pubsub-project", help="Pub/Sub project (default backfill-local)")
 @click.option("--pubsub-emulator-host", help="host:port of a Pub/Sub emulator (default PUBSUB_EMULATOR_HOST)")
+@click.option("--metrics-port", type=int, help="serve /metrics and /health on this port (default: "
+              "BACKFILL_PROCESSOR_METRICS_PORT or BACKFILL_METRICS_PORT, else none)")
 @click.option("--log-level", default="INFO", show_default=True)
 def processor_command(lanes: str | None, log_level: str, **options) -> None:
     """Pump queued requests to the router and publish their results (SIGTERM: drain and exit 0)."""
     import uvloop
 
+    from async_processor.metrics import ProcessorMetrics, start_metrics_server
     from async_processor.processor import run_processor
+    from backfill.logging import configure_logging
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(log_level)
     settings = build_settings(lanes=lanes.split(",") if lanes else None, **options)
 
     async def main() -> None:
@@ -57,7 +61,14 @@ def processor_command(lanes: str | None, log_level: str, **options) -> None:
         logging.getLogger("async_processor").info(
             "processor started", extra={"action": "started", "backend": settings.backend,
                                         "router_url": settings.router_url, "lanes": settings.lanes})
-        processor = await run_processor(settings, stop)
+        metrics = ProcessorMetrics()
+        server = (await start_metrics_server(metrics, settings.metrics_port, settings.metrics_host)
+                  if settings.metrics_port else None)
+        try:
+            processor = await run_processor(settings, stop, metrics=metrics)
+        finally:
+            if server is not None:
+                await server.cleanup()
         logging.getLogger("async_processor").info("processor stopped",
                                                   extra={"action": "stopped", "counts": dict(processor.counts)})
 

@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 
 class Gate(Protocol):
-    """One dispatch rule (see the module docstring)."""
+    """One dispatch rule (see the module docstring). ``kind`` names it in metrics."""
+
+    kind: str
 
     def admits(self, work: Work) -> bool:
         """May ``work`` start now?"""
@@ -55,6 +57,8 @@ class Gate(Protocol):
 
 class ConcurrencyGate:
     """At most ``limit`` attempts in flight (>= 1)."""
+
+    kind = "concurrency"
 
     def __init__(self, limit: int):
         if limit < 1:
@@ -78,6 +82,8 @@ class ConcurrencyGate:
 class TenantQuotaGate:
     """At most ``limit`` attempts in flight per tenant (``metadata.tenant``; "" is one tenant too);
     ``overrides`` maps tenant -> its own limit."""
+
+    kind = "tenant_quota"
 
     def __init__(self, limit: int, overrides: dict[str, int] | None = None):
         self.limit = limit
@@ -103,6 +109,8 @@ class SaturationGate:
     """Admits lanes below ``exempt_priority`` only while the router's ``pool_saturation`` < 1.0 and
     the reading is at most ``max_age_s`` seconds old. ``client``: a
     :class:`~async_processor.router_client.RouterClient` owned by the caller. ``clock``: monotonic seconds."""
+
+    kind = "saturation"
 
     def __init__(self, client: RouterClient, router_url: str, *, max_age_s: float = 2.0,
                  exempt_priority: int = 100, timeout_s: float = 1.0,
@@ -148,17 +156,35 @@ class SaturationGate:
 
 
 class AllGates:
-    """Admits what every gate admits; acquire/release/refresh go to all."""
+    """Admits what every gate admits, asking them in order; acquire/release/refresh go to all.
+
+    Decisions are counted for metrics: ``denied[kind]`` + 1 when the gate of that kind starts
+    holding a request back (once per request and gate, however often the dispatcher asks again),
+    ``admitted`` + 1 when a request every gate let through starts. ``kinds``: the gates' kinds.
+    """
+
+    kind = "all"
 
     def __init__(self, gates: Sequence[Gate]):
         self.gates = list(gates)
+        self.kinds = [getattr(g, "kind", type(g).__name__) for g in self.gates]
+        self.admitted = 0
+        self.denied: Counter[str] = Counter()
 
     def admits(self, work: Work) -> bool:
-        return all(g.admits(work) for g in self.gates)
+        for gate, kind in zip(self.gates, self.kinds):
+            if not gate.admits(work):
+                if work.gated_by != kind:
+                    work.gated_by = kind
+                    self.denied[kind] += 1
+                return False
+        return True
 
     def acquire(self, work: Work) -> None:
         for g in self.gates:
             g.acquire(work)
+        self.admitted += 1
+        work.gated_by = ""
 
     def release(self, work: Work) -> None:
         for g in self.gates:

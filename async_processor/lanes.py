@@ -23,7 +23,8 @@ class Work:
 
     ``attempts``: HTTP attempts made so far. ``not_before``: monotonic seconds before which it is not
     dispatched (retry backoff). ``last_status`` / ``last_body``: the last retryable HTTP answer, given
-    back as the result if the deadline ends the retries.
+    back as the result if the deadline ends the retries. ``gated_by``: the kind of the gate holding
+    it back now ("" when none), so :class:`~async_processor.gates.AllGates` counts a deny once.
     """
 
     request: RequestMessage
@@ -34,6 +35,7 @@ class Work:
     not_before: float = 0.0
     last_status: int = 0
     last_body: bytes = b""
+    gated_by: str = ""
     body: bytes = field(default=b"", repr=False)
 
     @property
@@ -75,6 +77,10 @@ class LaneBuffer:
     def __iter__(self) -> Iterator[Work]:
         for items in self._lanes.values():
             yield from items
+
+    def depth(self, lane: str) -> int:
+        """Items held in ``lane`` (0 for a lane not read)."""
+        return len(self._lanes.get(lane, ()))
 
     def free(self) -> int:
         """How many more items the reader may take from the queue now (>= 0)."""

@@ -49,6 +49,7 @@ from async_processor.messages import (
     http_result,
     invalid_request_result,
 )
+from async_processor.metrics import ProcessorMetrics
 from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
 from async_processor.router_client import NoAnswer, RouterClient, make_router_client
 
@@ -99,6 +100,14 @@ def request_headers(request: RequestMessage, lane: str, time_left_s: float) -> d
     return headers
 
 
+def _log_fields(action: str, message: RequestMessage | ResultMessage, **fields) -> dict:
+    """``extra`` of a per-request log record: the action, the request id and the ids in metadata."""
+    meta = message.metadata
+    return {"action": action, "request_id": message.id, "batch_id": meta.get("batch_id"),
+            "custom_id": meta.get("custom_id"), "tenant": meta.get("tenant"),
+            "traceparent": meta.get("traceparent"), **fields}
+
+
 def build_gates(settings: ProcessorSettings, client: RouterClient) -> AllGates:
     """The gates the settings ask for: always the fixed concurrency; a tenant quota when
     ``tenant_limit`` > 0; the router saturation gate when ``saturation_gate``."""
@@ -114,10 +123,11 @@ class Processor:
     """See the module docstring. ``backend`` must be started; ``http`` (the router client, see
     :mod:`async_processor.router_client`) and ``backend`` belong to the caller. ``counts``: outcome label -> number (``success``, ``http_error``, ``retried``,
     ``deadline_exceeded``, ``invalid``, ``dead_lettered``, ``duplicate``, ``handed_back``,
-    ``cancelled``)."""
+    ``cancelled``). ``metrics``: where the Prometheus series go (a private registry by default)."""
 
     def __init__(self, settings: ProcessorSettings, backend: QueueBackend, http: RouterClient,
-                 gate: Gate | None = None, *, rng: random.Random | None = None):
+                 gate: Gate | None = None, *, rng: random.Random | None = None,
+                 metrics: ProcessorMetrics | None = None):
         self.settings = settings
         self.backend = backend
         self.http = http
@@ -132,6 +142,8 @@ class Processor:
         self._wake = asyncio.Event()
         self._stopping = False
         self._closed = asyncio.Event()
+        self.metrics = metrics or ProcessorMetrics()
+        self.metrics.watch(self)
 
     # ---------------------------------------------------------------- run
 
@@ -204,12 +216,14 @@ class Processor:
                 request = decode_request(d.body)
             except InvalidMessage as exc:
                 self.counts["invalid"] += 1
+                self.metrics.shed(d.lane, "invalid")
                 self._add_settle(_Settle(d, invalid_request_result(exc), exc.result_queue_name, "",
                                          dead_reason=ErrorCode.INVALID_REQUEST))
                 continue
             d.request_id = request.id
             if d.delivery_count > settings.max_deliveries:
                 self.counts["dead_lettered"] += 1
+                self.metrics.shed(d.lane, "dead_lettered")
                 message = f"dead-lettered after {d.delivery_count - 1} deliveries"
                 self._add_settle(_Settle(d, error_result(request.id, ErrorCode.INFERENCE_ERROR, message,
                                                          request.metadata),
@@ -228,6 +242,7 @@ class Processor:
                 self._add_settle(_Settle(d, None))
             elif admission is Admission.CANCELLED:
                 self.counts["cancelled"] += 1
+                self.metrics.shed(d.lane, "cancelled")
                 self._add_settle(_Settle(d, error_result(request.id, ErrorCode.CANCELLED, "batch cancelled",
                                                          request.metadata), request.result_queue_name,
                                          request.id))
@@ -250,6 +265,10 @@ class Processor:
                 if work is None:
                     break
                 self.gate.acquire(work)
+                self.metrics.dispatched(work.lane)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("dispatch", extra=_log_fields("dispatch", work.request, lane=work.lane,
+                                                            attempt=work.attempts + 1))
                 self.in_flight[work] = asyncio.create_task(self._attempt(work))
             next_at = self.buffer.next_ready_at(now)
             timeout = 0.1 if next_at is None else max(0.001, min(0.1, next_at - now))
@@ -261,6 +280,7 @@ class Processor:
 
     def _deadline_result(self, work: Work) -> ResultMessage:
         self.counts["deadline_exceeded"] += 1
+        self.metrics.shed(work.lane, "deadline_exceeded")
         if work.last_status:  # retries ran out: the last answer is the most useful result
             return http_result(work.request, work.last_status, work.last_body)
         return error_result(work.request.id, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded",
@@ -281,6 +301,7 @@ class Processor:
                 work.body = orjson.dumps(request.payload)
             work.attempts += 1
             status, body, retry_after = 0, b"", None
+            started = time.monotonic()
             try:
                 answer = await self.http.post(self.router_url + request.endpoint, work.body,
                                               request_headers(request, work.lane, time_left),
@@ -289,6 +310,7 @@ class Processor:
                 retry_after = parse_retry_after(answer.retry_after)
             except NoAnswer as exc:
                 body = str(exc).encode()
+            self.metrics.answered(work.lane, status, time.monotonic() - started)
             if not is_retryable(status):
                 self.counts["success" if status < 400 else "http_error"] += 1
                 self._finish(work, http_result(request, status, body))
@@ -308,6 +330,7 @@ class Processor:
             if delay is None:
                 if not status:
                     self.counts["deadline_exceeded"] += 1
+                    self.metrics.shed(work.lane, "deadline_exceeded")
                     self._finish(work, error_result(request.id, ErrorCode.INFERENCE_ERROR,
                                                     f"no answer before the deadline: {body.decode()}",
                                                     request.metadata))
@@ -315,6 +338,7 @@ class Processor:
                     self._finish(work, self._deadline_result(work))
                 return
             self.counts["retried"] += 1
+            self.metrics.retried(work.lane, status)
             self.gate.release(work)
             released = True
             del self.in_flight[work]
@@ -330,6 +354,12 @@ class Processor:
     # ---------------------------------------------------------------- settling
 
     def _add_settle(self, item: _Settle) -> None:
+        if item.result is not None:
+            self.metrics.result(item.delivery.lane, item.result)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("result", extra=_log_fields("result", item.result, lane=item.delivery.lane,
+                                                      status=item.result.status_code,
+                                                      error_code=item.result.error_code or None))
         self._settle.append(item)
         self._settle_event.set()
 
@@ -411,6 +441,7 @@ class Processor:
             for work in self.buffer.remove_batches(cancelled):
                 request = work.request
                 self.counts["cancelled"] += 1
+                self.metrics.shed(work.lane, "cancelled")
                 self._add_settle(_Settle(work.delivery, error_result(request.id, ErrorCode.CANCELLED, "batch cancelled",
                                                                      request.metadata),
                                          request.result_queue_name, request.id))
@@ -432,10 +463,10 @@ async def _finish_tasks(tasks: Sequence[asyncio.Task], patience_s: float = 1.0) 
 
 
 async def run_processor(settings: ProcessorSettings, stop: asyncio.Event, backend: QueueBackend | None = None,
-                        http: RouterClient | None = None) -> Processor:
+                        http: RouterClient | None = None, metrics: ProcessorMetrics | None = None) -> Processor:
     """Build the backend and the router client (:func:`~async_processor.router_client.make_router_client`)
-    unless given, and the gates, from ``settings``; pump until ``stop``; close what was built here;
-    return the processor (for its ``counts``)."""
+    unless given, and the gates, from ``settings``; pump until ``stop`` (series into ``metrics``);
+    close what was built here; return the processor (for its ``counts``)."""
     from async_processor.backends import make_backend
 
     own_backend, own_http = backend is None, http is None
@@ -443,7 +474,7 @@ async def run_processor(settings: ProcessorSettings, stop: asyncio.Event, backen
     await backend.start()
     http = http or make_router_client(settings.concurrency)
     try:
-        processor = Processor(settings, backend, http)
+        processor = Processor(settings, backend, http, metrics=metrics)
         await processor.run(stop)
         return processor
     finally:

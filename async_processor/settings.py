@@ -18,7 +18,7 @@ from async_processor.messages import DEFAULT_POOL, DEFAULT_RESULT_STREAM, DEFAUL
 class ProcessorSettings(BaseSettings):
     """Everything the processor reads from its environment or command line."""
 
-    model_config = SettingsConfigDict(env_prefix="BACKFILL_PROCESSOR_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="BACKFILL_PROCESSOR_", extra="forbid", populate_by_name=True)
 
     backend: Literal["redis", "pubsub", "memory"] = "redis"
     redis_url: str = Field("redis://127.0.0.1:6379/0",
@@ -60,6 +60,13 @@ class ProcessorSettings(BaseSettings):
     pubsub_emulator_host: str = Field(
         "", validation_alias=AliasChoices("pubsub_emulator_host", "BACKFILL_PROCESSOR_PUBSUB_EMULATOR_HOST",
                                           "PUBSUB_EMULATOR_HOST"))
+
+    metrics_port: int = Field(0, ge=0, le=65535, description="port of /metrics and /health (0: none; the "
+                              "Kubernetes manifests use 9090); BACKFILL_PROCESSOR_METRICS_PORT wins over "
+                              "the shared BACKFILL_METRICS_PORT",
+                              validation_alias=AliasChoices("BACKFILL_PROCESSOR_METRICS_PORT", "BACKFILL_METRICS_PORT"))
+    metrics_host: str = Field("0.0.0.0", description="address the metrics port binds",
+                              validation_alias=AliasChoices("BACKFILL_PROCESSOR_METRICS_HOST", "BACKFILL_METRICS_HOST"))
 
     @field_validator("lanes")
     @classmethod

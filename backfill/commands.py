@@ -8,9 +8,10 @@ when ``DATABASE_URL`` is not set, so they work on a fresh machine too.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,16 +61,44 @@ def gateway_command(host: str, port: int, log_level: str) -> None:
     from batch_gateway.app import create_app
     from batch_gateway.settings import load_settings
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr)
-    uvicorn.run(create_app(load_settings()), host=host, port=port, log_level=log_level,
+    from backfill.logging import configure_logging
+
+    configure_logging(log_level)
+    uvicorn.run(create_app(load_settings()), host=host, port=port, log_level=log_level, log_config=None,
                 timeout_graceful_shutdown=10, h11_max_incomplete_event_size=16 * 1024)
 
 
-def _celery():
+def _celery(settings=None):
     from workers.app import create_celery
     from workers.settings import load_settings
 
-    return create_celery(load_settings())
+    return create_celery(settings or load_settings())
+
+
+def _celery_logging(log_level: str) -> None:
+    """JSON or text logs (:func:`backfill.logging.configure_logging`) instead of Celery's own set-up:
+    a receiver of ``setup_logging`` makes Celery leave the logging configuration alone."""
+    from celery.signals import setup_logging
+
+    from backfill.logging import configure_logging
+
+    configure_logging(log_level)
+    setup_logging.connect(lambda **_: None, weak=False)
+
+
+def _multiprocess_metrics_dir() -> str:
+    """Prepare prometheus-client's multiprocess mode for a prefork worker: ``PROMETHEUS_MULTIPROC_DIR``
+    (emptied of an earlier run's files) or a new temporary directory, exported before anything imports
+    prometheus-client. Raises ``click.ClickException`` when prometheus-client is already imported."""
+    if "prometheus_client" in sys.modules:
+        raise click.ClickException("prometheus-client was imported before its multiprocess directory was set")
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(prefix="backfill-worker-metrics-")
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):  # values of a previous run would be added to this one's
+        if name.endswith(".db"):
+            os.unlink(os.path.join(path, name))
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    return path
 
 
 @click.command("worker")
@@ -78,9 +107,33 @@ def _celery():
               type=click.Choice(["prefork", "threads", "solo"]))
 @click.option("--log-level", default="WARNING", show_default=True)
 def worker_command(concurrency: int, pool: str, log_level: str) -> None:
-    """Run a Celery worker of the batch lifecycle."""
-    _celery().worker_main(["worker", f"--loglevel={log_level}", f"--concurrency={concurrency}",
-                           f"--pool={pool}", "--without-gossip", "--without-mingle"])
+    """Run a Celery worker of the batch lifecycle; with ``BACKFILL_WORKER_METRICS_PORT`` (or
+    ``BACKFILL_METRICS_PORT``) set, serve ``/metrics`` and ``/health`` on that port."""
+    from workers.settings import load_settings
+
+    settings = load_settings()
+    _celery_logging(log_level)
+    own_dir = None  # a temporary multiprocess directory made here, removed on exit
+    if settings.metrics_port and pool == "prefork":  # tasks run in child processes
+        given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        path = _multiprocess_metrics_dir()
+        own_dir = None if given else path
+    celery = _celery(settings)
+    if settings.metrics_port:  # served once the pool runs (no fork while its thread runs)
+        from celery.signals import worker_ready
+
+        from workers.metrics import multiprocess_registry, serve_metrics
+
+        registry = (multiprocess_registry(os.environ["PROMETHEUS_MULTIPROC_DIR"]) if pool == "prefork"
+                    else celery.backfill.metrics.registry)
+        worker_ready.connect(lambda **_: serve_metrics(registry, settings.metrics_port, settings.metrics_host),
+                             weak=False)
+    try:
+        celery.worker_main(["worker", f"--loglevel={log_level}", f"--concurrency={concurrency}",
+                            f"--pool={pool}", "--without-gossip", "--without-mingle"])
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
 
 
 @click.command("beat")
@@ -89,6 +142,7 @@ def worker_command(concurrency: int, pool: str, log_level: str) -> None:
 def beat_command(data_dir: Path, log_level: str) -> None:
     """Run the Celery beat scheduler (outbox relay; expiry and sweeps in later issues)."""
     data_dir.mkdir(parents=True, exist_ok=True)
+    _celery_logging(log_level)
     _celery().start(["beat", f"--loglevel={log_level}", f"--schedule={data_dir / 'celerybeat-schedule'}"])
 
 

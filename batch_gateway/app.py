@@ -15,10 +15,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from backfill.tracing import instrument_fastapi
 from batch_gateway import admin, queries
 from batch_gateway.api import batches, files
 from batch_gateway.db import make_engine, make_sessionmaker
 from batch_gateway.errors import GatewayError, error_body
+from batch_gateway.metrics import install_metrics
 from batch_gateway.outbox import TaskPublisher
 from batch_gateway.settings import GatewaySettings
 from batch_gateway.storage import build_file_store
@@ -55,6 +57,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     admin.install(app)  # the dashboard at /admin
+    install_metrics(app, getattr(settings, "admin_key", None))  # GET /metrics, HTTP series
+    instrument_fastapi(app, "backfill-gateway")  # server spans continuing the client's traceparent
 
     @app.get("/health", include_in_schema=False)
     def health() -> dict:

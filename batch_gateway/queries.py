@@ -218,10 +218,12 @@ def add_event(session: Session, batch: Batch | None, type_: str, payload: dict |
 def insert_batch(session: Session, *, tenant_id: str, endpoint: str, input_file_id: str,
                  completion_window: str, window_seconds: int, metadata: dict | None,
                  output_expires_after: dict | None, idempotency_key: str | None,
-                 request_hash: str | None, reserved_tokens: int = 0) -> Batch:
+                 request_hash: str | None, reserved_tokens: int = 0, traceparent: str | None = None) -> Batch:
     """Insert a batch in ``validating`` with its outbox event (validate task) in the same
     transaction. ``expires_at``/``deadline`` = database now + ``window_seconds``;
     ``reserved_tokens`` hold the tenant's quota until validation counts the real estimate.
+    ``traceparent`` (W3C trace context of the create request) is kept in the ``batch.created``
+    event's payload; :func:`batch_traceparents` reads it back.
 
     Raises ``sqlalchemy.exc.IntegrityError`` when the tenant already used ``idempotency_key``.
     """
@@ -238,7 +240,8 @@ def insert_batch(session: Session, *, tenant_id: str, endpoint: str, input_file_
         )
         .returning(Batch)
     ).scalar_one()
-    add_event(session, batch, "batch.created", {"task": VALIDATE_BATCH_TASK}, publish=True)
+    add_event(session, batch, "batch.created",
+              {"task": VALIDATE_BATCH_TASK, **({"traceparent": traceparent} if traceparent else {})}, publish=True)
     return batch
 
 

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from batch_gateway.db import make_engine, make_sessionmaker
 from batch_gateway.outbox import TaskPublisher, celery_broker_url
 from batch_gateway.storage import FileStore, build_file_store
+from workers.metrics import WorkerMetrics, install_task_hooks
 from workers.queue import BatchQueue
 from workers.settings import WorkerSettings
 
@@ -30,6 +31,7 @@ class WorkerContext:
     def __init__(self, settings: WorkerSettings, celery: Celery):
         self.settings = settings
         self.celery = celery
+        self.metrics = WorkerMetrics()
         self._pid = os.getpid()
 
     def _check_fork(self) -> None:
@@ -114,6 +116,7 @@ def create_celery(settings: WorkerSettings) -> Celery:
     from workers import tasks
 
     tasks.register(app)
+    install_task_hooks(app, app.backfill.metrics)
 
     @worker_ready.connect(weak=False)
     def resend_on_start(sender=None, **_) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import Counter
 
 import orjson
 from sqlalchemy import func, select
@@ -55,13 +56,16 @@ def feed(ctx: WorkerContext) -> int:
     published = 0
     window = ctx.settings.feed_window
     with ctx.session() as session:
-        for batch in queries.feedable_batches(session):
+        batches = queries.feedable_batches(session)
+        traceparents = queries.batch_traceparents(session, [b.id for b in batches if b.queued < window])
+        for batch in batches:
             room = window - batch.queued
             if room <= 0:
                 continue
             rows = queries.claim_pending(session, batch.id, room, ctx.settings.lease_seconds)
             if not rows:
                 continue
+            trace = {"traceparent": traceparents[batch.id]} if batch.id in traceparents else {}
             messages = [
                 RequestMessage(
                     id=f"{batch.id}:{row.custom_id}:{row.attempts}",
@@ -70,13 +74,16 @@ def feed(ctx: WorkerContext) -> int:
                     endpoint=batch.endpoint, result_queue_name=ctx.queue.result_stream,
                     metadata={"tenant": batch.tenant_id, "objective": BATCH_LANE, "batch_id": batch.id,
                               "custom_id": row.custom_id, "lease_token": str(row.lease_token),
-                              "attempt": str(row.attempts)},
+                              "attempt": str(row.attempts), **trace},
                 )
                 for row in rows
             ]
             session.commit()  # leases first: a crash before the publish only delays these requests
             ctx.queue.publish(messages)
             published += len(messages)
+            ctx.metrics.fed.inc(len(messages))
+            log.info("batch fed", extra={"action": "feed", "batch_id": batch.id, "tenant": batch.tenant_id,
+                                         "requests": len(messages)})
     return published
 
 
@@ -127,6 +134,8 @@ def collect(ctx: WorkerContext, count: int = 2000) -> int:
     """Record up to ``count`` results from the result stream; returns how many were accepted."""
     entries = ctx.queue.read_results(count)
     accepted = 0
+    states: Counter[str] = Counter()
+    debug = log.isEnabledFor(logging.DEBUG)
     with ctx.session() as session:
         for _, result in entries:
             meta = result.metadata if result else {}
@@ -134,10 +143,21 @@ def collect(ctx: WorkerContext, count: int = 2000) -> int:
             if not (batch_id and custom_id and token):
                 continue  # not one of ours, or unreadable: nothing to record
             attempt = int(meta.get("attempt", "1") or 1)
-            accepted += queries.record_outcome(session, batch_id, custom_id, token,
-                                               **outcome_of(result, attempt, ctx.settings.max_attempts))
+            change = outcome_of(result, attempt, ctx.settings.max_attempts)
+            recorded = queries.record_outcome(session, batch_id, custom_id, token, **change)
+            accepted += recorded
+            states[change["state"] if recorded else "stale"] += 1
+            if debug:
+                log.debug("result collected", extra={"action": "collect", "batch_id": batch_id, "custom_id": custom_id,
+                                                     "tenant": meta.get("tenant"), "state": change["state"],
+                                                     "accepted": bool(recorded), "error_code": result.error_code})
         session.commit()
     ctx.queue.ack([entry_id for entry_id, _ in entries])
+    for state, count in states.items():
+        ctx.metrics.collected.labels(state).inc(count)
+    if entries:
+        log.info("results collected", extra={"action": "collect", "results": len(entries), "accepted": accepted,
+                                             "states": dict(states)})
     return accepted
 
 
@@ -158,6 +178,7 @@ def sweep(ctx: WorkerContext) -> int:
             else:
                 change = {"state": "pending"}
             queries.record_outcome(session, row.batch_id, row.custom_id, str(row.lease_token), **change)
+            ctx.metrics.swept.labels(change["state"]).inc()
         session.commit()
     for batch_id in cancelling:
         ctx.queue.mark_cancelled(batch_id)
@@ -240,6 +261,7 @@ def finalize(ctx: WorkerContext, batch_id: str) -> str:
 
     with ctx.session() as session:
         batch = session.get(Batch, batch_id)
+        tenant = batch.tenant_id
         files = _write_files(ctx, batch)
         ttl = (batch.output_expires_after or {}).get("seconds", 30 * 24 * 3600)
         for kind, (file_id, key, _, size, sha) in files.items():
@@ -256,7 +278,11 @@ def finalize(ctx: WorkerContext, batch_id: str) -> str:
         )
         session.commit()
         status = moved.status if moved else session.get(Batch, batch_id).status
-    log.info("batch finalized", extra={"action": f"batch_{status}", "batch_id": batch_id,
+    if moved is not None:
+        ctx.metrics.finalized.labels(status).inc()
+        ctx.metrics.finalized_requests.labels("output").inc(completed)
+        ctx.metrics.finalized_requests.labels("errors").inc(failed)
+    log.info("batch finalized", extra={"action": f"batch_{status}", "batch_id": batch_id, "tenant": tenant,
                                        "completed": completed, "failed": failed})
     return status
 
@@ -265,6 +291,7 @@ def cancel(ctx: WorkerContext, batch_id: str) -> str:
     """Act on a cancel at once: mark the batch for the processors (its queued messages are answered
     ``CANCELLED`` instead of run) and end what is not queued; returns the batch's status."""
     ctx.queue.mark_cancelled(batch_id)
+    log.info("batch cancel marked", extra={"action": "cancel", "batch_id": batch_id})
     return finalize(ctx, batch_id)
 
 

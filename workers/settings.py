@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from batch_gateway.settings import SharedSettings
+from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
 
@@ -46,6 +47,14 @@ class WorkerSettings(SharedSettings):
     finalize_interval_seconds: float = 2.0
     webhook_interval_seconds: float = 2.0
     validation_stale_seconds: float = 120.0
+    metrics_port: int = Field(default=0, ge=0, le=65535, validation_alias=AliasChoices(
+        "BACKFILL_WORKER_METRICS_PORT", "BACKFILL_METRICS_PORT"))
+    """Port of ``/metrics`` and ``/health`` served by ``backfill worker`` (0: none; the Kubernetes
+    manifests use 9090). ``BACKFILL_WORKER_METRICS_PORT`` wins over the shared
+    ``BACKFILL_METRICS_PORT`` so ``backfill up`` can give the worker and the processor their own."""
+    metrics_host: str = Field(default="0.0.0.0", validation_alias=AliasChoices(
+        "BACKFILL_WORKER_METRICS_HOST", "BACKFILL_METRICS_HOST"))
+    """Address the metrics port binds (all interfaces, so Prometheus can scrape the pod)."""
 
 
 def load_settings(**overrides) -> WorkerSettings:

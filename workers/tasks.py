@@ -70,13 +70,13 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
 
     with ctx.session() as session:
         if not report.ok:
-            return _fail(session, batch_id, report.errors)
+            return _fail(ctx, session, batch_id, report.errors)
 
         tenant = queries.lock_tenant(session, tenant_id)
         limit = tenant.enqueued_token_limit or ctx.settings.default_enqueued_token_limit
         if queries.enqueued_tokens(session, tenant_id, exclude=batch_id) + report.est_tokens > limit:
             error = LineError("token_limit_exceeded", token_limit_message(tenant.name, limit, report.model), None, None)
-            return _fail(session, batch_id, [error])
+            return _fail(ctx, session, batch_id, [error])
 
         session.execute(delete(BatchRequest).where(BatchRequest.batch_id == batch_id))
         raw = session.connection().connection.driver_connection
@@ -91,17 +91,20 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
             session.rollback()
             return _status(session, batch_id)
         session.commit()
+        ctx.metrics.validated.labels(moved.status).inc()
         log.info("batch validated", extra={"action": "batch_in_progress", "batch_id": batch_id,
-                                           "requests": len(report.requests)})
+                                           "tenant": tenant_id, "requests": len(report.requests)})
         return moved.status
 
 
-def _fail(session, batch_id: str, errors: list[LineError]) -> str:
+def _fail(ctx: WorkerContext, session, batch_id: str, errors: list[LineError]) -> str:
     """Move a ``validating`` batch to ``failed`` with ``errors``; returns its status afterwards."""
     moved = queries.transition(session, batch_id, ("validating",), "failed", errors=_error_rows(errors))
     session.commit()
+    if moved is not None:
+        ctx.metrics.validated.labels(moved.status).inc()
     log.info("batch failed validation", extra={"action": "batch_failed", "batch_id": batch_id,
-                                               "errors": len(errors)})
+                                               "errors": len(errors), "codes": sorted({e.code for e in errors})})
     return moved.status if moved else _status(session, batch_id)
 
 
@@ -111,7 +114,7 @@ def give_up_validation(ctx: WorkerContext, batch_id: str) -> str:
     error = LineError("validation_error", "The input file could not be validated because of an internal "
                       "error; please create the batch again.", None, None)
     with ctx.session() as session:
-        return _fail(session, batch_id, [error])
+        return _fail(ctx, session, batch_id, [error])
 
 
 def resend_stale_validations(ctx: WorkerContext, older_than_seconds: float | None = None) -> int:

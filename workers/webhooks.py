@@ -87,4 +87,6 @@ def deliver_webhooks(ctx: WorkerContext, timeout_seconds: float = 10.0) -> int:
             queries.webhook_attempted(session, event.id, ok, retry_delay(event.webhook_attempts + 1) if url else None)
             session.commit()
             delivered += ok
+            if url:
+                ctx.metrics.webhooks.labels("delivered" if ok else "failed").inc()
     return delivered

@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from backfill.tracing import current_traceparent
 from batch_gateway import queries
 from batch_gateway.api import list_page
 from batch_gateway.deps import SessionDep, SettingsDep, TenantDep
@@ -129,7 +130,7 @@ async def create_batch(request: Request, tenant: TenantDep, session: SessionDep,
                     output_expires_after=(args.output_expires_after.model_dump()
                                           if args.output_expires_after else None),
                     idempotency_key=idempotency_key, request_hash=request_hash,
-                    reserved_tokens=reserved,
+                    reserved_tokens=reserved, traceparent=current_traceparent(),
                 )
         except IntegrityError:  # a concurrent create with the same Idempotency-Key won
             session.rollback()

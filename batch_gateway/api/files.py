@@ -150,6 +150,7 @@ async def create_file(request: Request, tenant: TenantDep, session: SessionDep,
         raise
     log.info("file uploaded", extra={"action": "file_created", "file_id": file_id,
                                      "tenant": tenant.name, "bytes": row.bytes})
+    request.app.state.metrics.file_uploaded(purpose, row.bytes)
     return file_object(row)
 
 

@@ -1,0 +1,142 @@
+"""Prometheus metrics of the gateway, served at ``GET /metrics`` on the gateway's own port.
+
+Series (docs/observability.md has the full list; no tenant id is ever a label):
+
+- ``backfill_gateway_http_requests_total{method, handler, status}`` and
+  ``backfill_gateway_http_request_duration_seconds{method, handler, status}``: every request but
+  ``/metrics``; ``handler`` is the route template (``/v1/batches/{batch_id}``; ``none`` for a path
+  no route matches) and ``status`` the class (``2xx``, ``4xx``, …). Recorded by
+  ``prometheus-fastapi-instrumentator``'s middleware.
+- ``backfill_gateway_batches{status}``: batches in each OpenAI status, from one grouped count run
+  at scrape time and cached for :data:`BATCH_COUNT_TTL_SECONDS`.
+- ``backfill_gateway_file_uploaded_bytes_total{purpose}`` / ``backfill_gateway_files_uploaded_total{purpose}``:
+  bytes and files accepted by ``POST /v1/files``.
+
+``/metrics`` is not behind tenant auth. When the admin key is configured (``BACKFILL_ADMIN_KEY``)
+it answers only ``Authorization: Bearer <admin key>`` (Prometheus: ``authorization.credentials``
+in the scrape config); without one it is open, so keep the port off the public internet.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_fastapi_instrumentator import Instrumentator
+from prometheus_fastapi_instrumentator import metrics as http_metrics
+from sqlalchemy.orm import Session
+
+from batch_gateway import queries
+from batch_gateway.errors import AuthenticationError
+from batch_gateway.models import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
+from batch_gateway.schemas import UPLOAD_PURPOSES
+
+BATCH_COUNT_TTL_SECONDS = 5.0
+"""How long one grouped count of batches by status is reused (a scrape every 15 s, Prometheus's
+default interval, or several replicas scraping at once cost one query per window)."""
+
+HTTP_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Prometheus' default buckets (5 ms to 10 s) plus 30, 60 and 120 s for uploads of large batch files."""
+
+BATCH_STATUSES = (*ACTIVE_BATCH_STATUSES, *TERMINAL_BATCH_STATUSES)
+
+
+class BatchStatusCollector(Collector):
+    """``backfill_gateway_batches{status}``, every OpenAI status present (0 when none). ``sessions``:
+    returns a new session (the caller's sessionmaker); a failed count yields no sample rather than
+    a failed scrape."""
+
+    def __init__(self, sessions: Callable[[], Session], ttl_seconds: float = BATCH_COUNT_TTL_SECONDS,
+                 clock: Callable[[], float] = time.monotonic):
+        self.sessions = sessions
+        self.ttl_seconds = ttl_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] | None = None
+        self._read_at = -float("inf")
+
+    def counts(self) -> dict[str, int] | None:
+        """``{status: batches}``, re-read when older than the TTL; None when the count failed."""
+        with self._lock:
+            if self.clock() - self._read_at >= self.ttl_seconds:
+                try:
+                    with self.sessions() as session:
+                        self._counts = queries.batch_status_counts(session)
+                except Exception:  # the database is down: this scrape has no batch gauge
+                    self._counts = None
+                self._read_at = self.clock()
+            return self._counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        counts = self.counts()
+        if counts is None:
+            return
+        family = GaugeMetricFamily("backfill_gateway_batches", "Batches in each OpenAI status.", labels=["status"])
+        for status in dict.fromkeys((*BATCH_STATUSES, *counts)):
+            family.add_metric([status], counts.get(status, 0))
+        yield family
+
+    def describe(self) -> list:
+        return []  # collected lazily: registering must not query the database
+
+
+class GatewayMetrics:
+    """The gateway's registry and the series it updates by hand (:meth:`file_uploaded`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.uploaded_bytes = Counter("backfill_gateway_file_uploaded_bytes", "Bytes of files accepted by "
+                                      "POST /v1/files.", ["purpose"], registry=self.registry)
+        self.uploaded_files = Counter("backfill_gateway_files_uploaded", "Files accepted by POST /v1/files.",
+                                      ["purpose"], registry=self.registry)
+        for purpose in UPLOAD_PURPOSES:  # every series exists from the start, at 0
+            self.uploaded_bytes.labels(purpose)
+            self.uploaded_files.labels(purpose)
+
+    def file_uploaded(self, purpose: str, size_bytes: int) -> None:
+        """Count one stored upload of ``size_bytes`` bytes."""
+        self.uploaded_files.labels(purpose).inc()
+        self.uploaded_bytes.labels(purpose).inc(size_bytes)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
+
+
+def _check_admin_key(request: Request, admin_key: str | None) -> None:
+    if not admin_key:
+        return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), admin_key.encode()):
+        raise AuthenticationError("/metrics needs the admin key: Authorization: Bearer <admin key>.")
+
+
+def install_metrics(app: FastAPI, admin_key: str | None = None) -> GatewayMetrics:
+    """Instrument ``app`` (HTTP middleware), register the batch gauge (reading
+    ``app.state.sessionmaker`` at scrape time) and add ``GET /metrics``, guarded by ``admin_key``
+    when given. Puts the :class:`GatewayMetrics` on ``app.state.metrics`` and returns it. Call
+    before the app starts (middleware cannot be added later)."""
+    metrics = GatewayMetrics()
+    labels = {"metric_namespace": "backfill", "metric_subsystem": "gateway", "registry": metrics.registry}
+    Instrumentator(should_group_status_codes=True, should_ignore_untemplated=False, should_group_untemplated=True,
+                   excluded_handlers=["^/metrics$"], registry=metrics.registry).add(
+        http_metrics.requests(**labels),
+        http_metrics.latency(buckets=HTTP_BUCKETS_SECONDS, **labels),
+    ).instrument(app)
+    metrics.registry.register(BatchStatusCollector(lambda: app.state.sessionmaker()))
+    app.state.metrics = metrics
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus_metrics(request: Request) -> Response:
+        """The gateway's series in Prometheus' text format (see the module docstring)."""
+        _check_admin_key(request, admin_key)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return metrics
