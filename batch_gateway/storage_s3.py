@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import boto3
 from botocore.config import Config
@@ -63,7 +64,13 @@ def _os_error(exc: Exception, key: str) -> OSError:
 
 
 class _S3Upload:
-    """One object being written (see :class:`~batch_gateway.storage.Upload`)."""
+    """One object being written (see :class:`~batch_gateway.storage.Upload`).
+
+    A full part is handed to the store's sender threads and ``write`` returns at once, so the
+    gateway's event loop is not held for a part's PUT; it waits only when the previous part of
+    this upload is still being sent (at most two parts in memory: one in flight, one filling).
+    A failed part is reported by the next ``write`` that fills a part, or by ``commit``.
+    """
 
     def __init__(self, store: S3FileStore, key: str):
         self._store = store
@@ -71,32 +78,47 @@ class _S3Upload:
         self._buffer = bytearray()
         self._upload_id: str | None = None
         self._parts: list[dict] = []
+        self._in_flight: Future | None = None
         self._state = "open"  # open | committed | aborted
 
     def _check_open(self) -> None:
         if self._state != "open":
             raise ValueError(f"upload of {self._key!r} is {self._state}")
 
-    def _send_part(self) -> None:
-        client, bucket = self._store.client, self._store.bucket
+    def _send_part(self, body: bytes, number: int) -> dict:
+        reply = self._store.client.upload_part(Bucket=self._store.bucket, Key=self._key,
+                                               UploadId=self._upload_id, PartNumber=number, Body=body)
+        return {"ETag": reply["ETag"], "PartNumber": number}
+
+    def _wait_part(self) -> None:
+        """Wait for the part in flight; raises its error."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._parts.append(in_flight.result())
+
+    def _next_part(self) -> bytes:
+        self._wait_part()
         if len(self._parts) >= MAX_PARTS:
             raise OSError(errno.EFBIG, f"object exceeds {MAX_PARTS} parts of {self._store.part_bytes} bytes",
                           self._key)
         if self._upload_id is None:
-            self._upload_id = client.create_multipart_upload(Bucket=bucket, Key=self._key)["UploadId"]
+            self._upload_id = self._store.client.create_multipart_upload(
+                Bucket=self._store.bucket, Key=self._key)["UploadId"]
         body, self._buffer = bytes(self._buffer), bytearray()
-        number = len(self._parts) + 1
-        reply = client.upload_part(Bucket=bucket, Key=self._key, UploadId=self._upload_id,
-                                   PartNumber=number, Body=body)
-        self._parts.append({"ETag": reply["ETag"], "PartNumber": number})
+        return body
+
+    def _start_part(self) -> None:
+        body = self._next_part()
+        self._in_flight = self._store.sender.submit(self._send_part, body, len(self._parts) + 1)
 
     def _publish(self) -> None:
         client, bucket = self._store.client, self._store.bucket
         if self._upload_id is None:
             client.put_object(Bucket=bucket, Key=self._key, Body=bytes(self._buffer))
             return
+        self._wait_part()
         if self._buffer:
-            self._send_part()
+            self._parts.append(self._send_part(self._next_part(), len(self._parts) + 1))
         client.complete_multipart_upload(Bucket=bucket, Key=self._key, UploadId=self._upload_id,
                                           MultipartUpload={"Parts": self._parts})
 
@@ -111,12 +133,13 @@ class _S3Upload:
             raise
 
     def write(self, chunk: bytes) -> None:
-        """Append ``chunk``; sends a part once ``part_bytes`` are buffered. On failure the upload is
-        aborted and ``OSError`` raised; ``ValueError`` after ``commit``/``abort``."""
+        """Append ``chunk``; a full part (``part_bytes``) goes to the sender threads. On failure
+        (this part's start or the previous part's PUT) the upload is aborted and ``OSError``
+        raised; ``ValueError`` after ``commit``/``abort``."""
         self._check_open()
         self._buffer += chunk
         if len(self._buffer) >= self._store.part_bytes:
-            self._abort_on_error(self._send_part)
+            self._abort_on_error(self._start_part)
 
     def commit(self) -> None:
         """Publish the object: one ``PutObject``, or the last part and ``CompleteMultipartUpload``.
@@ -127,12 +150,15 @@ class _S3Upload:
         self._buffer = bytearray()
 
     def abort(self) -> None:
-        """Discard what was written (``AbortMultipartUpload`` when parts were sent). No-op after
-        ``commit``; never raises (a failed abort is logged, the parts stay invisible)."""
+        """Discard what was written: wait for the part in flight, then ``AbortMultipartUpload``.
+        No-op after ``commit``; never raises (a failed abort is logged, the parts stay invisible)."""
         if self._state != "open":
             return
         self._state = "aborted"
         self._buffer = bytearray()
+        if self._in_flight is not None:
+            wait([self._in_flight])
+            self._in_flight = None
         if self._upload_id is None:
             return
         upload_id, self._upload_id = self._upload_id, None
@@ -150,13 +176,14 @@ class S3FileStore:
     ``part_bytes``: bytes per multipart part and the most an upload buffers (default 8 MiB, at
     least 1; S3 itself refuses parts under 5 MiB but the last). ``endpoint_url`` selects an
     S3-compatible service (MinIO, R2, moto); ``region_name`` and ``addressing_style`` (``auto``,
-    ``path``, ``virtual``) are passed to botocore. The boto3 client is built on first use in each
-    process (a forked worker never reuses its parent's connections).
+    ``path``, ``virtual``) are passed to botocore. ``sender_threads``: threads sending parts for
+    all uploads of this store (each upload has at most one part in flight). The boto3 client and
+    the threads are made on first use in each process (a forked worker never reuses its parent's).
     """
 
     def __init__(self, bucket: str, *, prefix: str = "", part_bytes: int = DEFAULT_PART_BYTES,
                  endpoint_url: str | None = None, region_name: str | None = None,
-                 addressing_style: str = "auto", max_pool_connections: int = 32):
+                 addressing_style: str = "auto", sender_threads: int = 8, max_pool_connections: int = 32):
         if not bucket:
             raise ValueError("an S3 file store needs a bucket")
         if part_bytes < 1:
@@ -170,19 +197,31 @@ class S3FileStore:
             "config": Config(s3={"addressing_style": addressing_style}, retries={"mode": "standard"},
                              max_pool_connections=max_pool_connections),
         }
+        self._sender_threads = sender_threads
         self._lock = threading.Lock()
         self._client = None
-        self._client_pid = 0
+        self._sender: ThreadPoolExecutor | None = None
+        self._pid = 0
+
+    def _per_process(self) -> None:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._client = boto3.session.Session().client("s3", **self._client_args)
+                    self._sender = ThreadPoolExecutor(self._sender_threads, thread_name_prefix="s3-parts")
+                    self._pid = os.getpid()
 
     @property
     def client(self):
         """This process's boto3 S3 client (thread-safe once built)."""
-        if self._client is None or self._client_pid != os.getpid():
-            with self._lock:
-                if self._client is None or self._client_pid != os.getpid():
-                    self._client = boto3.session.Session().client("s3", **self._client_args)
-                    self._client_pid = os.getpid()
+        self._per_process()
         return self._client
+
+    @property
+    def sender(self) -> ThreadPoolExecutor:
+        """This process's threads that send multipart parts."""
+        self._per_process()
+        return self._sender
 
     def object_key(self, key: str) -> str:
         """The S3 object key of store key ``key`` (``prefix/key``). Raises ``ValueError`` for an
