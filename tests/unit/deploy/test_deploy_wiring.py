@@ -1,0 +1,205 @@
+"""deploy/k8s is wired to the code: engine command lines come from router/fleet/launch.py, KV
+events reach the router's bound socket, the router's scheduling config is the shipped one, KEDA
+watches the streams and subscriptions the processors read, and every BACKFILL_* variable is a
+setting some service reads (and validates)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import yaml
+
+from async_processor.messages import LANE_PRIORITIES, pubsub_request_topic, request_stream
+from async_processor.settings import ProcessorSettings
+from batch_gateway.settings import GatewaySettings
+from conftest import DEPLOY, OVERLAYS, REPO
+from router.fleet.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
+from router.settings import RouterSettings
+from workers.settings import WorkerSettings
+
+CPU_OFFLOAD_BYTES = 32 << 30  # deploy/vllm/engine-args.yaml: the 32 GiB CPU KV tier
+SETTINGS_BY_PREFIX = {"BACKFILL_PROCESSOR_": ProcessorSettings, "BACKFILL_ROUTER_": RouterSettings,
+                      "BACKFILL_WORKER_": WorkerSettings, "BACKFILL_GATEWAY_": GatewaySettings}
+SOURCE_DIRS = ("backfill", "batch_gateway", "workers", "async_processor", "router")
+
+
+def find(objects, kind: str, name: str) -> dict[str, Any]:
+    return next(o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+def container_of(objects, deployment: str) -> dict[str, Any]:
+    return find(objects, "Deployment", deployment)["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(objects, deployment: str) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: envFrom ConfigMaps/Secrets in order,
+    then env (literal values only)."""
+    container = container_of(objects, deployment)
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        ref = source.get("configMapRef") or source.get("secretRef")
+        kind = "ConfigMap" if "configMapRef" in source else "Secret"
+        match = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == ref["name"]]
+        if match:
+            env.update(match[0].get("data") or match[0].get("stringData") or {})
+    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    return env
+
+
+def router_kv_endpoint(objects) -> str:
+    """``tcp://<router service>:<kv port>`` as engines must reach it."""
+    service = find(objects, "Service", "backfill-router")
+    port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "kv-events")
+    return f"tcp://{service['metadata']['name']}:{port}"
+
+
+@pytest.mark.parametrize("overlay", ["production", "pubsub"])
+def test_vllm_command_is_the_launch_builders_output(rendered, overlay):
+    objects = rendered[overlay]
+    container = container_of(objects, "backfill-vllm")
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    expected = vllm_engine_argv("$(MODEL)", port, ["$(SERVED_MODEL_NAME)"], router_kv_endpoint(objects),
+                                host="$(POD_IP)", python="python3", cpu_offload_bytes=CPU_OFFLOAD_BYTES)
+    assert container["command"] + container["args"] == expected
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["PYTHONHASHSEED"]["value"] == vllm_engine_env(base={})["PYTHONHASHSEED"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_vllm_command_equals_engine_args_yaml_but_for_the_kv_endpoint(rendered):
+    """deploy/vllm/engine-args.yaml (engine binds tcp://*:5557) and the Deployment (engine connects
+    to the router) differ in that one JSON field only."""
+    spec = yaml.safe_load((DEPLOY / "vllm" / "engine-args.yaml").read_text())
+    container = container_of(rendered["production"], "backfill-vllm")
+    ours, theirs = container["command"] + container["args"], spec["command"] + spec["args"]
+    assert len(ours) == len(theirs)
+    differing = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
+    assert len(differing) == 1 and ours[differing[0] - 1] == "--kv-events-config"
+    a, b = json.loads(ours[differing[0]]), json.loads(theirs[differing[0]])
+    assert (a.pop("endpoint"), b.pop("endpoint")) == ("tcp://backfill-router:5557", "tcp://*:5557")
+    assert a == b
+
+
+def test_dev_engines_are_simulators_with_the_launch_builders_args(rendered):
+    objects = rendered["dev"]
+    container = container_of(objects, "backfill-vllm")
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    expected = sim_engine_argv(port, ["$(SERVED_MODEL_NAME)"], router_kv_endpoint(objects), host="$(POD_IP)")
+    assert container["command"] == ["backfill"] and container["args"] == expected[1:]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_binds_the_kv_port_engines_publish_to_and_discovers_them(rendered, overlay):
+    objects = rendered[overlay]
+    settings = RouterSettings(**{k.removeprefix("BACKFILL_ROUTER_").lower(): v
+                                 for k, v in env_of(objects, "backfill-router").items()
+                                 if k.startswith("BACKFILL_ROUTER_")})
+    router = container_of(objects, "backfill-router")
+    bind_port = int(settings.kv_events_bind.rsplit(":", 1)[1])
+    assert {"name": "kv-events", "containerPort": bind_port, "protocol": "TCP"} in router["ports"]
+    assert router_kv_endpoint(objects).endswith(f":{bind_port}")
+    assert settings.port in {p["containerPort"] for p in router["ports"]}
+    key, _, value = settings.engine_selector.partition("=")
+    engine = find(objects, "Deployment", "backfill-vllm")
+    assert engine["spec"]["template"]["metadata"]["labels"][key] == value
+    engine_ports = {p["containerPort"] for p in engine["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert settings.engine_port in engine_ports
+    # the scheduling config mounted where BACKFILL_ROUTER_CONFIG points is the shipped default
+    mount = next(m for m in router["volumeMounts"] if m["name"] == "scheduling")
+    assert str(settings.config.parent) == mount["mountPath"]
+    config_map = find(objects, "ConfigMap", "backfill-router-scheduling")
+    shipped = (REPO / "router" / "scheduling" / "default-config.yaml").read_text()
+    assert config_map["data"][settings.config.name] == shipped
+    # the processors send to the router's Service
+    url = env_of(objects, "backfill-processor")["BACKFILL_PROCESSOR_ROUTER_URL"]
+    assert url == f"http://backfill-router:{settings.port}"
+
+
+@pytest.mark.parametrize("overlay", ["production", "pubsub"])
+def test_keda_watches_the_streams_and_subscriptions_the_processors_read(rendered, overlay):
+    objects = rendered[overlay]
+    redis = ProcessorSettings(**{k.removeprefix("BACKFILL_PROCESSOR_").lower(): v
+                                 for k, v in env_of(objects, "backfill-processor").items()
+                                 if k.startswith("BACKFILL_PROCESSOR_")})
+    assert redis.backend == "redis"
+    triggers = find(objects, "ScaledObject", "backfill-processor")["spec"]["triggers"]
+    assert {t["metadata"]["stream"] for t in triggers} == {
+        request_stream(lane, redis.pool, redis.stream_prefix) for lane in redis.lanes}
+    assert {t["metadata"]["consumerGroup"] for t in triggers} == {redis.consumer_group}
+    secret_keys = {"REDIS_ADDRESS", "REDIS_PASSWORD"}
+    assert {t["metadata"]["addressFromEnv"] for t in triggers} | {t["metadata"]["passwordFromEnv"] for t in triggers} \
+        == secret_keys
+    assert secret_keys <= set(find(rendered["dev"], "Secret", "backfill-stores")["stringData"])
+    if overlay == "pubsub":
+        pubsub = ProcessorSettings(**{k.removeprefix("BACKFILL_PROCESSOR_").lower(): v
+                                      for k, v in env_of(objects, "backfill-processor-pubsub").items()
+                                      if k.startswith("BACKFILL_PROCESSOR_")})
+        assert pubsub.backend == "pubsub"
+        triggers = find(objects, "ScaledObject", "backfill-processor-pubsub")["spec"]["triggers"]
+        assert {t["metadata"]["subscriptionName"] for t in triggers} == {
+            pubsub_request_topic(lane, pubsub.pool, pubsub.pubsub_topic_prefix) + "-processor"
+            for lane in LANE_PRIORITIES}
+
+
+def _aliases() -> set[str]:
+    names = set()
+    for settings in SETTINGS_BY_PREFIX.values():
+        for field in settings.model_fields.values():
+            alias = field.validation_alias
+            choices = getattr(alias, "choices", None) or ([alias] if isinstance(alias, str) else [])
+            names |= {c for c in choices if isinstance(c, str)}
+    return names
+
+
+def _source_text() -> str:
+    return "\n".join(p.read_text() for d in SOURCE_DIRS for p in (REPO / d).rglob("*.py"))
+
+
+def test_every_backfill_variable_is_read_by_some_service(rendered):
+    """A BACKFILL_* name with a service prefix must be a field of that service's settings; any other
+    must be an alias of a settings field or appear in the source (read with os.environ)."""
+    aliases, source = _aliases(), _source_text()
+    names = set()
+    for overlay in OVERLAYS:
+        for obj in rendered[overlay]:
+            if obj["kind"] == "ConfigMap":
+                names |= {k for k in obj["data"] if k.startswith("BACKFILL_")}
+            if obj["kind"] == "Deployment":
+                for container in obj["spec"]["template"]["spec"]["containers"]:
+                    names |= {e["name"] for e in container.get("env", []) if e["name"].startswith("BACKFILL_")}
+    assert len(names) > 20
+    for name in sorted(names):
+        prefix = next((p for p in SETTINGS_BY_PREFIX if name.startswith(p)), None)
+        if prefix:
+            field = name.removeprefix(prefix).lower()
+            assert field in SETTINGS_BY_PREFIX[prefix].model_fields or name in aliases, name
+        else:
+            assert name in aliases or f'"{name}"' in source or f"'{name}'" in source, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_settings_validate_with_the_rendered_environment(rendered, overlay, monkeypatch):
+    """Each service's settings class accepts the environment its pods get (values parse)."""
+    objects = rendered[overlay]
+    fallback = {"DATABASE_URL": "postgresql://u:p@db/backfill", "REDIS_URL": "redis://redis:6379/0"}
+    for deployment, settings in [("backfill-gateway", GatewaySettings), ("backfill-worker", WorkerSettings),
+                                 ("backfill-beat", WorkerSettings), ("backfill-processor", ProcessorSettings),
+                                 ("backfill-router", RouterSettings)]:
+        with monkeypatch.context() as patch:
+            for key in list(os.environ):
+                if key.startswith("BACKFILL_") or key in {"DATABASE_URL", "REDIS_URL", "PUBSUB_EMULATOR_HOST"}:
+                    patch.delenv(key)
+            for key, value in {**fallback, **env_of(objects, deployment)}.items():
+                patch.setenv(key, value)
+            built = settings()
+            if settings is GatewaySettings:
+                assert built.file_store == "s3" and built.s3_bucket
+            if settings is ProcessorSettings:
+                assert built.saturation_gate is True
+            if settings is RouterSettings:
+                assert built.host == "0.0.0.0" and built.engine_priority is True
