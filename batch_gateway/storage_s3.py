@@ -66,9 +66,10 @@ def _os_error(exc: Exception, key: str) -> OSError:
 class _S3Upload:
     """One object being written (see :class:`~batch_gateway.storage.Upload`).
 
-    A full part is handed to the store's sender threads and ``write`` returns at once, so the
-    gateway's event loop is not held for a part's PUT; it waits only when the previous part of
-    this upload is still being sent (at most two parts in memory: one in flight, one filling).
+    A full part is handed to the store's sender threads (the first one also starts the multipart
+    upload) and ``write`` returns at once, so the gateway's event loop is not held for S3 calls; it
+    waits only when the previous part of this upload is still being sent (at most two parts in
+    memory: one in flight, one filling).
     A failed part is reported by the next ``write`` that fills a part, or by ``commit``.
     """
 
@@ -86,6 +87,9 @@ class _S3Upload:
             raise ValueError(f"upload of {self._key!r} is {self._state}")
 
     def _send_part(self, body: bytes, number: int) -> dict:
+        if self._upload_id is None:  # the first part starts the multipart upload
+            self._upload_id = self._store.client.create_multipart_upload(
+                Bucket=self._store.bucket, Key=self._key)["UploadId"]
         reply = self._store.client.upload_part(Bucket=self._store.bucket, Key=self._key,
                                                UploadId=self._upload_id, PartNumber=number, Body=body)
         return {"ETag": reply["ETag"], "PartNumber": number}
@@ -101,9 +105,6 @@ class _S3Upload:
         if len(self._parts) >= MAX_PARTS:
             raise OSError(errno.EFBIG, f"object exceeds {MAX_PARTS} parts of {self._store.part_bytes} bytes",
                           self._key)
-        if self._upload_id is None:
-            self._upload_id = self._store.client.create_multipart_upload(
-                Bucket=self._store.bucket, Key=self._key)["UploadId"]
         body, self._buffer = bytes(self._buffer), bytearray()
         return body
 
@@ -113,10 +114,10 @@ class _S3Upload:
 
     def _publish(self) -> None:
         client, bucket = self._store.client, self._store.bucket
+        self._wait_part()
         if self._upload_id is None:
             client.put_object(Bucket=bucket, Key=self._key, Body=bytes(self._buffer))
             return
-        self._wait_part()
         if self._buffer:
             self._parts.append(self._send_part(self._next_part(), len(self._parts) + 1))
         client.complete_multipart_upload(Bucket=bucket, Key=self._key, UploadId=self._upload_id,

@@ -291,8 +291,8 @@ def test_s3_large_object_streams_its_parts_while_writing(s3):
 
 
 def test_s3_failed_part_surfaces_at_a_later_write_and_aborts_without_the_caller(s3):
-    upload = write_all(s3.store, "files/mm/file-mm1", payload(PART + 10, "one part"))
-    assert len(s3.leftovers()) == 1
+    upload = write_all(s3.store, "files/mm/file-mm1", payload(2 * PART + 10, "two parts"))
+    assert len(s3.leftovers()) == 1  # the second part waited for the first, which began the upload
     s3.break_writes(upload)
     with pytest.raises(OSError) as failed:
         write_all_into(upload, payload(2 * PART, "refused"))  # the second boundary waits for a failed part
