@@ -1,0 +1,245 @@
+"""The dashboard's job list, job page and cancel against real Postgres: keyset pages that cover
+every batch once in (created_at, id) order, status and tenant filters, the job page's timeline,
+validation errors with line numbers and file links, a cancel through the API's own path
+(``cancelling`` then ``cancelled``), the tenants page's quota and in-flight counts, and the query
+plans with 10,000 batches (index scans, no sequential scan of ``batches``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+
+import orjson
+import pytest
+from sqlalchemy import event, insert, text
+
+from async_processor.messages import ErrorCode, error_result
+from batch_gateway import queries
+from batch_gateway.models import Batch, BatchRequest, File
+from tests.integration.test_lifecycle import StandInProcessor, _line, _submit
+from workers import lifecycle
+
+ADMIN_KEY = "admin-jobs-" + "x" * 24
+STATUSES = ("in_progress", "completed", "failed", "cancelled", "validating")
+BASE_TIME = 1_790_000_000
+
+
+@pytest.fixture
+def gateway_settings(gateway_settings):
+    return gateway_settings.model_copy(update={"admin_key": ADMIN_KEY})
+
+
+def _admin(gateway):
+    return gateway.http(tenant=None).__class__(base_url=gateway.base_url, timeout=30,
+                                               headers={"authorization": f"Bearer {ADMIN_KEY}"})
+
+
+def seed_batches(session, count: int, tenants=("acme", "globex", "initech"), with_requests: int = 0,
+                 statuses: tuple[str, ...] = STATUSES, ended_with_requests: int = 0) -> list[dict]:
+    """Insert ``count`` batches spread over ``tenants`` and ``statuses`` (in turn), three per
+    created_at second (ties broken by id); the first ``with_requests`` in-progress ones get 200
+    requests, a quarter of them queued, and the first ``ended_with_requests`` completed ones 200
+    succeeded requests. Returns the rows inserted."""
+    ids = {name: queries.ensure_tenant(session, name).id for name in tenants}
+    first = next(iter(ids.values()))
+    session.execute(insert(File).values(id="file-seed", tenant_id=first, bytes=1, filename="seed.jsonl",
+                                        purpose="batch", storage_key="seed"))
+    deadline = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    rows = []
+    for i in range(count):
+        tenant = tenants[i % len(tenants)]
+        rows.append({"id": f"batch_{(i * 7919) % count:06d}", "tenant_id": ids[tenant], "endpoint": "/v1/chat/completions",
+                     "input_file_id": "file-seed", "completion_window": "24h", "window_seconds": 86400,
+                     "status": statuses[i % len(statuses)], "created_at": BASE_TIME + i // 3,
+                     "in_progress_at": BASE_TIME + i // 3, "expires_at": BASE_TIME + 86400,
+                     "deadline": deadline, "model": "m", "request_total": 200,
+                     "request_completed": i % 200, "enqueued_tokens": 1000, "_tenant": tenant})
+    session.execute(insert(Batch), [{k: v for k, v in row.items() if k != "_tenant"} for row in rows])
+    running = [row for row in rows if row["status"] == "in_progress"][:with_requests]
+    ended = [row for row in rows if row["status"] == "completed"][:ended_with_requests]
+    requests = [{"batch_id": row["id"], "custom_id": f"r{j}", "line": j + 1, "byte_offset": j, "byte_length": 1,
+                 "prefix_key": b"", "est_tokens": 1,
+                 "state": "queued" if j % 4 == 0 and row["status"] == "in_progress" else "succeeded"}
+                for row in running + ended for j in range(200)]
+    if requests:
+        session.execute(insert(BatchRequest), requests)
+    session.commit()
+    return rows
+
+
+def _order(rows):
+    return [row["id"] for row in sorted(rows, key=lambda r: (r["created_at"], r["id"]), reverse=True)]
+
+
+def _walk(admin, **params) -> list[str]:
+    seen, after = [], None
+    while True:
+        page = admin.get("/admin/api/jobs", params={**params, **({"after": after} if after else {})}).json()
+        seen += [job["id"] for job in page["data"]]
+        if page["next"] is None:
+            return seen
+        assert len(page["data"]) == params["limit"]
+        after = page["next"]
+
+
+def test_keyset_pages_cover_every_batch_once_newest_first_with_filters(gateway):
+    with gateway.session() as session:
+        rows = seed_batches(session, 50)
+    admin = _admin(gateway)
+    assert _walk(admin, limit=7) == _order(rows)
+    assert _walk(admin, limit=7, status="failed") == _order([r for r in rows if r["status"] == "failed"])
+    assert _walk(admin, limit=4, tenant="globex") == _order([r for r in rows if r["_tenant"] == "globex"])
+    both = [r for r in rows if r["_tenant"] == "acme" and r["status"] == "in_progress"]
+    assert both and _walk(admin, limit=3, tenant="acme", status="in_progress") == _order(both)
+    assert admin.get("/admin/api/jobs", params={"tenant": "nobody"}).json() == {"data": [], "next": None}
+
+    job = admin.get("/admin/api/jobs", params={"limit": 1}).json()["data"][0]
+    source = next(r for r in rows if r["id"] == job["id"])
+    assert (job["tenant"], job["status"], job["completed"], job["total"]) == \
+        (source["_tenant"], source["status"], source["request_completed"], 200)
+    assert job["percent"] == 100 * source["request_completed"] // 200
+
+    page = admin.get("/admin", params={"status": "failed", "limit": 5})
+    assert page.status_code == 200
+    shown = re.findall(r'<tr data-batch="([^"]+)"', page.text)
+    assert shown == _order([r for r in rows if r["status"] == "failed"])[:5]
+    assert 'rel="next"' in page.text and "/admin/fragments/jobs?status=failed" in page.text
+    fragment = admin.get("/admin/fragments/jobs", params={"status": "failed", "limit": 5})
+    assert re.findall(r'<tr data-batch="([^"]+)"', fragment.text) == shown and "<html" not in fragment.text
+
+    bad = admin.get("/admin/api/jobs", params={"status": "bogus"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "status"
+    assert admin.get("/admin/api/jobs", params={"after": "not-a-cursor"}).status_code == 400
+    assert admin.get("/admin", params={"after": "x~"}).status_code == 400
+
+
+def test_job_page_shows_validation_errors_with_line_numbers_and_file_links(gateway):
+    client = gateway.client()
+    good = _line("ok")
+    lines = [good, b"{not json", good.replace(b'"ok"', b'"ok2"'), orjson.dumps({"custom_id": "u", "method": "POST",
+             "url": "/v1/other", "body": {"model": "m"}})]
+    uploaded = client.files.create(file=("bad.jsonl", b"\n".join(lines) + b"\n"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    failed = gateway.wait_status(batch.id, ("failed",))
+    expected_lines = sorted(e.line for e in failed.errors.data)
+    assert expected_lines  # the batch failed on numbered lines
+
+    admin = _admin(gateway)
+    page = admin.get(f"/admin/jobs/{batch.id}")
+    assert page.status_code == 200
+    table = page.text.split("<h2>Errors</h2>")[1].split("</table>")[0]
+    assert [int(n) for n in re.findall(r'<tr><td class="num">(\d+)</td>', table)] == \
+        [e.line for e in failed.errors.data]
+    assert "invalid_json_line" in table
+    assert "batch.created" in page.text and "batch.failed" in page.text  # the timeline
+    assert f'href="/admin/files/{uploaded.id}"' in page.text
+    download = admin.get(f"/admin/files/{uploaded.id}")
+    assert download.status_code == 200 and download.content == b"\n".join(lines) + b"\n"
+    assert "Cancel batch" not in page.text  # an ended batch offers no cancel
+    missing = admin.get("/admin/jobs/batch_nope")
+    assert missing.status_code == 400 and "No such Batch object" in missing.text
+
+
+def test_cancel_from_the_dashboard_goes_cancelling_then_cancelled(gateway):
+    ctx = gateway.celery.backfill
+    ctx.settings.feed_window = 2
+    client, batch = _submit(gateway, [_line(f"c{i}") for i in range(4)])
+    proc = StandInProcessor(ctx)
+    assert lifecycle.feed(ctx) == 2
+    held = proc.take()
+    proc.ok(held[0])
+    assert lifecycle.collect(ctx) == 1
+
+    browser = gateway.http(tenant=None)
+    login = browser.post("/admin/login", data={"key": ADMIN_KEY, "next": f"/admin/jobs/{batch.id}"})
+    assert login.status_code == 303
+    page = browser.get(login.headers["location"])
+    assert "Cancel batch" in page.text and "data-confirm" in page.text
+    assert re.search(r'aria-valuenow="25"', page.text)  # 1 of 4 done
+    csrf = re.search(r'name="csrf_token" value="([0-9a-f]+)"', page.text).group(1)
+    assert browser.post(f"/admin/jobs/{batch.id}/cancel").status_code == 403  # no CSRF token: refused
+    assert client.batches.retrieve(batch.id).status == "in_progress"
+
+    done = browser.post(f"/admin/jobs/{batch.id}/cancel", data={"csrf_token": csrf})
+    assert done.status_code == 303 and done.headers["location"].endswith("?notice=cancelling")
+    assert client.batches.retrieve(batch.id).status == "cancelling"  # the API sees the same batch
+    shown = browser.get(done.headers["location"]).text
+    assert 'id="job-status">cancelling<' in shown and "now <strong>cancelling</strong>" in shown
+    assert "Cancel batch" not in shown
+
+    proc.answer(held[1], error_result(held[1].id, ErrorCode.CANCELLED, "batch cancelled", held[1].metadata))
+    assert lifecycle.collect(ctx) == 1
+    assert lifecycle.finalize_due(ctx) == [batch.id]
+    fragment = browser.get(f"/admin/fragments/jobs/{batch.id}").text
+    assert 'id="job-status">cancelled<' in fragment
+    timeline = re.findall(r'<span class="event">([^<]+)</span>', fragment)
+    assert timeline.index("batch.cancelling") < timeline.index("batch.cancelled")
+    assert client.batches.retrieve(batch.id).status == "cancelled"
+    outcomes = browser.get(f"/admin/jobs/{batch.id}", params={"state": "cancelled"}).text
+    assert sorted(re.findall(r'<td class="mono">(c\d)</td>', outcomes)) == ["c1", "c2", "c3"]
+
+
+def test_tenants_page_shows_quota_use_and_in_flight_requests(gateway):
+    with gateway.session() as session:
+        rows = seed_batches(session, 30, with_requests=2)
+    admin = _admin(gateway)
+    page = admin.get("/admin/tenants").text
+    for name in ("acme", "globex", "initech"):
+        mine = [r for r in rows if r["_tenant"] == name]
+        active = [r for r in mine if r["status"] in ("in_progress", "validating")]
+        running = [r for r in rows if r["status"] == "in_progress"][:2]
+        queued = sum(50 for r in running if r["_tenant"] == name)
+        row = re.search(rf'<tr data-tenant="{name}">(.*?)</tr>', page, re.S).group(1)
+        assert f"{1000 * len(active):,} / " in row
+        assert re.search(r'<td class="num">(\d+)</td>', row).group(1) == str(len(active))
+        assert f'in-flight-queued">{queued}<' in row
+
+
+def _plans(session, call) -> list[str]:
+    """EXPLAIN of every SELECT that ``call(session)`` runs (the real statements, captured)."""
+    seen = []
+    connection = session.connection()
+
+    def capture(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("SELECT"):
+            seen.append((statement, parameters))
+
+    event.listen(connection, "before_cursor_execute", capture)
+    try:
+        call(session)
+    finally:
+        event.remove(connection, "before_cursor_execute", capture)
+    raw = connection.connection.driver_connection
+    plans = []
+    for statement, parameters in seen:
+        with raw.cursor() as cursor:
+            cursor.execute("EXPLAIN " + statement, parameters)
+            plans.append("\n".join(row[0] for row in cursor.fetchall()))
+    return plans
+
+
+def test_with_10000_batches_a_page_is_an_index_scan(gateway):
+    with gateway.session() as session:
+        # a realistic history: 1 batch in 100 still running, most ended, ended batches' requests kept
+        history = ("completed",) * 60 + ("failed",) * 20 + ("cancelled",) * 10 + ("expired",) * 9 + ("in_progress",)
+        rows = seed_batches(session, 10_000, with_requests=40, statuses=history, ended_with_requests=400)
+        session.execute(text("ANALYZE"))
+        session.commit()
+        acme = queries.tenant_by_name(session, "acme").id
+        middle = sorted(rows, key=lambda r: (r["created_at"], r["id"]))[5000]
+        keyset_indexes = ("ix_batches_created_at_id", "ix_batches_status_created_at_id",
+                          "ix_batches_tenant_id_created_at_id")
+        for filters in ({}, {"status": "failed"}, {"status": "in_progress"}, {"tenant_id": acme},
+                        {"status": "completed", "tenant_id": acme}):
+            for after in (None, (middle["created_at"], middle["id"])):
+                [plan] = _plans(session, lambda s: queries.admin_list_batches(s, limit=51, after=after, **filters))
+                # batches are reached through a keyset index (in order, stopping after the page, or
+                # for a rare status just its matching rows), never by reading the table
+                assert "Seq Scan on batches" not in plan, plan
+                used = re.findall(r"Index Scan(?: Backward)? using (\w+) on batches|Bitmap Index Scan on (\w+)", plan)
+                assert used and all(any(name in keyset_indexes for name in pair) for pair in used), plan
+        [plan] = _plans(session, lambda s: queries.in_flight_by_tenant(s, [acme]))
+        assert "Seq Scan on batch_requests" not in plan and "ix_batch_requests_batch_id_state" in plan, plan
+        assert "Seq Scan on batches" not in plan, plan
+    page = _admin(gateway).get("/admin", params={"limit": 50})
+    assert page.status_code == 200 and len(re.findall(r"<tr data-batch=", page.text)) == 50
