@@ -1,0 +1,176 @@
+"""The lanes and fleet pages against a fake router serving ``GET /admin/state`` and real Redis
+streams: queue depth, pending and dead letters per lane, dispatch rate and shed counts per objective,
+gate state from the pool saturation, engines with KV use and prefix-cache hit rate, charts over
+time; and a router that is down, failing or talking nonsense is reported on the page (never a 500)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+import pytest
+import redis
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.testclient import TestClient
+
+from async_processor.messages import dead_letter_stream, request_stream
+from backfill.up import free_port
+from batch_gateway.admin.charts import line_chart
+from batch_gateway.admin.router_state import RouterState, Sample, rates
+from batch_gateway.app import create_app
+from tests.conftest import serve
+
+ADMIN = {"authorization": "Bearer admin-lanes-key-0123456789"}
+DISPATCH_STEP = 30
+TIME_STEP = 2.0
+
+
+class FakeRouter:
+    """Answers the router's admin state; every read advances its clock by TIME_STEP seconds and the
+    batch band's dispatched counter by DISPATCH_STEP (15 requests/s, whatever the wall clock)."""
+
+    def __init__(self):
+        self.reads = 0
+        self.saturation = 1.3
+        self.mode = "ok"
+        self.app = FastAPI()
+        self.app.get("/admin/state")(self.state)
+
+    def state(self):
+        if self.mode == "error":
+            return PlainTextResponse("boom", status_code=500)
+        if self.mode == "garbage":
+            return JSONResponse({"pool_saturation": "high"})
+        self.reads += 1
+        engine = {"name": "engine-0", "healthy": True, "model": "sim-model", "num_requests_waiting": 3,
+                  "num_requests_running": 7, "kv_cache_usage_perc": 0.42, "in_flight_requests": 10,
+                  "in_flight_uncached_tokens": 5120, "saturation": 0.9, "metrics_age_s": 0.2,
+                  "cache_blocks": {"gpu": 812, "cpu": 96, "disk": 0}, "prefix_cache_hit_rate": 0.8}
+        sick = {**engine, "name": "engine-1", "healthy": False, "kv_cache_usage_perc": 0.95, "saturation": 1.7,
+                "prefix_cache_hit_rate": None}
+        return {"pool_saturation": self.saturation, "time": 1_800_000_000 + TIME_STEP * self.reads,
+                "decisions_per_s": 42.0, "endpoints": [engine, sick],
+                "bands": [{"objective": "interactive", "priority": 100, "queued_requests": 0, "queued_bytes": 0,
+                           "in_flight": 4, "dispatched_total": 500, "shed_total": {}},
+                          {"objective": "batch", "priority": -10, "queued_requests": 12, "queued_bytes": 9000,
+                           "in_flight": 6, "dispatched_total": DISPATCH_STEP * self.reads,
+                           "shed_total": {"saturated": 5, "ttl_expired": 2}}]}
+
+
+@pytest.fixture
+def fake_router():
+    router = FakeRouter()
+    port = free_port()
+    with serve(router.app, port):
+        router.url = f"http://127.0.0.1:{port}"
+        yield router
+
+
+def _client(gateway_settings, router_url: str | None):
+    settings = gateway_settings.model_copy(update={
+        "admin_key": ADMIN["authorization"].split()[1], "router_url": router_url, "router_poll_seconds": 0.05,
+        "queue_pool": f"test-{secrets.token_hex(4)}"})
+    client = TestClient(create_app(settings))
+    client.settings = settings
+    return client
+
+
+def _wait(client, condition, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = client.get("/admin/api/state", headers=ADMIN).json()
+        if condition(state):
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+
+
+def _row(html: str, attribute: str, name: str) -> list[str]:
+    row = re.search(rf'<tr {attribute}="{name}">(.*?)</tr>', html, re.S).group(1)
+    return [re.sub(r"<[^>]+>", " ", cell).split() for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+
+
+def test_lanes_page_shows_queues_rates_sheds_gate_and_saturation_over_time(gateway_settings, stores, fake_router):
+    with _client(gateway_settings, fake_router.url) as client:
+        pool = client.settings.queue_pool
+        r = redis.Redis.from_url(stores.redis_url)
+        batch_stream = request_stream("batch", pool)
+        for i in range(5):
+            r.xadd(batch_stream, {"message": b"{}"})
+        r.xgroup_create(batch_stream, "backfill-processors", id="0")
+        r.xreadgroup("backfill-processors", "p1", {batch_stream: ">"}, count=2)  # 2 delivered, unacked
+        r.xadd(dead_letter_stream(batch_stream), {"message": b"{}"})
+        r.xadd(request_stream("interactive", pool), {"message": b"{}"})
+        _wait(client, lambda s: fake_router.reads >= 3 and s["router"] is not None)
+
+        page = client.get("/admin/lanes", headers=ADMIN)
+        assert page.status_code == 200
+        batch = _row(page.text, "data-lane", "batch")
+        assert batch[0][:2] == ["batch", batch_stream]
+        assert [c[0] for c in batch[1:7]] == ["-10", "5", "2", "1", "12", "6"]
+        assert batch[7] == ["15.0/s"]  # 30 more dispatched every 2 s of router time
+        assert batch[9][0] == "7" and "saturated 5" in " ".join(batch[9]) and "ttl_expired 2" in " ".join(batch[9])
+        assert [c[0] for c in _row(page.text, "data-lane", "interactive")[1:5]] == ["100", "1", "0", "0"]
+        assert _row(page.text, "data-lane", "async")[2] == ["0"]
+        assert 'id="gate-state">' in page.text and "closed" in page.text.split('id="gate-state">')[1][:40]
+        assert 'id="pool-saturation">1.30<' in page.text
+        assert page.text.count("<svg class=\"chart\"") == 2 and "<polyline" in page.text
+        assert 'class="threshold"' in page.text  # the 1.0 line on the saturation chart
+
+        fake_router.saturation = 0.4
+        _wait(client, lambda s: s["router"]["pool_saturation"] == 0.4)
+        fragment = client.get("/admin/fragments/lanes", headers=ADMIN).text
+        assert "open" in fragment.split('id="gate-state">')[1][:40] and "<html" not in fragment
+
+        state = client.get("/admin/api/state", headers=ADMIN).json()
+        assert {q["lane"]: q["length"] for q in state["queues"]} == {"interactive": 1, "async": 0, "batch": 5}
+
+
+def test_fleet_page_shows_engines_load_kv_prefix_hits_and_health(gateway_settings, fake_router):
+    with _client(gateway_settings, fake_router.url) as client:
+        _wait(client, lambda s: s["router"] is not None)
+        page = client.get("/admin/fleet", headers=ADMIN)
+        assert page.status_code == 200
+        healthy = _row(page.text, "data-engine", "engine-0")
+        assert healthy[2] == ["healthy"] and healthy[3:5] == [["3"], ["7"]] and healthy[5] == ["42%"]
+        assert healthy[8] == ["0.90"] and healthy[9] == ["812", "/", "96", "/", "0"] and healthy[10] == ["80%"]
+        sick = _row(page.text, "data-engine", "engine-1")
+        assert sick[2] == ["unhealthy"] and sick[10] == ["—"]
+        assert 'class="num hot">1.70' in page.text  # over the saturation threshold
+        assert "Saturation per engine" in page.text and "KV-cache use per engine" in page.text
+
+
+@pytest.mark.parametrize("mode", ["down", "error", "garbage"])
+def test_a_router_that_is_down_or_wrong_is_reported_not_a_500(gateway_settings, fake_router, mode):
+    url = fake_router.url if mode != "down" else f"http://127.0.0.1:{free_port()}"
+    fake_router.mode = mode
+    with _client(gateway_settings, url) as client:
+        state = _wait(client, lambda s: s["router_error"] and "Waiting" not in s["router_error"])
+        expected = {"down": "unreachable", "error": "HTTP 500", "garbage": "malformed"}[mode]
+        assert expected in state["router_error"] and state["router"] is None
+        for path in ("/admin/lanes", "/admin/fleet", "/admin/fragments/lanes"):
+            page = client.get(path, headers=ADMIN)
+            assert page.status_code == 200 and expected in page.text, path
+        assert "No engines known" in client.get("/admin/fleet", headers=ADMIN).text
+        assert "no data yet" in client.get("/admin/lanes", headers=ADMIN).text
+
+
+def test_without_a_router_url_the_pages_say_how_to_set_one(gateway_settings):
+    with _client(gateway_settings, None) as client:
+        page = client.get("/admin/lanes", headers=ADMIN)
+        assert page.status_code == 200 and "BACKFILL_ROUTER_URL" in page.text
+
+
+def test_rates_skip_a_counter_reset_and_the_chart_scales_to_its_data():
+    def sample(t: float, dispatched: int) -> Sample:
+        return Sample(at=t, state=RouterState(pool_saturation=0.5, time=t, bands=[
+            {"objective": "batch", "dispatched_total": dispatched}]))
+
+    series = rates([sample(10, 0), sample(12, 20), sample(14, 5), sample(18, 25)])
+    assert series == {"batch": [(12, 10.0), (18, 5.0)]}  # 14: the router restarted (counter went down)
+    svg = str(line_chart(series, title="t", now=18))
+    xs_ys = [tuple(map(float, p.split(","))) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
+    assert xs_ys[0][1] < xs_ys[1][1] and xs_ys[0][0] < xs_ys[1][0]  # 10/s drawn above 5/s, earlier on the left
+    assert "no data yet" in str(line_chart({}, title="t", now=0))
