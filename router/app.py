@@ -61,9 +61,21 @@ class RouterRuntime:
         self.router: Router | None = None
 
     def saturation(self) -> float:
-        """Pool saturation now (credit for dispatches the last scrape cannot show yet)."""
+        """Pool saturation now, with credit for dispatches the last scrape cannot show yet.
+
+        Two kinds: requests forwarded since the scrape (the detector's ``in_flight_credit``) and
+        requests flow control has released whose handlers have not been scheduled yet (one
+        dispatch step may release several before any of them reaches an engine). The second are
+        spread evenly, as waiting requests, over the candidates.
+        """
         assert self.pool is not None
-        return pool_saturation(self.pool.candidates(), time.monotonic(), self.thresholds)
+        candidates = self.pool.candidates()
+        value = pool_saturation(candidates, time.monotonic(), self.thresholds)
+        if self.flow is not None and candidates:
+            pending = self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates)
+            if pending > 0:
+                value += pending / (len(candidates) * self.thresholds.queue_threshold)
+        return value
 
     def state(self) -> dict[str, Any]:
         """The admin JSON (see :func:`admin_state`)."""
@@ -260,5 +272,6 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
             await rt.flow.stop()
         if rt.subscriber is not None:
             await rt.subscriber.stop()
+        await tokenizer.aclose()
         await forward.close()
         await control.close()

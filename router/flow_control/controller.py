@@ -165,6 +165,11 @@ class FlowController:
         """Saturation may have changed (metrics scraped, a request ended): run a dispatch step soon."""
         self._wake.set()
 
+    @property
+    def in_flight_requests(self) -> int:
+        """Requests dispatched and not yet released (counts a running step's dispatches at once)."""
+        return self._core.in_flight_requests
+
     def stats(self) -> dict[str, Any]:
         """:meth:`FlowControlCore.stats` at the current time."""
         return self._core.stats(self._clock())

@@ -232,6 +232,12 @@ class FlowControlCore:
         """Items waiting, over all bands."""
         return sum(len(b.queued) for b in self._bands)
 
+    @property
+    def in_flight_requests(self) -> int:
+        """Items dispatched and not yet released, over all bands (up to date inside :meth:`step`,
+        so a saturation callable can count the dispatches of the step that is running)."""
+        return sum(len(b.in_flight) for b in self._bands)
+
     def queued_tickets(self) -> Iterator[Ticket]:
         """Every waiting ticket, band by band (highest first), oldest first within a band."""
         for band in self._bands:
