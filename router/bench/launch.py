@@ -55,9 +55,9 @@ class EngineOptions:
 
     engines: int = 4
     block_size: int = 16
-    num_gpu_blocks: int = 768
-    cpu_offload_blocks: int = 1536
-    max_model_len: int = 8192
+    num_gpu_blocks: int = 1536
+    cpu_offload_blocks: int = 3072
+    max_model_len: int = 16384
     max_num_seqs: int = 64
     time_scale: float = 1.0
     model: str = "sim-model"
@@ -104,7 +104,7 @@ class ProcessGroup:
         try:
             wait_ready(url, timeout=timeout, process=proc.popen, interval=0.1)
         except (RuntimeError, TimeoutError) as exc:
-            raise LaunchError(f"{proc.name}: {exc}\n{proc.tail()}") from exc
+            raise LaunchError(f"{proc.name} did not become ready ({exc})\n{proc.tail()}") from exc
 
     def stop_one(self, proc: Proc) -> None:
         """End one process (SIGTERM, SIGKILL after 5 s) and forget it."""

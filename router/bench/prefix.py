@@ -30,8 +30,9 @@ FIGURES = ("captured_reuse", "ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")
 
 
 def build_trace(seed: int = 0, quick: bool = False) -> list[TimedRequest]:
-    """The benchmark's trace: agentic sessions and shared-prefix groups, merged (full: 211 calls
-    over about 40 model seconds; quick: about 14 calls over a few model seconds)."""
+    """The benchmark's trace: agentic sessions and shared-prefix groups with their default
+    parameters, merged (full: about 260 calls, most sent in the first 10 model seconds; quick:
+    about 14 calls over a few model seconds)."""
     if quick:
         agentic = agentic_sessions(seed, sessions=3, system_tokens=300, task_tokens=(40, 80), call_tokens=(10, 20),
                                    result_tokens=(40, 80), turns=(2, 3), pause_s=0.5, one_off_share=0.1,
@@ -39,11 +40,11 @@ def build_trace(seed: int = 0, quick: bool = False) -> list[TimedRequest]:
         shared = shared_prefix_groups(seed, groups=2, users=2, questions_per_user=1, prefix_tokens=300,
                                       question_tokens=50, max_tokens=4, rate_per_s=4.0)
         return merge(agentic, shared)
-    return merge(agentic_sessions(seed), shared_prefix_groups(seed), offsets=(0.0, 8.0))
+    return merge(agentic_sessions(seed), shared_prefix_groups(seed))
 
 
 def engine_options(quick: bool, engines: int | None, time_scale: float | None) -> EngineOptions:
-    """Full: 4 engines × 768 GPU blocks (12,288 tokens) + 1,536 CPU blocks, time scale 1. Quick: 2
+    """Full: 4 engines × 1,536 GPU blocks (24,576 tokens) + 3,072 CPU blocks, time scale 1. Quick: 2
     engines × 160 GPU blocks + 160 CPU blocks, max_model_len 2,048, time scale 0.1."""
     base = (EngineOptions(engines=2, num_gpu_blocks=160, cpu_offload_blocks=160, max_model_len=2048, time_scale=0.1)
             if quick else EngineOptions())
@@ -159,7 +160,7 @@ def prefix_command(quick: bool, policies: tuple[str, ...], engines: int | None, 
             (log_dir / name).mkdir(exist_ok=True)
         results[name] = run_policy(name, trace, oracle.reusable_tokens, opts, log_dir / name if log_dir else None)
         r = results[name]
-        console.print(f"{name}: " + (f"missing ({r['missing']})" if "missing" in r else
+        console.print(f"{name}: " + (f"missing ({r['missing'].splitlines()[0]})" if "missing" in r else
                                      f"reuse {_fmt(r['captured_reuse'])}, TTFT p50 {_fmt(r['ttft_p50_s'])} s"))
     goals = evaluate(results)
 

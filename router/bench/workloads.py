@@ -12,7 +12,7 @@ is stored but the generator and its parameters). Two workloads, as shared/PERFOR
   PERFORMANCE.md quotes for published agentic traces.
 * :func:`shared_prefix_groups`: llm-d's shared-prefix profile (150 prefixes × 5 users, a
   6,000-token prefix + 1,200-token question → 1,000 tokens out) scaled down by default to 12
-  prefixes × 5 users, 1,500 + 300 tokens → 32 out, Poisson arrivals.
+  prefixes × 5 users, 3,000 + 600 tokens → 16 out, Poisson arrivals.
 
 Text is made of seeded random words, so distinct texts never share a 16-token block by accident.
 Token counts are for the simulator's built-in tokenizer (4 UTF-8 bytes per token over the ChatML
@@ -79,11 +79,11 @@ def _body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
 
 
-def agentic_sessions(seed: int = 0, sessions: int = 16, agents: int = 2, system_tokens: int = 2000,
-                     task_tokens: tuple[int, int] = (150, 400), call_tokens: tuple[int, int] = (30, 80),
-                     result_tokens: tuple[int, int] = (150, 600), turns: tuple[int, int] = (3, 8),
-                     pause_s: float = 2.0, one_off_share: float = 0.06, one_off_tokens: tuple[int, int] = (500, 2000),
-                     duration_s: float = 30.0, max_tokens: int = 32) -> list[TimedRequest]:
+def agentic_sessions(seed: int = 0, sessions: int = 24, agents: int = 2, system_tokens: int = 4000,
+                     task_tokens: tuple[int, int] = (200, 600), call_tokens: tuple[int, int] = (30, 80),
+                     result_tokens: tuple[int, int] = (300, 1000), turns: tuple[int, int] = (3, 8),
+                     pause_s: float = 1.0, one_off_share: float = 0.06, one_off_tokens: tuple[int, int] = (1000, 4000),
+                     duration_s: float = 9.0, max_tokens: int = 16) -> list[TimedRequest]:
     """Agent sessions (see the module docstring), in nominal arrival order.
 
     Args:
@@ -135,8 +135,8 @@ def agentic_sessions(seed: int = 0, sessions: int = 16, agents: int = 2, system_
 
 
 def shared_prefix_groups(seed: int = 0, groups: int = 12, users: int = 5, questions_per_user: int = 2,
-                         prefix_tokens: int = 1500, question_tokens: int = 300, max_tokens: int = 32,
-                         rate_per_s: float = 6.0) -> list[TimedRequest]:
+                         prefix_tokens: int = 3000, question_tokens: int = 600, max_tokens: int = 16,
+                         rate_per_s: float = 14.0) -> list[TimedRequest]:
     """llm-d's shared-prefix profile, scaled down: ``groups`` long prefixes (system messages), each
     used by ``users`` users asking ``questions_per_user`` distinct questions; every request is its
     own session (open loop), arriving as a Poisson process of ``rate_per_s`` requests per model
