@@ -33,6 +33,12 @@ DEFAULT_MAX_BLOCKS = 1 << 18
 #: given: 64-token keys over 16-token engine blocks (GPU vLLM's default block size) = 4.
 ENGINE_BLOCKS_PER_BLOCK = 4
 
+#: Engine blocks kept per endpoint after they left every tier, so that a ``BlockStored`` (CPU, no
+#: tokens) arriving after its GPU ``BlockRemoved`` — the simulator's order, and possible across
+#: vLLM's scheduler and offload-connector events — still finds the block, as does a child stored
+#: on it. 4096 = 8 engine steps of vLLM's default 8192 batched tokens in 16-token blocks.
+REMOVED_BLOCKS_KEPT = 4096
+
 #: Bytes per our-key entry and per engine block state, measured with tracemalloc by
 #: :func:`router.kv_index.bench.measure_bytes` (CPython 3.11, 16 endpoints, 64-token keys; engine
 #: blocks of 16 tokens, whose average includes the pending tokens of 3 in 4 blocks: 170-175 bytes
@@ -59,13 +65,14 @@ class _EngineBlock:
 
 
 class _Endpoint:
-    __slots__ = ("name", "slot", "bit", "blocks", "counts", "skip_groups")
+    __slots__ = ("name", "slot", "bit", "blocks", "removed", "counts", "skip_groups")
 
     def __init__(self, name: str, slot: int) -> None:
         self.name = name
         self.slot = slot
         self.bit = 1 << slot
         self.blocks: dict[int, _EngineBlock] = {}
+        self.removed: dict[int, _EngineBlock] = {}  # recently left every tier, oldest first
         self.counts = [0, 0, 0]  # our keys held per tier
         self.skip_groups: set[int] = set()
 
@@ -96,7 +103,9 @@ class KVBlockIndex:
       ``lora_name``, cannot be keyed like the router's prompts and are skipped (``skipped``).
     * A ``BlockStored`` for a known engine hash adds its medium's tier; without tokens for an
       unknown hash it is skipped; with tokens and an unknown parent it counts ``unknown_parents``
-      and indexes nothing for that block and the rest of the event.
+      and indexes nothing for that block and the rest of the event. "Known" includes the last
+      :data:`REMOVED_BLOCKS_KEPT` blocks of the endpoint that left every tier, so an offloaded
+      copy announced after the GPU removal (or a child stored on such a block) still resolves.
     * Mediums ``GPU``/``CPU``/``DISK`` (any case; None = GPU, as older vLLM had GPU only); others
       are skipped. Blocks of a KV cache group whose ``kv_cache_spec_kind`` is not
       ``full_attention`` (hybrid models' sliding-window groups) are skipped, and removals in those
@@ -340,7 +349,7 @@ class KVBlockIndex:
                 if salt is not False:
                     chain = self._seed(event.lora_name or model, salt)  # type: ignore[arg-type]
             else:
-                state = blocks.get(parent)
+                state = blocks.get(parent) or ep.removed.get(parent)
                 if state is None:
                     self.unknown_parents += 1
                 else:
@@ -348,9 +357,10 @@ class KVBlockIndex:
         step = size * 4
         extra = event.extra_keys
         for i, engine_hash in enumerate(hashes):
-            block = blocks.get(engine_hash)
+            block = blocks.pop(engine_hash, None)
+            if block is None and (block := ep.removed.pop(engine_hash, None)) is not None:
+                self._engine_blocks += 1
             if block is not None:  # known block: a copy in another tier, or stored again
-                del blocks[engine_hash]
                 blocks[engine_hash] = block  # most recently stored last
                 block.tiers |= tier_bit
                 self._set_bits(ep, block.keys, block.tiers, touch=True)
@@ -391,12 +401,17 @@ class KVBlockIndex:
             if not block.tiers:
                 del blocks[engine_hash]
                 self._engine_blocks -= 1
+                removed = ep.removed
+                removed[engine_hash] = block
+                if len(removed) > REMOVED_BLOCKS_KEPT:
+                    del removed[next(iter(removed))]
 
     def _clear(self, ep: _Endpoint) -> None:
         for block in ep.blocks.values():
             self._set_bits(ep, block.keys, 0)
         self._engine_blocks -= len(ep.blocks)
         ep.blocks.clear()
+        ep.removed.clear()
         ep.skip_groups.clear()
         for key in [k for k, slots in self._spec_expiry.items() if ep.slot in slots]:
             self._drop_spec(key, ep.slot)
@@ -458,18 +473,20 @@ class KVBlockIndex:
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Sizes and counters: ``blocks`` (our keys), ``engine_blocks`` (engine block states),
-        ``approx_bytes`` (from the measured per-entry costs), per endpoint the keys held per
+        """Sizes and counters: ``blocks`` (our keys), ``engine_blocks`` (engine block states held
+        in a tier), ``approx_bytes`` (from the measured per-entry costs, recently removed engine
+        blocks included), per endpoint the keys held per
         tier, ``decode_errors``, ``unknown_parents``, ``seq_gaps`` (missed batches), plus
         ``skipped`` (blocks not indexable), ``evicted`` (keys dropped by the cap) and
         ``speculative`` (live speculative (key, endpoint) pairs; expired ones are swept first)."""
         if self._spec_heap:
             self._sweep_spec(self._clock())
         blocks, engine = len(self._keys), self._engine_blocks
+        kept = sum(len(ep.removed) for ep in self._endpoints.values())
         return {
             "blocks": blocks,
             "engine_blocks": engine,
-            "approx_bytes": blocks * BYTES_PER_BLOCK + engine * BYTES_PER_ENGINE_BLOCK,
+            "approx_bytes": blocks * BYTES_PER_BLOCK + (engine + kept) * BYTES_PER_ENGINE_BLOCK,
             "endpoints": {name: dict(zip(TIERS, ep.counts)) for name, ep in self._endpoints.items()},
             "decode_errors": self.decode_errors,
             "unknown_parents": self.unknown_parents,

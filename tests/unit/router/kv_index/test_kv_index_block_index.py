@@ -91,6 +91,35 @@ def test_cpu_copy_without_tokens_then_gpu_removal_leaves_the_cpu_tier():
     assert index.stats()["blocks"] == 1
 
 
+def test_an_offload_announced_after_the_gpu_removal_still_finds_its_block():
+    tokens = prompt(1, 128)
+    index = KVBlockIndex()
+    index.apply(A, MODEL, [stored(tokens[:64], 16, 1)])
+    # the simulator's eviction order: GPU removal first, then the CPU copy (no tokens)
+    index.apply(A, MODEL, [BlockRemoved([4], "GPU")])
+    assert index.longest_prefix(MODEL, our_keys(tokens)) == {}
+    index.apply(A, MODEL, [BlockStored([4], None, [], 16, medium="CPU")])
+    assert index.longest_prefix(MODEL, our_keys(tokens)) == {A: (1, "cpu")}
+    index.apply(A, MODEL, [stored(tokens[64:], 16, 5, parent=4)])  # child of a CPU-only block
+    assert index.longest_prefix(MODEL, our_keys(tokens)) == {A: (2, "cpu")}
+    index.apply(A, MODEL, [BlockRemoved([3], "GPU")])  # a block that completes no key
+    other = tokens[:48] + prompt(7, 16)
+    index.apply(A, MODEL, [stored(other[48:], 16, 40, parent=3)])  # child of the removed block
+    assert index.longest_prefix(MODEL, our_keys(other)) == {A: (1, "gpu")}
+    assert index.stats()["unknown_parents"] == 0 and index.stats()["skipped"] == 0
+
+
+def test_removed_blocks_are_remembered_up_to_a_bound(monkeypatch):
+    monkeypatch.setattr("router.kv_index.index.REMOVED_BLOCKS_KEPT", 2)
+    tokens = prompt(1, 64)
+    index = KVBlockIndex()
+    index.apply(A, MODEL, [stored(tokens, 16, 1)])
+    index.apply(A, MODEL, [BlockRemoved([4, 3, 2], "GPU")])  # 4 is forgotten, 3 and 2 kept
+    index.apply(A, MODEL, [BlockStored([4, 3], None, [], 16, medium="CPU")])
+    assert index.stats()["skipped"] == 1 and index.stats()["engine_blocks"] == 2
+    assert index.longest_prefix(MODEL, our_keys(tokens)) == {}
+
+
 def test_removal_applies_to_its_medium_only():
     tokens = prompt(1, 64)
     index = KVBlockIndex()
