@@ -2,7 +2,7 @@
 prompt on the engine that ran it, a precise-prefix scheduler built from YAML picks that engine, and
 GPU evictions into the CPU tier (and the reload back) change the reported tier.
 
-Three engines (subprocesses of ``backfill engine-sim``) connect their PUB sockets to the one bound
+Three engines (subprocesses of ``backfill engine-sim``, logs in the test's tmp_path) connect their PUB sockets to the one bound
 SUB address: engine 0 has a tiny GPU tier (64 blocks of 16 tokens) and a CPU tier, engine 1 sends
 the older positional event layout, engine 2 uses the CPU build's 128-token blocks. Keys are computed
 with ``router.scheduling.hashing`` from the engines' own ``/tokenize`` token ids. Every wait is a
@@ -14,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import socket
-import subprocess
 import time
 from collections.abc import Callable
 
 import httpx
 import pytest
 
-from router.fleet.launch import sim_engine_argv, wait_ready
+from router.bench.launch import ProcessGroup
+from router.fleet.bench import free_port
+from router.fleet.launch import sim_engine_argv
 from router.kv_index.index import KVBlockIndex
 from router.kv_index.subscriber import KVEventSubscriber
 from router.scheduling.config import build_scheduler, parse_config
@@ -49,12 +49,6 @@ ENGINES = [  # (block size, extra sim_engine_argv options)
 _words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def text(seed: int, n_words: int) -> str:
     rng = random.Random(seed)
     return f"[{seed}] " + " ".join(rng.choice(_words) for _ in range(n_words))
@@ -78,29 +72,22 @@ async def wait_for(condition: Callable[[], object], what: str, timeout: float = 
 
 
 @pytest.fixture
-def engines():
+def engines(tmp_path):
     """Start the engines once the test gives the subscriber's address; stops them after."""
-    procs: list[subprocess.Popen] = []
+    group = ProcessGroup(tmp_path)
 
     def start(events_address: str) -> list[str]:
-        urls = []
-        for block_size, options in ENGINES:
+        started = []
+        for i, (block_size, options) in enumerate(ENGINES):
             port = free_port()
             argv = sim_engine_argv(port, [MODEL], events_address, block_size=block_size, time_scale=0.0, **options)
-            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, procs):
-            wait_ready(url, timeout=30, process=proc)
-        return urls
+            started.append((group.start(f"engine-{i}", argv), f"http://127.0.0.1:{port}"))
+        for proc, url in started:
+            group.wait_ready(proc, url, timeout=30)
+        return [url for _, url in started]
 
     yield start
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    group.stop()
 
 
 def test_the_index_follows_the_fleets_kv_events(engines):
