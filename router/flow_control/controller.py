@@ -140,14 +140,17 @@ class FlowController:
         self._admissions: dict[Ticket, Admission] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        """True between :meth:`start` and :meth:`stop`."""
+        return self._task is not None and not self._task.done() and not self._stopping
 
     async def start(self) -> None:
         """Start the background dispatch/TTL task. Idempotent."""
         if not self.running:
+            self._stopping = False
             self._task = asyncio.create_task(self._run(), name="flow-control-dispatch")
 
     async def stop(self) -> None:
@@ -155,9 +158,10 @@ class FlowController:
         In-flight admissions stay valid (their release is still accepted)."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            self._stopping = True
+            self._wake.set()
+            await task
+            self._stopping = False
         for ticket, drop in self._core.drain(DropReason.SATURATED, "the router is shutting down", status=503):
             self._fail(ticket, drop)
 
@@ -262,14 +266,19 @@ class FlowController:
 
     async def _run(self) -> None:
         poll = self.config.poll_interval_s
-        while True:
+        while not self._stopping:
             self._wake.clear()
-            self._pump()
-            if self._core.queued_requests:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), poll)
-            else:
-                await self._wake.wait()
+            try:
+                self._pump()
+            except Exception:  # keep dispatching: one bad step must not strand every waiter
+                log.exception("flow-control step failed", extra={"action": "flow_control.step_failed"})
+            if self._stopping:
+                break
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that lands
+            # as the event fires
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(poll if self._core.queued_requests else None):
+                    await self._wake.wait()
 
 
 __all__ = ["Admission", "FlowController", "TicketState"]

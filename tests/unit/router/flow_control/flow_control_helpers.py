@@ -57,3 +57,29 @@ class Slots:
 def band_stats(core_or_stats: Any, objective: str, now: float = 0.0) -> dict[str, Any]:
     stats = core_or_stats if isinstance(core_or_stats, dict) else core_or_stats.stats(now)
     return next(b for b in stats["bands"] if b["objective"] == objective)
+
+
+class Clock:
+    """A fake monotonic clock, seconds."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Level:
+    """A saturation signal the test sets by hand (``value``); raises if ``error`` is set."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.error: Exception | None = None
+
+    def __call__(self) -> float:
+        if self.error is not None:
+            raise self.error
+        return self.value
