@@ -20,3 +20,9 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
     out = {name: render(DEPLOY / "k8s" / "overlays" / name) for name in OVERLAYS}
     out["base"] = render(DEPLOY / "k8s" / "base")
     return out
+
+
+def settings_from(settings_class, prefix: str, env: dict[str, str]):
+    """``settings_class`` built from the ``prefix``-ed variables of ``env`` passed as field values
+    (only those: the test process' own environment stays out)."""
+    return settings_class(**{k.removeprefix(prefix).lower(): v for k, v in env.items() if k.startswith(prefix)})

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from async_processor.settings import ProcessorSettings
-from conftest import DEPLOY, REPO
+from conftest import DEPLOY, REPO, settings_from
 from router.fleet.launch import sim_engine_argv
 from router.settings import RouterSettings
 
@@ -91,18 +91,16 @@ def test_engines_run_the_launch_builders_command(index):
     assert _health_port(service) == 8000
 
 
-def test_router_and_processor_settings_from_compose(monkeypatch):
+def test_router_and_processor_settings_from_compose():
     router_env = SERVICES["router"]["environment"]
-    router = RouterSettings(**{k.removeprefix("BACKFILL_ROUTER_").lower(): v for k, v in router_env.items()
-                               if k.startswith("BACKFILL_ROUTER_")})
+    router = settings_from(RouterSettings, "BACKFILL_ROUTER_", router_env)
     assert router.engines == [f"http://engine-{i}:8000" for i in range(2)]
     assert router.kv_events_bind.endswith(":5557") and _health_port(SERVICES["router"]) == router.port
     mount = SERVICES["router"]["volumes"][0].split(":")
     assert (DEPLOY / mount[0]).resolve() == REPO / "router" / "scheduling" / "default-config.yaml"
     assert mount[1] == str(router.config)
     processor_env = SERVICES["processor"]["environment"]
-    processor = ProcessorSettings(**{k.removeprefix("BACKFILL_PROCESSOR_").lower(): v for k, v in processor_env.items()
-                                     if k.startswith("BACKFILL_PROCESSOR_")})
+    processor = settings_from(ProcessorSettings, "BACKFILL_PROCESSOR_", processor_env)
     assert processor.router_url == f"http://router:{router.port}" and processor.saturation_gate
     assert _health_port(SERVICES["processor"]) == int(processor_env["BACKFILL_METRICS_PORT"])
     assert _health_port(SERVICES["worker"]) == int(SERVICES["worker"]["environment"]["BACKFILL_METRICS_PORT"])

@@ -130,7 +130,6 @@ def test_contract_names_are_registered_in_the_code():
     """Router and engine series of the contract exist in router/ (the simulator reproduces vLLM's
     names); counters are registered without their _total suffix."""
     source = "\n".join(p.read_text() for p in (REPO / "router").rglob("*.py"))
-    readme = (DEPLOY / "README.md").read_text()
     names = documented_series() - set(NAME.findall((REPO / "docs" / "observability.md").read_text()))
     assert names  # the router's and the engines' series
     for name in sorted(names - {"up"}):

@@ -15,7 +15,7 @@ import yaml
 from async_processor.messages import LANE_PRIORITIES, pubsub_request_topic, request_stream
 from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
-from conftest import DEPLOY, OVERLAYS, REPO
+from conftest import DEPLOY, OVERLAYS, REPO, settings_from
 from router.fleet.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
 from router.settings import RouterSettings
 from workers.settings import WorkerSettings
@@ -96,9 +96,7 @@ def test_dev_engines_are_simulators_with_the_launch_builders_args(rendered):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_router_binds_the_kv_port_engines_publish_to_and_discovers_them(rendered, overlay):
     objects = rendered[overlay]
-    settings = RouterSettings(**{k.removeprefix("BACKFILL_ROUTER_").lower(): v
-                                 for k, v in env_of(objects, "backfill-router").items()
-                                 if k.startswith("BACKFILL_ROUTER_")})
+    settings = settings_from(RouterSettings, "BACKFILL_ROUTER_", env_of(objects, "backfill-router"))
     router = container_of(objects, "backfill-router")
     bind_port = int(settings.kv_events_bind.rsplit(":", 1)[1])
     assert {"name": "kv-events", "containerPort": bind_port, "protocol": "TCP"} in router["ports"]
@@ -123,9 +121,7 @@ def test_router_binds_the_kv_port_engines_publish_to_and_discovers_them(rendered
 @pytest.mark.parametrize("overlay", ["production", "pubsub"])
 def test_keda_watches_the_streams_and_subscriptions_the_processors_read(rendered, overlay):
     objects = rendered[overlay]
-    redis = ProcessorSettings(**{k.removeprefix("BACKFILL_PROCESSOR_").lower(): v
-                                 for k, v in env_of(objects, "backfill-processor").items()
-                                 if k.startswith("BACKFILL_PROCESSOR_")})
+    redis = settings_from(ProcessorSettings, "BACKFILL_PROCESSOR_", env_of(objects, "backfill-processor"))
     assert redis.backend == "redis"
     triggers = find(objects, "ScaledObject", "backfill-processor")["spec"]["triggers"]
     assert {t["metadata"]["stream"] for t in triggers} == {
@@ -136,9 +132,7 @@ def test_keda_watches_the_streams_and_subscriptions_the_processors_read(rendered
         == secret_keys
     assert secret_keys <= set(find(rendered["dev"], "Secret", "backfill-stores")["stringData"])
     if overlay == "pubsub":
-        pubsub = ProcessorSettings(**{k.removeprefix("BACKFILL_PROCESSOR_").lower(): v
-                                      for k, v in env_of(objects, "backfill-processor-pubsub").items()
-                                      if k.startswith("BACKFILL_PROCESSOR_")})
+        pubsub = settings_from(ProcessorSettings, "BACKFILL_PROCESSOR_", env_of(objects, "backfill-processor-pubsub"))
         assert pubsub.backend == "pubsub"
         triggers = find(objects, "ScaledObject", "backfill-processor-pubsub")["spec"]["triggers"]
         assert {t["metadata"]["subscriptionName"] for t in triggers} == {
