@@ -150,19 +150,17 @@ def test_ttl_expiry_raises_with_reason_and_503_when_no_engine_exists():
 
 def test_immediate_rejects_are_raised_by_admit():
     async def scenario():
-        controller = await started(config(batch={"max_queued_bytes": 100}), saturation=lambda: 1.0)
+        clock = Clock()
+        controller = await started(config(batch={"max_queued_bytes": 100}), saturation=lambda: 1.0, clock=clock)
         with pytest.raises(RequestDropped) as exc:
             await controller.admit(item("huge", size=101))
         assert exc.value.reason is DropReason.CAPACITY and exc.value.status == 429
         with pytest.raises(RequestDropped) as exc:
-            await controller.admit(FlowItem_past_deadline(controller))
+            await controller.admit(item("late", deadline=clock.now - 1.0))
         assert exc.value.reason is DropReason.TTL_EXPIRED
+        assert band_stats(controller.stats(), "batch")["queued_requests"] == 0
         await controller.stop()
     run(scenario)
-
-
-def FlowItem_past_deadline(controller: FlowController):  # noqa: N802 - reads as a constructor
-    return item("late", deadline=controller._clock() - 1.0)
 
 
 def test_eviction_calls_the_victims_callback_once():
