@@ -214,48 +214,52 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
     control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     forward = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                                     auto_decompress=False)
-    kick = lambda: rt.flow.kick() if rt.flow is not None else None  # noqa: E731
-    rt.pool = EndpointPool(control, scrape_interval_s=settings.scrape_interval_s,
-                           health_interval_s=settings.health_interval_s,
-                           unhealthy_after=settings.unhealthy_after, on_change=kick)
-    handle = PluginHandle()
-    if settings.kv_events_bind:
-        from router.kv_index import KVBlockIndex, KVEventSubscriber
-
-        rt.index = KVBlockIndex(block_size_tokens=64, max_blocks=settings.index_max_blocks)
-        rt.subscriber = KVEventSubscriber(rt.index, bind=settings.kv_events_bind)
-        handle.prefix_index = rt.index
-    rt.scheduler = build_scheduler(load_config(settings.scheduling_config), handle)
-    if settings.profile is not None and settings.profile not in rt.scheduler.profiles:
-        raise ValueError(f"profile {settings.profile!r} is not in {settings.scheduling_config} "
-                         f"(profiles: {', '.join(rt.scheduler.profiles)})")
-    for plugin in _plugins(rt.scheduler):
-        forget = getattr(plugin, "forget_endpoint", None)
-        if forget is not None:
-            rt.pool.add_on_down(forget)
-    if rt.index is not None:
-        rt.pool.add_on_down(rt.index.remove_endpoint)
-
-    from router.flow_control import FlowControlConfig, FlowController
-
-    flow_config = FlowControlConfig.from_file(settings.flow_control) if settings.flow_control else FlowControlConfig()
-    if settings.flow_control_enabled:
-        rt.flow = FlowController(flow_config, saturation=rt.saturation,
-                                 has_endpoints=lambda: bool(rt.pool.candidates()))
-    objective_priority = {band.objective: band.priority for band in flow_config.bands}
-    tokenizer = build_tokenizer(settings.tokenizer, tokenizer_path=str(settings.tokenizer_path) if settings.tokenizer_path else None,
-                                engine_url=settings.engines[0] if settings.engines else None, client=None)
-    router = Router(pool=rt.pool, scheduler=rt.scheduler, profile=settings.profile, tokenizer=tokenizer,
-                    flow=rt.flow, session=forward, metrics=RouterMetrics(rt.state),
-                    objective_priority=objective_priority, default_objective=flow_config.default_objective,
-                    engine_priority=settings.engine_priority, max_body_bytes=settings.max_body_bytes,
-                    request_timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
-    rt.router = router
-    app[ROUTER_KEY] = router
     discovery = None
+    tokenizer = None
     try:
+        kick = lambda: rt.flow.kick() if rt.flow is not None else None  # noqa: E731
+        rt.pool = EndpointPool(control, scrape_interval_s=settings.scrape_interval_s,
+                               health_interval_s=settings.health_interval_s,
+                               unhealthy_after=settings.unhealthy_after, on_change=kick)
+        handle = PluginHandle()
+        if settings.kv_events_bind:
+            from router.kv_index.index import KVBlockIndex
+            from router.kv_index.subscriber import KVEventSubscriber
+
+            rt.index = KVBlockIndex(block_size_tokens=64, max_blocks=settings.index_max_blocks)
+            rt.subscriber = KVEventSubscriber(rt.index, bind=settings.kv_events_bind)
+            handle.prefix_index = rt.index
+        rt.scheduler = build_scheduler(load_config(settings.scheduling_config), handle)
+        if settings.profile is not None and settings.profile not in rt.scheduler.profiles:
+            raise ValueError(f"profile {settings.profile!r} is not in {settings.scheduling_config} "
+                             f"(profiles: {', '.join(rt.scheduler.profiles)})")
+        for plugin in _plugins(rt.scheduler):
+            forget = getattr(plugin, "forget_endpoint", None)
+            if forget is not None:
+                rt.pool.add_on_down(forget)
+        if rt.index is not None:
+            rt.pool.add_on_down(rt.index.remove_endpoint)
+
+        from router.flow_control import FlowControlConfig, FlowController
+
+        flow_config = FlowControlConfig.from_file(settings.flow_control) if settings.flow_control \
+            else FlowControlConfig()
+        if settings.flow_control_enabled:
+            rt.flow = FlowController(flow_config, saturation=rt.saturation,
+                                     has_endpoints=lambda: bool(rt.pool.candidates()))
+        objective_priority = {band.objective: band.priority for band in flow_config.bands}
+        tokenizer_path = str(settings.tokenizer_path) if settings.tokenizer_path else None
+        tokenizer = build_tokenizer(settings.tokenizer, tokenizer_path=tokenizer_path,
+                                    engine_url=settings.engines[0] if settings.engines else None)
+        router = Router(pool=rt.pool, scheduler=rt.scheduler, profile=settings.profile, tokenizer=tokenizer,
+                        flow=rt.flow, session=forward, metrics=RouterMetrics(rt.state),
+                        objective_priority=objective_priority, default_objective=flow_config.default_objective,
+                        engine_priority=settings.engine_priority, max_body_bytes=settings.max_body_bytes,
+                        request_timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
+        rt.router = router
+        app[ROUTER_KEY] = router
         if rt.subscriber is not None:
-            await rt.subscriber.start()
+            rt.subscriber.start()
         if rt.flow is not None:
             await rt.flow.start()
         rt.pool.set_endpoints(settings.engines)
@@ -267,11 +271,13 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
     finally:
         if discovery is not None:
             await discovery.stop()
-        await rt.pool.close()
+        if rt.pool is not None:
+            await rt.pool.close()
         if rt.flow is not None:
             await rt.flow.stop()
         if rt.subscriber is not None:
             await rt.subscriber.stop()
-        await tokenizer.aclose()
+        if tokenizer is not None:
+            await tokenizer.aclose()
         await forward.close()
         await control.close()

@@ -161,3 +161,73 @@ def test_admin_state_and_metrics(stack: RouterStack, client: openai.OpenAI) -> N
                    "backfill_router_dispatched_total", "backfill_router_prefix_lookups_total"):
         assert series in text, series
     assert 'backfill_router_requests_total{code="200",objective="interactive"}' in text
+
+
+PRECISE = str(Path(__file__).parents[2] / "router" / "scheduling" / "precise-config.yaml")
+#: Small GPU tier (64 blocks × 16 tokens) so a few long prompts evict a prefix; a CPU tier when asked.
+SMALL_GPU = {"num_gpu_blocks": 64, "max_model_len": 1024}
+
+
+def _flood(engine_url: str, n: int = 40) -> None:
+    """Short unrelated prompts sent straight to one engine (not through the router): 40 × 3 engine
+    blocks push every older block out of its 64-block GPU tier, and being shorter than one
+    64-token router block, they add nothing to the router's index."""
+    for i in range(n):
+        r = httpx.post(f"{engine_url}/v1/completions", timeout=30,
+                       json={"model": "sim-model", "prompt": f"filler {i:03d} " + "lorem ipsum " * 15,
+                             "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
+def _wait_index(stack: RouterStack, predicate, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = stack.state()
+        if predicate({e["name"]: e["cache_blocks"] for e in state["endpoints"]}):
+            return state
+        assert time.monotonic() < deadline, [(e["name"], e["cache_blocks"]) for e in state["endpoints"]]
+        time.sleep(0.05)
+
+
+def test_precise_routing_follows_kv_events_removals_and_cpu_tier(tmp_path: Path) -> None:
+    engine = {**SMALL_GPU, "cpu_offload_blocks": 0}
+    with RouterStack(tmp_path, engines=2, engine_options=[engine, engine], kv_events=True,
+                     router_options={"config": PRECISE}) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        chat(client, PREFIX, "first")
+        state = _wait_index(s, lambda blocks: any(b["gpu"] >= 7 for b in blocks.values()))
+        assert state["index"]["kind"] == "kv-events"
+        holder = next(e["name"] for e in state["endpoints"] if e["cache_blocks"]["gpu"] >= 7)
+        other = next(u for u in s.engine_urls if u != holder)
+        assert all(chat(client, PREFIX, f"again {i}").usage.prompt_tokens_details.cached_tokens >= 480
+                   for i in range(3))
+
+        # the holder evicts the prefix (BlockRemoved), the other engine computes it (BlockStored):
+        # the router follows the events, not its own routing history
+        _flood(holder)
+        httpx.post(f"{other}/v1/chat/completions", timeout=30, json={
+            "model": "sim-model", "max_tokens": 1,
+            "messages": [{"role": "system", "content": PREFIX}, {"role": "user", "content": "direct"}]})
+        _wait_index(s, lambda blocks: blocks[holder]["gpu"] < 7 and blocks[other]["gpu"] >= 7)
+        before = s.served_counts()
+        answer = chat(client, PREFIX, "after the move")
+        after = s.served_counts()
+        assert after[s.engine_urls.index(other)] - before[s.engine_urls.index(other)] == 1
+        assert answer.usage.prompt_tokens_details.cached_tokens >= 480
+
+
+def test_precise_routing_counts_the_cpu_tier(tmp_path: Path) -> None:
+    engine = {**SMALL_GPU, "cpu_offload_blocks": 512}
+    with RouterStack(tmp_path, engines=2, engine_options=[engine, engine], kv_events=True,
+                     router_options={"config": PRECISE}) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        chat(client, PREFIX, "first")
+        state = _wait_index(s, lambda blocks: any(b["gpu"] >= 7 for b in blocks.values()))
+        holder = next(e["name"] for e in state["endpoints"] if e["cache_blocks"]["gpu"] >= 7)
+        _flood(holder)  # the prefix leaves the GPU tier but stays in the CPU tier
+        _wait_index(s, lambda blocks: blocks[holder]["gpu"] < 7 and blocks[holder]["cpu"] >= 7)
+        before = s.served_counts()
+        answer = chat(client, PREFIX, "from the cpu tier")
+        after = s.served_counts()
+        assert after[s.engine_urls.index(holder)] - before[s.engine_urls.index(holder)] == 1
+        assert answer.usage.prompt_tokens_details.cached_tokens >= 480  # loaded back from CPU, not recomputed
