@@ -8,7 +8,7 @@
         admission = await controller.admit(FlowItem(request_id, fairness_id, objective, byte_size, deadline))
     except RequestDropped as drop:          # 429/503 + Retry-After + x-llm-d-request-dropped-reason
         return error_response(drop.status, drop.body(), drop.headers())
-    admission.on_evict(lambda drop: upstream_task.cancel())
+    admission.on_evict(upstream_task.cancel)     # admission.evicted then holds the drop to answer with
     try:
         ...forward to the engine...
     finally:
@@ -44,7 +44,7 @@ from router.flow_control.errors import DropReason, RequestDropped
 
 log = logging.getLogger(__name__)
 
-EvictCallback = Callable[[RequestDropped], object]
+EvictCallback = Callable[[], object]
 
 
 class Admission:
@@ -83,12 +83,12 @@ class Admission:
         return self._ticket.band.priority
 
     def on_evict(self, callback: EvictCallback) -> None:
-        """Call ``callback(drop)`` once if the controller evicts this request (at once if it already
-        has). ``drop`` is a :class:`RequestDropped` with reason ``evicted`` to answer the client with.
-        The callback runs inside the controller's dispatch step: it must not block (cancel the
-        upstream task, don't await it). Its exceptions are logged, not raised."""
+        """Call ``callback()`` once if the controller evicts this request (at once if it already
+        has); :attr:`evicted` then holds the :class:`RequestDropped` (reason ``evicted``) to answer
+        the client with. The callback runs inside the controller's dispatch step: it must not block
+        (cancel the upstream task, don't await it). Its exceptions are logged, not raised."""
         if self.evicted is not None:
-            self._call(callback, self.evicted)
+            self._call(callback)
         else:
             self._callbacks.append(callback)
 
@@ -107,11 +107,11 @@ class Admission:
         self.evicted = drop
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            self._call(callback, drop)
+            self._call(callback)
 
-    def _call(self, callback: EvictCallback, drop: RequestDropped) -> None:
+    def _call(self, callback: EvictCallback) -> None:
         try:
-            callback(drop)
+            callback()
         except Exception:
             log.exception("eviction callback failed", extra={"action": "flow_control.evict_callback_failed",
                                                              "request_id": self.request_id})
@@ -146,6 +146,11 @@ class FlowController:
     def running(self) -> bool:
         """True between :meth:`start` and :meth:`stop`."""
         return self._task is not None and not self._task.done() and not self._stopping
+
+    @property
+    def in_flight_requests(self) -> int:
+        """Requests dispatched and not yet released or evicted, over all bands."""
+        return self._core.in_flight_requests
 
     async def start(self) -> None:
         """Start the background dispatch/TTL task. Idempotent."""

@@ -238,6 +238,11 @@ class FlowControlCore:
         so a saturation callable can count the dispatches of the step that is running)."""
         return sum(len(b.in_flight) for b in self._bands)
 
+    @property
+    def in_flight_requests(self) -> int:
+        """Items dispatched and not yet released or evicted, over all bands."""
+        return sum(len(b.in_flight) for b in self._bands)
+
     def queued_tickets(self) -> Iterator[Ticket]:
         """Every waiting ticket, band by band (highest first), oldest first within a band."""
         for band in self._bands:

@@ -168,20 +168,22 @@ def test_eviction_calls_the_victims_callback_once():
         level = Level(0.0)
         controller = await started(config(eviction=True), saturation=level)
         victim = await controller.admit(item("batch-job", objective="batch"))
-        calls: list[RequestDropped] = []
-        victim.on_evict(calls.append)
+        calls: list[str] = []
+        victim.on_evict(lambda: calls.append("evicted"))
+        assert controller.in_flight_requests == 1
         level.value = 1.0
         blocked = asyncio.create_task(controller.admit(item("async-job", objective="async")))
         await settle()
-        assert len(calls) == 1 and calls[0].reason is DropReason.EVICTED and victim.evicted is calls[0]
-        assert calls[0].headers()["x-llm-d-request-dropped-reason"] == "evicted"
-        late: list[RequestDropped] = []
-        victim.on_evict(late.append)  # registered after the fact: called at once
-        assert late == calls
+        assert calls == ["evicted"] and controller.in_flight_requests == 0
+        drop = victim.evicted
+        assert drop is not None and drop.reason is DropReason.EVICTED
+        assert drop.headers()["x-llm-d-request-dropped-reason"] == "evicted"
+        victim.on_evict(lambda: calls.append("late"))  # registered after the fact: called at once
+        assert calls == ["evicted", "late"]
         victim.release()  # no-op
         controller.kick()
         await settle()
-        assert len(calls) == 1
+        assert calls == ["evicted", "late"]
         assert band_stats(controller.stats(), "batch")["in_flight"] == 0
         blocked.cancel()
         with pytest.raises(asyncio.CancelledError):
