@@ -231,3 +231,26 @@ def test_precise_routing_counts_the_cpu_tier(tmp_path: Path) -> None:
         after = s.served_counts()
         assert after[s.engine_urls.index(holder)] - before[s.engine_urls.index(holder)] == 1
         assert answer.usage.prompt_tokens_details.cached_tokens >= 480  # loaded back from CPU, not recomputed
+
+
+def _aborted(engine_url: str) -> float:
+    text = httpx.get(f"{engine_url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line)
+
+
+def test_client_disconnect_cancels_the_upstream_request(tmp_path: Path) -> None:
+    with RouterStack(tmp_path, engines=1, engine_options=[{"time_scale": 1.0}]) as s:
+        before = _aborted(s.engine_urls[0])
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", f"{s.url}/v1/chat/completions",
+                json={"model": "sim-model", "max_tokens": 500, "stream": True,
+                      "messages": [{"role": "user", "content": "a long story"}]}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+        # the client closed mid-stream; the router closes its upstream connection; the engine aborts
+        deadline = time.monotonic() + 10
+        while _aborted(s.engine_urls[0]) == before:
+            assert time.monotonic() < deadline, "the engine never saw the abort"
+            time.sleep(0.05)
+        assert s.wait_candidates(1)["endpoints"][0]["in_flight_requests"] == 0
