@@ -50,9 +50,9 @@ class _LiveCollector(Collector):
         s, sched = self.settings, self.scheduler
         stats = sched.cache.stats
         yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                          sched.running_seqs)
+                          sched.num_requests_running)
         yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                          sched.waiting)
+                          sched.num_requests_waiting)
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                           sched.cache.usage)
         # vLLM labels this one with ``engine`` and CacheConfig fields only (no model_name)

@@ -6,11 +6,20 @@ vLLM). A waiting request is admitted when a sequence slot is free and the prefix
 its blocks (prompt + ``max_tokens`` for each of its ``n`` sequences); the head of the queue blocks
 the ones behind it, as in vLLM (no preemption is simulated).
 
+What the engine reports (:attr:`EngineScheduler.num_requests_waiting` and ``…_running``, the
+``vllm:`` gauges) follows vLLM's meaning: a request is *running* once its prefill has started
+(vLLM moves a request from ``waiting`` to ``running`` in the step that schedules its first
+tokens); one holding a slot but still queued for the prefill counts as *waiting*.
+
 Latency model (model seconds; wall-clock = model × ``time_scale``; 0 never sleeps):
 
 * time to first token = queue wait + prefill overhead + uncached prompt tokens / prefill rate
   + CPU-tier blocks × CPU load time + disk-tier blocks × disk load time. Prefills run one after
-  another on the engine (the GPU does one prefill batch at a time), so a burst queues on prefill;
+  another on the engine (the GPU does one prefill batch at a time), so a burst queues on prefill.
+  The next prefill to start is the admitted request first in the policy's order (``fcfs``: order of
+  admission; ``priority``: lowest ``priority`` value, then admission), as vLLM's scheduler takes
+  waiting requests in that order; a started prefill is never interrupted. Each prefill starts at
+  the model-time end of the previous one, so timer overshoot on a busy host does not slow the chain;
 * inter-token latency = ``itl`` × (1 + (``itl_load_factor`` - 1) × running / ``max_num_seqs``):
   rises linearly to ``itl_load_factor`` × ``itl`` at a full batch (llm-d simulator's
   ``time-factor-under-load``).
@@ -113,19 +122,37 @@ class EngineScheduler:
         self._waiting_count = 0
         self._order = itertools.count()
         self._prefill_free_at = 0.0
+        self._prefill_busy = False
+        self._prefill_queue: list[tuple[tuple[int, int], SimRequest, asyncio.Future[float]]] = []
+        self.prefill_queued = 0
+        """Admitted requests whose prefill has not started (queued behind another prefill)."""
+        self.prefill_queued_seqs = 0
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for admission."""
+        """Requests waiting for admission (a sequence slot and KV blocks)."""
         return self._waiting_count
+
+    @property
+    def num_requests_waiting(self) -> int:
+        """vLLM's ``num_requests_waiting``: requests whose prefill has not started (waiting for
+        admission, or admitted and queued for the prefill)."""
+        return self._waiting_count + self.prefill_queued
+
+    @property
+    def num_requests_running(self) -> int:
+        """vLLM's ``num_requests_running``: sequences whose prefill has started and not finished."""
+        return self.running_seqs - self.prefill_queued_seqs
+
+    def _policy_key(self, priority: int) -> tuple[int, int]:
+        return (priority if self.settings.scheduling_policy == "priority" else 0, next(self._order))
 
     def submit(self, prompt: list[int], max_tokens: int, n: int = 1, priority: int = 0) -> SimRequest:
         """Queue a request and admit what fits. The prompt's block hashes are computed here."""
         bs = self.settings.block_size
         req = SimRequest(prompt, max_tokens, n, priority, _block_size=bs)
         req.hashes = block_hashes(prompt, bs, self.root_hash)
-        key = (priority if self.settings.scheduling_policy == "priority" else 0, next(self._order))
-        heapq.heappush(self._waiting, (key, req))
+        heapq.heappush(self._waiting, (self._policy_key(priority), req))
         self._waiting_count += 1
         self._schedule()
         return req
@@ -137,17 +164,56 @@ class EngineScheduler:
             await req._admitted
 
     async def prefill(self, req: SimRequest) -> None:
-        """Sleep for the request's prefill (serialised with other prefills on this engine)."""
+        """Sleep for the request's prefill, one prefill at a time on this engine: while another runs,
+        wait in the prefill queue (policy order, see the module docstring). Cancelling the caller
+        (client disconnect) leaves the queue, or ends a running prefill at once."""
         alloc = req.alloc
         assert alloc is not None
         uncached = len(req.prompt) - alloc.cached_blocks * self.settings.block_size
         seconds = self.model.prefill_seconds(uncached, alloc.cpu_hits, alloc.disk_hits) * self.settings.time_scale
         if seconds > 0:
-            now = time.monotonic()
-            end = max(now, self._prefill_free_at) + seconds
+            start = await self._prefill_turn(req)
+            end = start + seconds
             self._prefill_free_at = end
-            await asyncio.sleep(end - now)
+            try:
+                await asyncio.sleep(end - time.monotonic())
+            finally:
+                self._prefill_done(min(end, time.monotonic()))
         self._first_token(req)
+
+    async def _prefill_turn(self, req: SimRequest) -> float:
+        """Wait until the prefill unit is ours; returns the (wall-clock) start of our prefill."""
+        now = time.monotonic()
+        if not self._prefill_busy:
+            self._prefill_busy = True
+            return max(now, self._prefill_free_at)
+        turn: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._prefill_queue, (self._policy_key(req.priority), req, turn))
+        self.prefill_queued += 1
+        self.prefill_queued_seqs += req.n
+        try:
+            return await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # handed the unit just as we were cancelled
+                self._prefill_done(turn.result())
+            else:
+                turn.cancel()  # left in the heap; skipped when it reaches the head
+                self.prefill_queued -= 1
+                self.prefill_queued_seqs -= req.n
+            raise
+
+    def _prefill_done(self, end: float) -> None:
+        """The prefill unit is free from ``end`` on: hand it to the first live queued prefill."""
+        while self._prefill_queue:
+            _, req, turn = heapq.heappop(self._prefill_queue)
+            if turn.done():  # cancelled while queued
+                continue
+            self.prefill_queued -= 1
+            self.prefill_queued_seqs -= req.n
+            turn.set_result(end)
+            return
+        self._prefill_busy = False
+        self._prefill_free_at = end
 
     def _first_token(self, req: SimRequest) -> None:
         req.first_token_at = time.monotonic()

@@ -368,7 +368,8 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
         engine = engine_of(request)
         sched = engine.scheduler
         return _json({
-            "running": sched.running_seqs, "waiting": sched.waiting, "kv_usage": engine.cache.usage,
+            "running": sched.num_requests_running, "waiting": sched.num_requests_waiting,
+            "prefill_queued": sched.prefill_queued, "kv_usage": engine.cache.usage,
             "tiers": engine.cache.sizes(), "fault": engine.faults.mode,
             "kv_event_batches": engine.publisher.sent if engine.publisher else 0,
             "none_hash": engine.root_hash.hex(), "block_size": engine.settings.block_size,
