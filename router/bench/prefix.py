@@ -29,10 +29,13 @@ OURS = ("approximate", "precise")
 FIGURES = ("captured_reuse", "ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")
 
 
-def build_trace(seed: int = 0, quick: bool = False) -> list[TimedRequest]:
+def build_trace(seed: int = 0, quick: bool = False, load: float = 1.0) -> list[TimedRequest]:
     """The benchmark's trace: agentic sessions and shared-prefix groups with their default
     parameters, merged (full: about 260 calls, most sent in the first 10 model seconds; quick:
-    about 14 calls over a few model seconds)."""
+    about 14 calls over a few model seconds). ``load`` multiplies the arrival rates (session starts
+    and shared-prefix requests); raises ``ValueError`` when it is not positive."""
+    if load <= 0:
+        raise ValueError("load must be positive")
     if quick:
         agentic = agentic_sessions(seed, sessions=3, system_tokens=300, task_tokens=(40, 80), call_tokens=(10, 20),
                                    result_tokens=(40, 80), turns=(2, 3), pause_s=0.5, one_off_share=0.1,
@@ -40,7 +43,7 @@ def build_trace(seed: int = 0, quick: bool = False) -> list[TimedRequest]:
         shared = shared_prefix_groups(seed, groups=2, users=2, questions_per_user=1, prefix_tokens=300,
                                       question_tokens=50, max_tokens=4, rate_per_s=4.0)
         return merge(agentic, shared)
-    return merge(agentic_sessions(seed), shared_prefix_groups(seed))
+    return merge(agentic_sessions(seed, duration_s=9.0 / load), shared_prefix_groups(seed, rate_per_s=14.0 * load))
 
 
 def engine_options(quick: bool, engines: int | None, time_scale: float | None) -> EngineOptions:
@@ -133,11 +136,13 @@ def _fmt(value: Any, digits: int = 3) -> str:
 @click.option("--engines", type=int, default=None, help="Simulated engines (default 4; quick 2).")
 @click.option("--time-scale", type=float, default=None, help="Engines' wall seconds per model second (default 1).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option("--load", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Multiplies the trace's arrival rates (full trace only).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write JSON here.")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep engine and router logs here (default: a temporary directory).")
 def prefix_command(quick: bool, policies: tuple[str, ...], engines: int | None, time_scale: float | None, seed: int,
-                   json_path: Path | None, log_dir: Path | None) -> None:
+                   load: float, json_path: Path | None, log_dir: Path | None) -> None:
     """Captured prefix reuse and TTFT: round-robin, ours, vllm-router, sglang-router on one trace."""
     from rich.console import Console
     from rich.table import Table
@@ -146,7 +151,7 @@ def prefix_command(quick: bool, policies: tuple[str, ...], engines: int | None, 
     if not console.is_terminal:
         console = Console(width=150)
     opts = engine_options(quick, engines, time_scale)
-    trace = build_trace(seed, quick)
+    trace = build_trace(seed, quick, load)
     oracle = oracle_reusable_tokens(trace, block_size=opts.block_size)
     fleet_gpu = opts.engines * opts.num_gpu_blocks
     console.print(f"trace: {len(trace)} calls, {sum(oracle.prompt_tokens):,} prompt tokens, "
@@ -187,7 +192,7 @@ def prefix_command(quick: bool, policies: tuple[str, ...], engines: int | None, 
     if json_path:
         payload = {
             "benchmark": "prefix", "python": sys.version.split()[0], "cpus": os.cpu_count(), "seed": seed,
-            "quick": quick, "fleet": {**opts.__dict__, "fleet_gpu_blocks": fleet_gpu},
+            "quick": quick, "load": load, "fleet": {**opts.__dict__, "fleet_gpu_blocks": fleet_gpu},
             "trace": {"requests": len(trace), "prompt_tokens": sum(oracle.prompt_tokens),
                       "oracle_reusable_tokens": oracle.total_reusable, "working_set_blocks": oracle.distinct_blocks,
                       "sharing_share": oracle.sharing_share},

@@ -72,7 +72,9 @@ def summarize(replay: ReplayResult, reusable_tokens: Sequence[int], indexes: Seq
     prompt tokens ÷ Σ oracle-reusable tokens, over successful calls; None when the oracle is 0),
     ``ttft_p50_s``, ``ttft_p99_s`` (None without a successful call), ``output_tokens_per_s`` (Σ
     completion tokens ÷ the replay's wall seconds), ``cached_tokens``, ``reusable_tokens``,
-    ``prompt_tokens``, ``requests``, ``errors``.
+    ``prompt_tokens``, ``requests``, ``errors``, and ``cached_above_oracle_tokens`` (Σ of cached −
+    oracle where a call got more than the oracle: possible only when calls ran in another order
+    than the trace's, e.g. a closed-loop turn that started late; it inflates captured reuse).
     """
     picked = [replay.results[i] for i in indexes] if indexes is not None else replay.results
     ok = [r for r in picked if r.error is None]
@@ -89,6 +91,7 @@ def summarize(replay: ReplayResult, reusable_tokens: Sequence[int], indexes: Seq
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "requests": len(picked),
         "errors": len(picked) - len(ok),
+        "cached_above_oracle_tokens": sum(max(0, r.cached_tokens - reusable_tokens[r.index]) for r in ok),
     }
 
 

@@ -46,7 +46,7 @@ def test_replay_reads_cached_tokens_and_captured_reuse_matches_the_oracle_on_one
     assert all(r.completion_tokens == 3 for r in result.results)
     assert all(0 < r.ttft_s <= r.latency_s for r in result.results)
     figures = summarize(result, oracle.reusable_tokens)
-    assert figures["captured_reuse"] == 1.0
+    assert figures["captured_reuse"] == 1.0 and figures["cached_above_oracle_tokens"] == 0
     assert figures["cached_tokens"] == oracle.total_reusable
     assert figures["requests"] == 3 and figures["errors"] == 0
     assert figures["output_tokens_per_s"] == pytest.approx(9 / result.wall_s)
@@ -67,11 +67,12 @@ def _done(index: int, cached: int, ttft: float, tokens: int = 10, error: str | N
 
 
 def test_summarize_counts_successful_calls_only_and_breaks_down_by_index():
-    replayed = ReplayResult([_done(0, 0, 0.1), _done(1, 48, 0.2), _done(2, 16, 0.4), _done(3, 64, 9.0, error="HTTP 500")],
+    replayed = ReplayResult([_done(0, 16, 0.1), _done(1, 48, 0.2), _done(2, 16, 0.4), _done(3, 64, 9.0, error="HTTP 500")],
                             wall_s=2.0)
     reusable = [0, 64, 32, 64]
     figures = summarize(replayed, reusable)
-    assert figures["captured_reuse"] == pytest.approx((48 + 16) / (64 + 32))
+    assert figures["captured_reuse"] == pytest.approx((16 + 48 + 16) / (64 + 32))
+    assert figures["cached_above_oracle_tokens"] == 16  # call 0: cached 16 where the oracle says 0
     assert figures["ttft_p50_s"] == pytest.approx(0.2)
     assert figures["ttft_p99_s"] == pytest.approx(0.4)
     assert figures["output_tokens_per_s"] == pytest.approx(30 / 2.0)
