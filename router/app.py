@@ -257,6 +257,9 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                         engine_priority=settings.engine_priority, max_body_bytes=settings.max_body_bytes,
                         request_timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
         rt.router = router
+        observe = router.metrics.observe_plugin
+        for profile in rt.scheduler.profiles.values():
+            profile.plugin_timer = observe
         app[ROUTER_KEY] = router
         if rt.subscriber is not None:
             rt.subscriber.start()

@@ -76,6 +76,14 @@ class RouterMetrics:
         self.upstream_errors = Counter("backfill_router_upstream_errors", "Failures talking to an engine.",
                                        ["kind"], registry=reg)
         reg.register(_LiveCollector(state))
+        self._per_plugin: dict[str, Any] = {}
+
+    def observe_plugin(self, plugin: str, seconds: float) -> None:
+        """Record one plugin's share of a decision (``plugin`` = its instance name)."""
+        child = self._per_plugin.get(plugin)
+        if child is None:
+            child = self._per_plugin[plugin] = self.decision.labels(plugin)
+        child.observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -180,9 +180,8 @@ class Router:
             admission = await self.flow.admit(item)
         except RequestDropped as exc:
             self.metrics.shed.labels(objective, exc.reason).inc()
-            return error_response(exc.status, exc.message, code=exc.reason.replace("-", "_"),
-                                  headers={"Retry-After": str(max(1, round(exc.retry_after_s))),
-                                           DROPPED_REASON: exc.reason})
+            return web.Response(status=exc.status, body=orjson.dumps(exc.body()), headers=exc.headers(),
+                                content_type="application/json")
         self.metrics.dispatched.labels(objective).inc()
         self.metrics.flow_wait.labels(objective).observe(time.monotonic() - received)
         return admission

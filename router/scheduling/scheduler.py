@@ -15,7 +15,8 @@ just before forwarding), and :meth:`Scheduler.response_complete` when the respon
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.scheduling.errors import NoCandidatesError
@@ -69,7 +70,8 @@ class SchedulerProfile:
         picker: the picker.
     """
 
-    __slots__ = ("name", "producers", "filters", "scorers", "picker", "pre_request_hooks", "response_hooks")
+    __slots__ = ("name", "producers", "filters", "scorers", "picker", "pre_request_hooks", "response_hooks",
+                 "plugin_timer")
 
     def __init__(
         self,
@@ -88,6 +90,9 @@ class SchedulerProfile:
         unique = list({id(p): p for p in members}.values())
         self.pre_request_hooks = [p for p in unique if isinstance(p, PreRequest)]
         self.response_hooks = [p for p in unique if isinstance(p, ResponseComplete)]
+        #: Optional ``timer(plugin instance name, seconds)`` told each plugin's time per decision
+        #: (the router's per-plugin decision histogram); a clock read costs ~0.1 µs.
+        self.plugin_timer: Callable[[str, float], None] | None = None
 
     def run(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> SchedulingResult:
         """Decide where ``request`` goes among ``endpoints``.
@@ -97,26 +102,39 @@ class SchedulerProfile:
         """
         if not endpoints:
             raise NoCandidatesError(f"profile {self.name!r}: no endpoints in the pool")
+        timer, clock = self.plugin_timer, time.perf_counter
         state = CycleState()
         for producer in self.producers:
+            t0 = clock()
             producer.produce(state, request, endpoints)
+            if timer is not None:
+                timer(producer.name, clock() - t0)  # type: ignore[attr-defined]
         candidates = list(endpoints)
         for flt in self.filters:
+            t0 = clock()
             candidates = flt.filter(state, request, candidates)
+            if timer is not None:
+                timer(flt.name, clock() - t0)  # type: ignore[attr-defined]
             if not candidates:
                 raise NoCandidatesError(f"profile {self.name!r}: filter {getattr(flt, 'name', flt)!r} removed every endpoint")
         n = len(candidates)
         totals = [0.0] * n
         scores: dict[str, list[float]] = {}
         for scorer, weight in self.scorers:
+            t0 = clock()
             raw = scorer.score(state, request, candidates)
+            if timer is not None:
+                timer(scorer.name, clock() - t0)  # type: ignore[attr-defined]
             if len(raw) != n:
                 raise ValueError(f"scorer {scorer.name!r} returned {len(raw)} scores for {n} endpoints")  # type: ignore[attr-defined]
             clamped = [clamp_unit(x) for x in raw]
             scores[scorer.name] = clamped  # type: ignore[attr-defined]
             for i in range(n):
                 totals[i] += weight * clamped[i]
+        t0 = clock()
         chosen = self.picker.pick(state, candidates, totals)
+        if timer is not None:
+            timer(self.picker.name, clock() - t0)  # type: ignore[attr-defined]
         return SchedulingResult(self.name, chosen, candidates, totals, scores, state)
 
 
