@@ -1,0 +1,64 @@
+"""The endpoint pool's pure parts: parsing an engine's /metrics, Kubernetes pod readiness."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from router.pool import parse_engine_metrics, ready_pod_urls
+from router.proxy import DecisionRate
+
+#: Lines as a real vLLM 0.32 (CPU build) printed them, two data-parallel ranks, plus noise.
+VLLM_TEXT = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="8192"} 1.0
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+"""
+
+
+def test_parse_sums_ranks_and_averages_kv_use() -> None:
+    m = parse_engine_metrics(VLLM_TEXT)
+    assert (m.num_requests_running, m.num_requests_waiting) == (4, 7)
+    assert m.kv_cache_usage_perc == pytest.approx(0.375)
+    assert (m.block_size, m.num_gpu_blocks, m.num_cpu_blocks) == (16, 8192, None)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits) == (1000.0, 250.0)
+
+
+def test_parse_rejects_garbage_in_wanted_lines() -> None:
+    with pytest.raises(ValueError):
+        parse_engine_metrics(b"vllm:num_requests_waiting{engine=0 nonsense\n")
+
+
+def _pod(phase: str, ip: str | None, ready: str) -> SimpleNamespace:
+    cond = SimpleNamespace(type="Ready", status=ready)
+    return SimpleNamespace(status=SimpleNamespace(phase=phase, pod_ip=ip, conditions=[cond]))
+
+
+def test_only_running_ready_pods_with_an_ip_are_endpoints() -> None:
+    pods = [_pod("Running", "10.0.0.1", "True"), _pod("Running", "10.0.0.2", "False"),
+            _pod("Pending", "10.0.0.3", "True"), _pod("Running", None, "True"), SimpleNamespace(status=None)]
+    assert ready_pod_urls(pods, 8000) == ["http://10.0.0.1:8000"]
+
+
+def test_decision_rate_counts_the_window_only() -> None:
+    now = [100.0]
+    rate = DecisionRate(window_s=5.0, clock=lambda: now[0])
+    for _ in range(10):
+        rate.record()
+    assert rate.rate() == 2.0
+    now[0] += 6
+    assert rate.rate() == 0.0
