@@ -433,7 +433,8 @@ def _lanes(request: Request) -> dict:
     charts = [
         line_chart(saturation, title="Fleet saturation", now=now, threshold=SATURATION_THRESHOLD,
                    y_max=max([1.2] + [v for _, v in saturation["pool"]])),
-        line_chart(rates(samples), title="Dispatch rate per objective", unit="requests/s", now=now),
+        line_chart(rates(samples), title="Dispatch rate per objective", unit="requests/s", now=now,
+                   width=1280, height=240),  # drawn full width
     ]
     return {**context, "lanes": lanes, "queues_error": queues_error, "charts": charts,
             "threshold": SATURATION_THRESHOLD, "pool": settings.queue_pool}

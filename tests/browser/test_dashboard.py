@@ -1,0 +1,157 @@
+"""The admin dashboard in a real browser (Debian's Chromium, headless, driven by Playwright) against
+``backfill up`` with a slowed simulated engine: log in, watch a running batch's progress bar advance
+without reloading, open it, cancel it after confirming, and see ``cancelling`` then ``cancelled``; a
+tenant's key is refused. Screenshots go to ``test-artifacts/`` (gitignored)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.conftest import backfill_up
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+ADMIN_KEY = "admin-browser-" + "b" * 24
+SLOW = {"BACKFILL_ENGINE_SIM_TIME_SCALE": "4",  # 4 wall seconds per model second: ~2 s a request
+        "BACKFILL_PROCESSOR_CONCURRENCY": "2"}  # two requests at a time, so progress comes in steps
+WAIT_MS = 60_000
+"""Longest wait for something to show up on a page (a bound against hanging, not a speed check)."""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed at /usr/bin/chromium (.ci/run installs it with "
+                    "apt-get install chromium chromium-driver; this machine could not)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, browser):
+    with backfill_up(tmp_path_factory.mktemp("browser") / "data", "--engines", "1", "--admin-key", ADMIN_KEY,
+                     env=SLOW) as up:
+        yield up
+
+
+@pytest.fixture
+def page(browser, request):
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    tab = context.new_page()
+    tab.set_default_timeout(WAIT_MS)
+    yield tab
+    context.close()
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def admin_url(stack) -> str:
+    return stack.base_url.removesuffix("/v1") + "/admin"
+
+
+def log_in(page, stack, key: str) -> None:
+    page.goto(admin_url(stack))
+    assert "/admin/login" in page.url  # no session: the login page
+    page.fill("#key", key)
+    page.click("button[type=submit]")
+
+
+def test_ready_line_names_the_dashboard(stack):
+    assert f" admin={admin_url(stack)} " in stack.ready_line
+
+
+def test_a_tenant_key_is_refused(page, stack):
+    log_in(page, stack, stack.api_key)  # the default tenant's API key
+    alert = page.locator("[role=alert]")
+    alert.wait_for()
+    assert "accepts only the admin key" in alert.inner_text()
+    shot(page, "tenant-key-refused")
+    page.goto(admin_url(stack))
+    assert "/admin/login" in page.url  # still no session
+
+
+def test_log_in_watch_progress_open_the_batch_and_cancel_it(page, stack):
+    client = stack.client()
+    lines = [orjson.dumps({"custom_id": f"req-{i:03d}", "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"model": "sim-model", "max_tokens": 40,
+                                    "messages": [{"role": "user", "content": f"Tell me about number {i}."}]}})
+             for i in range(40)]
+    uploaded = client.files.create(file=("browser.jsonl", b"\n".join(lines) + b"\n"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+
+    log_in(page, stack, ADMIN_KEY)
+    page.wait_for_url(admin_url(stack))
+    row = f'tr[data-batch="{batch.id}"]'
+    page.locator(row).wait_for()
+    # the bar advances while the page stays loaded (live refresh): read it once progress began, then
+    # wait for a later reading to be higher
+    bar = f"{row} .progress"
+    page.wait_for_function("([sel, n]) => { const el = document.querySelector(sel); "
+                           "return el !== null && +el.dataset.done > n; }", arg=[bar, 0])
+    first = int(page.locator(bar).get_attribute("data-done"))
+    page.evaluate("window.__loaded_once = true")  # gone if the page were reloaded
+    page.wait_for_function("([sel, n]) => +document.querySelector(sel).dataset.done > n", arg=[bar, first])
+    second = int(page.locator(bar).get_attribute("data-done"))
+    assert second > first and page.evaluate("window.__loaded_once === true")
+    assert int(page.locator(bar).get_attribute("aria-valuenow")) == 100 * second // 40
+    assert page.locator(f"{row} .status").inner_text() == "in_progress"
+    shot(page, "jobs")
+
+    page.click(f"{row} a")
+    page.wait_for_url(f"**/admin/jobs/{batch.id}")
+    assert page.locator("#job-status").inner_text() == "in_progress"
+    assert "batch.in_progress" in page.locator(".timeline").inner_text()
+    shot(page, "job")
+
+    dialogs = []
+    page.once("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.accept()))
+    page.click("text=Cancel batch")
+    page.wait_for_url("**?notice=*")
+    assert dialogs and batch.id in dialogs[0]  # asked before cancelling
+    assert "cancelling" in page.locator("#notice").inner_text()
+    assert page.locator("#job-status").inner_text() == "cancelling"  # requests still run at the engine
+    shot(page, "job-cancelling")
+    page.wait_for_function("() => document.querySelector('#job-status').textContent === 'cancelled'")
+    timeline = page.locator(".timeline").inner_text()
+    assert timeline.index("batch.cancelling") < timeline.index("batch.cancelled")
+    shot(page, "job-cancelled")
+    done = client.batches.retrieve(batch.id)
+    assert done.status == "cancelled" and done.request_counts.completed >= second
+
+
+def test_lanes_fleet_and_tenants_pages_render(page, stack):
+    log_in(page, stack, ADMIN_KEY)
+    page.wait_for_url(admin_url(stack))
+    for name in ("lanes", "fleet", "tenants"):
+        page.click(f"header nav >> text={name.capitalize()}")
+        page.wait_for_url(f"**/admin/{name}")
+        assert page.locator("h1").inner_text() == name.capitalize()
+        shot(page, name)
+    assert "default" in page.locator("#tenants").inner_text()
+    engines = stack.ready_line.split(" engines=")[1].split()[0].split(",")
+    page.goto(admin_url(stack) + "/fleet")
+    page.locator("#engines").wait_for()
+    # the stack's router feeds the fleet page: every engine of the ready line shows up
+    page.wait_for_function("(names) => names.every(n => document.querySelector(`tr[data-engine=\"${n}\"]`))",
+                           arg=engines)
+    assert page.locator("#router-error").count() == 0
+
+
+def teardown_module(module):
+    """Keep only this run's screenshots when CI collects them."""
+    if not any(ARTIFACTS.glob("*.png")) and ARTIFACTS.exists():
+        shutil.rmtree(ARTIFACTS, ignore_errors=True)
