@@ -306,23 +306,22 @@ def build_router() -> APIRouter:
 
     # lanes and fleet --------------------------------------------------------------------------
 
-    @router.get("/lanes")
-    def lanes_page(request: Request, admin: AdminDep) -> HTMLResponse:
-        return _render(request, "lanes.html", admin, nav="lanes", fragment="/admin/fragments/lanes",
-                       **_lanes(request))
+    def live_page(name: str, build) -> None:
+        """``/admin/NAME`` (the page) and ``/admin/fragments/NAME`` (its live part), both from
+        ``build(request)``."""
 
-    @router.get("/fragments/lanes")
-    def lanes_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
-        return _render(request, "_lanes.html", admin, **_lanes(request))
+        def page(request: Request, admin: AdminDep) -> HTMLResponse:
+            return _render(request, f"{name}.html", admin, nav=name, fragment=f"/admin/fragments/{name}",
+                           **build(request))
 
-    @router.get("/fleet")
-    def fleet_page(request: Request, admin: AdminDep) -> HTMLResponse:
-        return _render(request, "fleet.html", admin, nav="fleet", fragment="/admin/fragments/fleet",
-                       **_fleet(request))
+        def fragment(request: Request, admin: AdminDep) -> HTMLResponse:
+            return _render(request, f"_{name}.html", admin, **build(request))
 
-    @router.get("/fragments/fleet")
-    def fleet_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
-        return _render(request, "_fleet.html", admin, **_fleet(request))
+        router.add_api_route(f"/{name}", page, methods=["GET"], name=f"admin_{name}")
+        router.add_api_route(f"/fragments/{name}", fragment, methods=["GET"], name=f"admin_{name}_fragment")
+
+    live_page("lanes", _lanes)
+    live_page("fleet", _fleet)
 
     @router.get("/api/state")
     def state_json(request: Request, admin: AdminDep) -> dict:

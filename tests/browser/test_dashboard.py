@@ -5,7 +5,6 @@ tenant's key is refused. Screenshots go to ``test-artifacts/`` (gitignored)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import orjson
@@ -150,8 +149,3 @@ def test_lanes_fleet_and_tenants_pages_render(page, stack):
                            arg=engines)
     assert page.locator("#router-error").count() == 0
 
-
-def teardown_module(module):
-    """Keep only this run's screenshots when CI collects them."""
-    if not any(ARTIFACTS.glob("*.png")) and ARTIFACTS.exists():
-        shutil.rmtree(ARTIFACTS, ignore_errors=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 
+import httpx
 import orjson
 import pytest
 from sqlalchemy import event, insert, text
@@ -29,9 +30,8 @@ def gateway_settings(gateway_settings):
     return gateway_settings.model_copy(update={"admin_key": ADMIN_KEY})
 
 
-def _admin(gateway):
-    return gateway.http(tenant=None).__class__(base_url=gateway.base_url, timeout=30,
-                                               headers={"authorization": f"Bearer {ADMIN_KEY}"})
+def _admin(gateway) -> httpx.Client:
+    return httpx.Client(base_url=gateway.base_url, timeout=30, headers={"authorization": f"Bearer {ADMIN_KEY}"})
 
 
 def seed_batches(session, count: int, tenants=("acme", "globex", "initech"), with_requests: int = 0,
