@@ -261,3 +261,94 @@ def test_every_service_of_backfill_up_serves_its_documented_series(tmp_path):
         check_documented("processor", processor)
         assert value(processor, "backfill_processor_dispatched", lane="batch") == 2
         assert value(processor, "backfill_processor_results", lane="batch", error_code="none") == 2
+
+
+def test_processor_counts_retries_sheds_and_gate_decisions_once_per_request():
+    """Concurrency 1 and three requests: the two held back are each denied once by the concurrency
+    gate however often the dispatcher asks; a 429 is a retry; a past deadline is shed."""
+    from async_processor.backends.memory import MemoryBackend
+    from async_processor.messages import RequestMessage
+    from async_processor.testing import eventually, running
+
+    answers = {"r1": [429, 200], "r2": [200], "r3": [200]}
+
+    async def router(request: httpx.Request) -> httpx.Response:
+        status = answers[orjson.loads(request.content)["id"]].pop(0)
+        await asyncio.sleep(0.2)  # the dispatcher wakes every 10 ms meanwhile and asks the gates again
+        return httpx.Response(status, json={}, headers={"retry-after": "0"} if status == 429 else {})
+
+    settings = build_settings(backend="memory", lanes=["batch"], concurrency=1, backoff_base_s=0.01,
+                              saturation_poll_s=0.01)
+
+    async def scenario() -> dict:
+        backend = MemoryBackend()
+        await backend.start()
+        now = time.time()
+        for rid in answers:
+            await backend.publish_request("batch", RequestMessage(id=rid, created=int(now), deadline=int(now + 60),
+                                                                  payload={"id": rid}, metadata={"tenant": "t1"}))
+        await backend.publish_request("batch", RequestMessage(id="late", created=int(now), deadline=int(now - 1),
+                                                              payload={}))
+        async with running(settings, backend, mock_target(router)) as processor:
+            async def all_answered() -> bool:
+                return value(parse(processor.metrics.exposition().decode()), "backfill_processor_results",
+                             lane="batch") >= 4
+
+            await eventually(all_answered)
+            return parse(processor.metrics.exposition().decode())
+
+    families = asyncio.run(scenario())
+    check_documented("processor", families)
+    assert value(families, "backfill_processor_retries", lane="batch", reason="429") == 1
+    assert value(families, "backfill_processor_dispatched", lane="batch") == 4  # r1 twice, r2, r3
+    assert value(families, "backfill_processor_shed", lane="batch", reason="deadline_exceeded") == 1
+    assert value(families, "backfill_processor_results", lane="batch", error_code="DEADLINE_EXCEEDED") == 1
+    assert value(families, "backfill_processor_results", lane="batch", error_code="none") == 3
+    assert value(families, "backfill_processor_gate_decisions", gate="concurrency", decision="admit") == 4
+    denied = value(families, "backfill_processor_gate_decisions", gate="concurrency", decision="deny")
+    assert 2 <= denied <= 3  # r2 and r3 (and r1 after its retry, if r2 started first): once per wait, not per pass
+    assert value(families, "backfill_processor_router_request_duration_seconds", "_count",
+                 lane="batch", status="4xx") == 1
+
+
+def test_log_format_follows_the_environment_and_the_terminal(monkeypatch):
+    from backfill.logging import wants_json
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert wants_json(io.StringIO(), {}) is True
+    assert wants_json(Tty(), {}) is False
+    assert wants_json(Tty(), {"BACKFILL_LOG_FORMAT": "json"}) is True
+    assert wants_json(io.StringIO(), {"BACKFILL_LOG_FORMAT": "text"}) is False
+    with pytest.raises(ValueError, match="BACKFILL_LOG_FORMAT"):
+        wants_json(io.StringIO(), {"BACKFILL_LOG_FORMAT": "xml"})
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        buffer = io.StringIO()
+        monkeypatch.setenv("BACKFILL_LOG_FORMAT", "text")
+        configure_logging("INFO", stream=buffer)
+        logging.getLogger("workers.lifecycle").info("batch fed", extra={"action": "feed", "batch_id": "batch_1"})
+        assert buffer.getvalue().split()[2:] == ["INFO", "workers.lifecycle", "batch", "fed"]
+        buffer = io.StringIO()
+        configure_logging("WARNING", json=True, stream=buffer)
+        logging.getLogger("workers.lifecycle").info("dropped below the level")
+        logging.getLogger("workers.lifecycle").warning("kept", extra={"action": "feed", "custom_id": "c\u00e9"})
+        [line] = buffer.getvalue().splitlines()
+        record = orjson.loads(line)
+        assert (record["level"], record["action"], record["custom_id"]) == ("WARNING", "feed", "c\u00e9")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+
+
+def test_trace_helpers():
+    from backfill.tracing import make_tracer_provider
+
+    assert trace_id_of("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01") == "0af7651916cd43dd8448eb211c80319c"
+    assert trace_id_of("not a traceparent") is None and trace_id_of(None) is None
+    with pytest.raises(ValueError, match="BACKFILL_TRACE_EXPORTER"):
+        make_tracer_provider("backfill-test", exporter="zipkin")
