@@ -57,7 +57,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     admin.install(app)  # the dashboard at /admin
-    install_metrics(app, getattr(settings, "admin_key", None))  # GET /metrics, HTTP series
+    install_metrics(app, settings.admin_key)  # GET /metrics (admin key when set), HTTP series
     instrument_fastapi(app, "backfill-gateway")  # server spans continuing the client's traceparent
 
     @app.get("/health", include_in_schema=False)
