@@ -367,7 +367,8 @@ class KubernetesSource:
         try:
             from kubernetes import client, config
         except ImportError as exc:
-            raise RuntimeError("engine discovery by label selector needs the kubernetes package: pip install 'backfill[k8s]'") from exc
+            raise RuntimeError("engine discovery by label selector needs the kubernetes package "
+                               "(pip install 'backfill[k8s]')") from exc
         try:
             config.load_incluster_config()
         except config.ConfigException:

@@ -232,10 +232,16 @@ def _ours_missing(config: Path) -> Callable[[], str | None]:
     return check
 
 
+def our_policy(name: str, config: Path) -> Policy:
+    """Our router as policy ``name`` with scheduling config ``config``; ``precise`` gets the engines'
+    KV events at the router's bound address."""
+    return Policy(name, "router" if name == "precise" else "own", _ours(config), _ours_missing(config))
+
+
 POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("round-robin", "own", _vllm_router("round_robin"), _peer_missing("vllm-router")),
-    Policy("approximate", "own", _ours(DEFAULT_CONFIG_PATH), _ours_missing(DEFAULT_CONFIG_PATH)),
-    Policy("precise", "router", _ours(PRECISE_CONFIG_PATH), _ours_missing(PRECISE_CONFIG_PATH)),
+    our_policy("approximate", DEFAULT_CONFIG_PATH),
+    our_policy("precise", PRECISE_CONFIG_PATH),
     Policy("vllm-router-cache_aware", "own", _vllm_router("cache_aware"), _peer_missing("vllm-router")),
     Policy("vllm-router-kv_aware", "own", _vllm_router("kv_aware"), _peer_missing("vllm-router")),
     Policy("sglang-router-cache_aware", "own", _sglang_router("cache_aware"), _peer_missing("sglang-router")),

@@ -20,7 +20,7 @@ from typing import Any
 import click
 import httpx
 
-from router.bench.launch import POLICIES, EngineOptions, LaunchError, fleet_with_router
+from router.bench.launch import POLICIES, EngineOptions, LaunchError, Policy, fleet_with_router, our_policy
 from router.bench.replay import replay, summarize
 from router.bench.workloads import TimedRequest, agentic_sessions, merge, oracle_reusable_tokens, shared_prefix_groups
 
@@ -70,11 +70,12 @@ def _engine_state(urls: list[str]) -> dict[str, Any]:
 
 
 def run_policy(name: str, trace: list[TimedRequest], reusable: list[int], opts: EngineOptions,
-               log_dir: Path | None = None) -> dict[str, Any]:
+               log_dir: Path | None = None, policy: Policy | None = None) -> dict[str, Any]:
     """Run one policy on a fresh fleet; its figures (see :func:`~router.bench.replay.summarize`), a
     ``by_workload`` breakdown and the engines' end state, or ``{"missing": reason}`` with every
-    figure None when the router is not installed or did not start."""
-    policy = POLICIES[name]
+    figure None when the router is not installed or did not start. ``policy`` replaces
+    ``POLICIES[name]`` (``--config``)."""
+    policy = policy or POLICIES[name]
     reason = policy.available()
     if reason is None:
         try:
@@ -141,8 +142,10 @@ def _fmt(value: Any, digits: int = 3) -> str:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write JSON here.")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep engine and router logs here (default: a temporary directory).")
+@click.option("--config", "configs", multiple=True, metavar="POLICY=YAML",
+              help="Run our POLICY (approximate or precise) with this scheduling YAML instead of the shipped one.")
 def prefix_command(quick: bool, policies: tuple[str, ...], engines: int | None, time_scale: float | None, seed: int,
-                   load: float, json_path: Path | None, log_dir: Path | None) -> None:
+                   load: float, json_path: Path | None, log_dir: Path | None, configs: tuple[str, ...]) -> None:
     """Captured prefix reuse and TTFT: round-robin, ours, vllm-router, sglang-router on one trace."""
     from rich.console import Console
     from rich.table import Table
@@ -150,6 +153,13 @@ def prefix_command(quick: bool, policies: tuple[str, ...], engines: int | None, 
     console = Console()
     if not console.is_terminal:
         console = Console(width=150)
+    overrides = {}
+    for spec in configs:
+        name, _, path = spec.partition("=")
+        if name not in ("approximate", "precise") or not Path(path).is_file():
+            raise click.BadParameter(f"{spec!r}: expected approximate=PATH or precise=PATH of an existing file",
+                                     param_hint="--config")
+        overrides[name] = our_policy(name, Path(path))
     opts = engine_options(quick, engines, time_scale)
     trace = build_trace(seed, quick, load)
     oracle = oracle_reusable_tokens(trace, block_size=opts.block_size)
@@ -163,7 +173,8 @@ def prefix_command(quick: bool, policies: tuple[str, ...], engines: int | None, 
     for name in policies or POLICIES:
         if log_dir:
             (log_dir / name).mkdir(exist_ok=True)
-        results[name] = run_policy(name, trace, oracle.reusable_tokens, opts, log_dir / name if log_dir else None)
+        results[name] = run_policy(name, trace, oracle.reusable_tokens, opts, log_dir / name if log_dir else None,
+                                   overrides.get(name))
         r = results[name]
         console.print(f"{name}: " + (f"missing ({r['missing'].splitlines()[0]})" if "missing" in r else
                                      f"reuse {_fmt(r['captured_reuse'])}, TTFT p50 {_fmt(r['ttft_p50_s'])} s"))
