@@ -15,6 +15,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "A 50,000-request batch through the stack vs the fleet's capacity."),
     "prefix": ("router.bench.prefix:prefix_command",
                "Captured prefix reuse and TTFT: ours vs round-robin, vllm-router, sglang-router."),
+    "isolation": ("backfill.bench.isolation:isolation_command",
+                  "Interactive TTFT alone vs with a 10,000-request batch backlog; batch vs spare capacity."),
     "router-overhead": ("router.bench.overhead:router_overhead_command",
                         "Decision time, added proxy latency and max requests/s: ours vs vllm-router."),
 }
