@@ -32,6 +32,7 @@ def sim_parser() -> argparse.ArgumentParser:
     add("--tokenizer", help="path of a tokenizers tokenizer.json (default: built-in 4-byte tokenizer)")
     add("--block-size", type=int)
     add("--max-num-seqs", type=int)
+    add("--max-num-batched-tokens", type=int, help="token budget of one engine step (default 8192)")
     add("--max-model-len", type=int)
     add("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, dest="num_gpu_blocks")
     add("--cpu-offload-blocks", type=int, help="CPU tier size in blocks (0 = none)")

@@ -7,9 +7,11 @@ its blocks (prompt + ``max_tokens`` for each of its ``n`` sequences); the head o
 the ones behind it, as in vLLM (no preemption is simulated).
 
 What the engine reports (:attr:`EngineScheduler.num_requests_waiting` and ``…_running``, the
-``vllm:`` gauges) follows vLLM's meaning: a request is *running* once its prefill has started
-(vLLM moves a request from ``waiting`` to ``running`` in the step that schedules its first
-tokens); one holding a slot but still queued for the prefill counts as *waiting*.
+``vllm:`` gauges) follows vLLM's meaning: vLLM moves a request from ``waiting`` to ``running`` in
+the step that schedules its first tokens, and one step takes at most ``max_num_batched_tokens``.
+So a request queued for the prefill counts as *running* while the uncached prompt tokens of the
+queued prefills up to and including it (policy order) fit in that budget, and as *waiting* past it
+(as does one waiting for a slot).
 
 Latency model (model seconds; wall-clock = model × ``time_scale``; 0 never sleeps):
 
@@ -95,6 +97,7 @@ class SimRequest:
     first_token_at: float | None = None
     finished: bool = False
     generated: int = 0
+    uncached_tokens: int = 0
     itls: list[float] = field(default_factory=list)
     _admitted: asyncio.Future | None = None
 
@@ -133,16 +136,28 @@ class EngineScheduler:
         """Requests waiting for admission (a sequence slot and KV blocks)."""
         return self._waiting_count
 
+    def _beyond_step_budget(self) -> tuple[int, int]:
+        """(requests, sequences) queued for the prefill past one step's token budget."""
+        live = sorted((key, req) for key, req, turn in self._prefill_queue if not turn.done())
+        budget = self.settings.max_num_batched_tokens
+        tokens = requests = seqs = 0
+        for _, req in live:
+            tokens += req.uncached_tokens
+            if tokens > budget:
+                requests += 1
+                seqs += req.n
+        return requests, seqs
+
     @property
     def num_requests_waiting(self) -> int:
-        """vLLM's ``num_requests_waiting``: requests whose prefill has not started (waiting for
-        admission, or admitted and queued for the prefill)."""
-        return self._waiting_count + self.prefill_queued
+        """vLLM's ``num_requests_waiting``: waiting for a slot, or queued for the prefill past the
+        next step's token budget (module docstring)."""
+        return self._waiting_count + (self._beyond_step_budget()[0] if self._prefill_queue else 0)
 
     @property
     def num_requests_running(self) -> int:
-        """vLLM's ``num_requests_running``: sequences whose prefill has started and not finished."""
-        return self.running_seqs - self.prefill_queued_seqs
+        """vLLM's ``num_requests_running``: sequences holding a slot, less those counted waiting."""
+        return self.running_seqs - (self._beyond_step_budget()[1] if self._prefill_queue else 0)
 
     def _policy_key(self, priority: int) -> tuple[int, int]:
         return (priority if self.settings.scheduling_policy == "priority" else 0, next(self._order))
@@ -169,7 +184,7 @@ class EngineScheduler:
         (client disconnect) leaves the queue, or ends a running prefill at once."""
         alloc = req.alloc
         assert alloc is not None
-        uncached = len(req.prompt) - alloc.cached_blocks * self.settings.block_size
+        uncached = req.uncached_tokens = len(req.prompt) - alloc.cached_blocks * self.settings.block_size
         seconds = self.model.prefill_seconds(uncached, alloc.cpu_hits, alloc.disk_hits) * self.settings.time_scale
         if seconds > 0:
             start = await self._prefill_turn(req)

@@ -1,5 +1,6 @@
 """The prefill queue: one prefill at a time, the next in the policy's order, vLLM's waiting/running
-counts, and cancellation while queued or prefilling."""
+counts (queued prefills past one step's token budget are waiting), and cancellation while queued or
+prefilling."""
 
 import asyncio
 
@@ -43,18 +44,19 @@ async def _first_tokens(sched, arrivals):
     ("fcfs", ["busy", "batch-1", "batch-2", "async", "interactive"]),
 ])
 def test_next_prefill_follows_the_policy_and_a_started_one_finishes_first(policy, expected):
-    sched = scheduler(scheduling_policy=policy)
+    sched = scheduler(scheduling_policy=policy, max_num_batched_tokens=8)  # one 8-token prompt per step
     arrivals = [("busy", 10), ("batch-1", 10), ("batch-2", 10), ("async", -10), ("interactive", -100)]
     order, (waiting, running, queued) = asyncio.run(_first_tokens(sched, arrivals))
     assert order == expected
-    # every request holds a slot, but only the one prefilling counts as running (vLLM's meaning)
-    assert (waiting, running, queued) == (4, 1, 4)
+    # all five hold a slot; the prefilling one and the next step's one are running, 3 wait (vLLM's meaning)
+    assert (waiting, running, queued) == (3, 2, 4)
     assert (sched.num_requests_waiting, sched.num_requests_running, sched.prefill_queued) == (0, 0, 0)
 
 
-def test_slot_waiting_and_prefill_queued_both_count_as_waiting():
+@pytest.mark.parametrize(("budget", "counts"), [(4, (1, 1, 2, 1)), (8192, (1, 1, 1, 2))])
+def test_slot_waiting_and_prefills_past_the_step_budget_count_as_waiting(budget, counts):
     async def scenario():
-        sched = scheduler(max_num_seqs=2)
+        sched = scheduler(max_num_seqs=2, max_num_batched_tokens=budget)
         reqs = [sched.submit([i] * 8, 2) for i in range(3)]  # the third waits for a slot
         first = asyncio.create_task(sched.prefill(reqs[0]))
         await asyncio.sleep(0)
@@ -64,7 +66,7 @@ def test_slot_waiting_and_prefill_queued_both_count_as_waiting():
         await asyncio.gather(first, second)
         return seen
 
-    assert asyncio.run(scenario()) == (1, 1, 2, 1)
+    assert asyncio.run(scenario()) == counts
 
 
 def test_cancelling_a_queued_prefill_leaves_the_queue_and_the_next_one_runs():
