@@ -37,7 +37,7 @@ from router.parsing import ParsedRequest, RequestError, engine_priority, parse_r
 from router.pool import EndpointPool
 from router.scheduling.errors import NoCandidatesError
 from router.scheduling.scheduler import Scheduler, SchedulingResult
-from router.scheduling.types import LLMRequest, PrefixMatchInfo
+from router.scheduling.types import Endpoint, LLMRequest, PrefixMatchInfo
 from router.tokenizers import PromptTokenizer, to_llm_request
 
 log = logging.getLogger(__name__)
@@ -234,9 +234,8 @@ class Router:
                                       headers={"Retry-After": "1", DROPPED_REASON: "rejected-capacity"})
             endpoint = result.endpoint
             tried.add(endpoint.name)
-            uncached = _uncached_tokens(result, llm_request)
+            prefill = _PrefillBacklog(endpoint, _uncached_tokens(result, llm_request))
             endpoint.in_flight_requests += 1
-            endpoint.in_flight_uncached_tokens += uncached
             cached_tokens: int | None = None
             box: list[web.StreamResponse] = []  # the client response once made (for error events)
             try:
@@ -253,7 +252,7 @@ class Router:
                 complete = False
                 try:
                     self.metrics.first_byte.labels(objective).observe(time.monotonic() - received)
-                    cached_tokens = await self._relay(request, upstream, box)
+                    cached_tokens = await self._relay(request, upstream, box, prefill)
                     response = box[0]
                     complete = True
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -275,14 +274,15 @@ class Router:
                 return await self._evicted(request, box[0] if box else None)
             finally:
                 endpoint.in_flight_requests = max(0, endpoint.in_flight_requests - 1)
-                endpoint.in_flight_uncached_tokens = max(0, endpoint.in_flight_uncached_tokens - uncached)
+                prefill.done()
                 self.scheduler.response_complete(llm_request, result, cached_tokens)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                     box: list[web.StreamResponse]) -> int | None:
+                     box: list[web.StreamResponse], prefill: _PrefillBacklog) -> int | None:
         """Pass the engine's answer to the client (the response is appended to ``box`` as soon as
-        it exists); returns the cached prompt tokens the engine reported, if any."""
+        it exists); returns the cached prompt tokens the engine reported, if any. The first body
+        chunk of a stream means the prefill is over (``prefill.done()``)."""
         out_headers = {k: v for k in RETURNED_HEADERS if (v := upstream.headers.get(k)) is not None}
         content_type = upstream.headers.get("content-type", "")
         if not content_type.startswith("text/event-stream"):
@@ -295,6 +295,7 @@ class Router:
         await response.prepare(request)
         tail = b""
         async for chunk in upstream.content.iter_any():
+            prefill.done()
             await response.write(chunk)
             tail = (tail + chunk)[-8192:]
         await response.write_eof()
@@ -320,6 +321,29 @@ class Router:
             return error_response(429, message, code="evicted",
                                   headers={"Retry-After": "1", DROPPED_REASON: "evicted"})
         return await self._fail_stream(request, response, RuntimeError(message))
+
+
+class _PrefillBacklog:
+    """One request's share of its endpoint's ``in_flight_uncached_tokens``: the prompt tokens the
+    router expects the engine still has to compute for it. Added when the request is forwarded,
+    removed once (:meth:`done`) when its first streamed chunk arrives — the prefill is over — or
+    when the request ends. So the counter is the endpoint's queued prefill work, which the
+    load-aware plugins (``token-load-scorer``, ``prefix-cache-affinity-filter``) turn into a wait
+    estimate; decode-only requests no longer count."""
+
+    __slots__ = ("endpoint", "tokens")
+
+    def __init__(self, endpoint: Endpoint, tokens: int) -> None:
+        self.endpoint = endpoint
+        self.tokens = tokens
+        endpoint.in_flight_uncached_tokens += tokens
+
+    def done(self) -> None:
+        """Remove the tokens (idempotent)."""
+        if self.tokens:
+            ep = self.endpoint
+            ep.in_flight_uncached_tokens = max(0, ep.in_flight_uncached_tokens - self.tokens)
+            self.tokens = 0
 
 
 def _matched(result: SchedulingResult) -> list[float]:

@@ -61,6 +61,8 @@ class RouterStack:
             self.router = self._spawn(argv, "router")
             wait_ready(self.url, timeout=30, process=self.router)
             self.wait_candidates(len(self.engine_urls))
+            if self.kv_bind:
+                self.wait_kv_events()
         except BaseException:
             self.stop()
             raise
@@ -84,6 +86,29 @@ class RouterStack:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(healthy)} healthy endpoints, wanted {n}: {state['endpoints']}")
             time.sleep(0.05)
+
+    def wait_kv_events(self, timeout: float = 15.0) -> None:
+        """Wait until every engine's KV events reach the router's index, then clear the engines.
+
+        ZMQ drops what a PUB socket sends before its connection to the router's SUB is up (the
+        engines start first and reconnect every 100 ms), so each engine gets a probe prompt —
+        again until the router's index shows blocks for it — and then ``/reset_prefix_cache``.
+        """
+        deadline = time.monotonic() + timeout
+        pending = set(self.engine_urls)
+        attempt = 0
+        while pending:
+            for url in pending:
+                httpx.post(f"{url}/v1/completions", timeout=10, json={
+                    "model": self.model, "max_tokens": 1, "prompt": f"probe {attempt} {url} " + "x" * 600})
+            time.sleep(0.1)
+            blocks = {e["name"]: sum(e["cache_blocks"].values()) for e in self.state()["endpoints"]}
+            pending = {url for url in pending if not blocks.get(url)}
+            attempt += 1
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"no KV events reached the router from {sorted(pending)}")
+        for url in self.engine_urls:
+            httpx.post(f"{url}/reset_prefix_cache", timeout=10).raise_for_status()
 
     def kill_engine(self, i: int) -> None:
         """SIGKILL engine ``i`` (no goodbye: connections drop mid-stream)."""

@@ -45,7 +45,8 @@ class Endpoint:
             monotonic clock; None before the first scrape (counts as stale).
         in_flight_requests: requests the router has forwarded and not yet seen finish.
         in_flight_uncached_tokens: prompt tokens of those requests that the router expected the
-            engine to compute (not served from its prefix cache), in tokens.
+            engine to compute (not served from its prefix cache) and whose prefill has not ended
+            yet (no first streamed chunk), in tokens: the endpoint's queued prefill work.
     """
 
     name: str

@@ -20,8 +20,9 @@ def test_default_config_round_trips_and_builds():
     scheduler = build_scheduler(again)
     assert list(scheduler.profiles) == ["default", "round-robin"]
     default = scheduler.profiles["default"]
+    assert [f.name for f in default.filters] == ["prefix-cache-affinity-filter"]
     assert [(s.name, w) for s, w in default.scorers] == [
-        ("prefix-cache-scorer", 3.0), ("queue-scorer", 1.0), ("kv-cache-utilization-scorer", 1.0)]
+        ("token-load-scorer", 2.0), ("queue-scorer", 2.0), ("no-hit-lru-scorer", 1.0)]
     assert default.picker.name == "max-score-picker"
     assert [p.name for p in default.producers] == ["approx-prefix-cache-producer"]
     assert scheduler.profiles["round-robin"].producers == []
