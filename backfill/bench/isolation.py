@@ -443,7 +443,7 @@ def svg_line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, 
                    f'stroke-dasharray="2,3"/><text {side} y="{top + 12}" {font}>{escape(label)}</text>')
     for label, value in hlines.items():
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{py(value):.1f}" y2="{py(value):.1f}" stroke="#dc2626" '
-                   f'stroke-dasharray="6,4"/><text x="{left + pw - 4}" y="{py(value) - 4:.1f}" text-anchor="end" '
+                   f'stroke-dasharray="6,4"/><text x="{left + 6}" y="{py(value) + 14:.1f}" '
                    f'font-family="sans-serif" font-size="11" fill="#dc2626">{escape(label)}</text>')
     legend_x = left + 8
     for (label, points), color in zip(series.items(), colors):
