@@ -262,7 +262,8 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
             if stack.engine_urls:
                 start_router(stack, host, simulated=not engine_urls)
                 stack.start("processor", _backfill("processor", "--backend", "redis", "--router-url",
-                                                   stack.router_url, "--log-level", "WARNING"))
+                                                   stack.router_url, "--saturation-gate",
+                                                   "--log-level", "WARNING"))
             stack.start("worker", _backfill("worker"))
             stack.start("beat", _backfill("beat", "--data-dir", str(data_dir)))
             stack.start("gateway", _backfill("gateway", "--host", host, "--port", str(port)))

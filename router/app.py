@@ -257,6 +257,7 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                         engine_priority=settings.engine_priority, max_body_bytes=settings.max_body_bytes,
                         request_timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
         rt.router = router
+        rt.pool.add_on_down(router.endpoint_down)
         observe = router.metrics.observe_plugin
         for profile in rt.scheduler.profiles.values():
             profile.plugin_timer = observe

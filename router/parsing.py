@@ -37,7 +37,7 @@ from typing import Any
 
 import orjson
 
-from router.chat_template import render_chat
+from router.chat_template import TEXT_PART_TYPES, render_chat
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -240,7 +240,16 @@ def _messages(value: Any, param: str = "messages") -> list[dict[str, Any]]:
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise _wrong_type(f"{param}[{i}].content", "a string or an array", content)
+        if isinstance(content, list):
+            _text_parts(content, f"{param}[{i}].content")
     return value
+
+
+def _text_parts(parts: list[Any], param: str) -> None:
+    """Text parts (``text`` / ``input_text``) must carry a string ``text``."""
+    for j, part in enumerate(parts):
+        if isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and not isinstance(part.get("text"), str):
+            raise _wrong_type(f"{param}[{j}].text", "a string", part.get("text"))
 
 
 def _response_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -258,6 +267,9 @@ def _response_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             if not isinstance(item, dict):
                 raise _wrong_type(f"input[{i}]", "an object", item)
         messages = [item for item in items if item.get("type", "message") == "message"]
+        for i, item in enumerate(messages):
+            if isinstance(item.get("content"), list):
+                _text_parts(item["content"], f"input[{i}].content")
     else:
         raise _wrong_type("input", "a string or an array", items)
     instructions = body.get("instructions")
@@ -382,7 +394,13 @@ def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> ParsedR
     h = {k.lower(): v for k, v in headers.items()}
     objective, _ = _header(h, OBJECTIVE_HEADER, LEGACY_OBJECTIVE_HEADER)
     fairness_id, fairness_header = _header(h, FAIRNESS_ID_HEADER, LEGACY_FAIRNESS_ID_HEADER)
-    if fairness_id is not None and len(fairness_id.encode()) > MAX_FAIRNESS_ID_BYTES:
+    if fairness_id is not None:
+        try:
+            fairness_bytes = len(fairness_id.encode())
+        except UnicodeEncodeError:  # the header's bytes were not UTF-8
+            raise RequestError(400, f"Invalid value for header '{fairness_header}': not valid UTF-8.",
+                               fairness_header, "invalid_value") from None
+    if fairness_id is not None and fairness_bytes > MAX_FAIRNESS_ID_BYTES:
         raise RequestError(400, f"Invalid value for header '{fairness_header}': longer than {MAX_FAIRNESS_ID_BYTES} "
                                 "bytes.", fairness_header, "invalid_value")
     return ParsedRequest(

@@ -164,6 +164,7 @@ class EndpointPool:
         self.on_change = on_change or (lambda: None)
         self.states: dict[str, EndpointState] = {}
         self._candidates: list[Endpoint] = []
+        self._by_model: dict[str, list[Endpoint]] = {}
         self._on_down: list[OnDown] = []
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._scrape_timeout = aiohttp.ClientTimeout(total=max(1.0, 10 * scrape_interval_s))
@@ -214,6 +215,15 @@ class EndpointPool:
         """Healthy endpoints, the scheduler's candidates (a shared list: do not mutate)."""
         return self._candidates
 
+    def candidates_for(self, model: str) -> list[Endpoint]:
+        """Healthy endpoints serving ``model`` (by their ``/v1/models``; an endpoint whose model
+        list could not be read counts as serving every model). Empty when none does."""
+        found = self._by_model.get(model)
+        if found is None:
+            found = self._by_model[model] = [s.endpoint for s in self.states.values()
+                                             if s.healthy and (not s.models or model in s.models)]
+        return found
+
     def get(self, name: str) -> EndpointState | None:
         """The state of endpoint ``name``, or None."""
         return self.states.get(name)
@@ -246,8 +256,11 @@ class EndpointPool:
             async with self._session.get(f"{name}/health", timeout=self._health_timeout) as resp:
                 ok = resp.status == 200
                 await resp.read()
+            if not ok:
+                state.last_error = f"GET /health answered {resp.status}"
             if ok and not state.models:
                 state.models = await self._read_models(name)
+                self._by_model = {}
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             ok = False
             state.last_error = f"{type(exc).__name__}: {exc}"
@@ -316,6 +329,7 @@ class EndpointPool:
     # ---- internals ----------------------------------------------------------------------------
     def _rebuild(self) -> None:
         self._candidates = [s.endpoint for s in self.states.values() if s.healthy]
+        self._by_model = {}
         self.on_change()
 
     def _down(self, name: str) -> None:

@@ -22,6 +22,7 @@ the pool, scheduler, flow controller, tokenizer and KV index, and its handlers c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_protocol import RequestPayloadError
 
 from router.metrics import RouterMetrics
 from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
@@ -120,6 +123,7 @@ class Router:
         self.max_body_bytes = max_body_bytes
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s or None, sock_connect=connect_timeout_s)
         self.decisions = DecisionRate()
+        self._attempts: dict[str, set[_Attempt]] = {}  # endpoint name → tries running there
 
     # ---- entry point --------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -142,6 +146,13 @@ class Router:
         except RequestError as exc:
             response = web.Response(status=exc.status, body=exc.envelope(), content_type="application/json")
             return response
+        except (RequestPayloadError, BadHttpMessage) as exc:  # e.g. a Content-Encoding that does not decode
+            response = error_response(400, f"the request body could not be read: {exc}", code="invalid_body")
+            return response
+        except Exception:  # a bug of ours: still an answer in the envelope, and a log line
+            log.exception("request failed", extra={"action": "router.request_failed", "path": request.path})
+            response = error_response(500, "the router failed to handle the request", code="internal_error")
+            return response
         finally:
             status = response.status if response is not None else 499
             self.metrics.requests.labels(objective, str(status)).inc()
@@ -153,8 +164,10 @@ class Router:
     async def _serve(self, request: web.Request, parsed: ParsedRequest, objective: str,
                      received: float) -> web.StreamResponse:
         if not self.pool.candidates():
-            return error_response(503, "no healthy inference endpoint is available", code="no_healthy_endpoints",
-                                  headers={"Retry-After": "1", DROPPED_REASON: "rejected-capacity"})
+            return _no_endpoint()
+        if not self.pool.candidates_for(parsed.model):
+            return error_response(404, f"The model `{parsed.model}` does not exist.", code="model_not_found",
+                                  param="model", err_type="NotFoundError")
         prompt = await self.tokenizer.prompt(parsed)
         priority = self.objective_priority[objective]
         llm_request = to_llm_request(parsed, prompt, priority)
@@ -178,6 +191,9 @@ class Router:
                         objective=objective, byte_size=size, deadline=deadline)
         try:
             admission = await self.flow.admit(item)
+        except asyncio.CancelledError:  # the client went away while its request waited
+            self.metrics.shed.labels(objective, "rejected-context-cancelled").inc()
+            raise
         except RequestDropped as exc:
             self.metrics.shed.labels(objective, exc.reason).inc()
             return web.Response(status=exc.status, body=orjson.dumps(exc.body()), headers=exc.headers(),
@@ -188,7 +204,7 @@ class Router:
 
     # ---- scheduling ----------------------------------------------------------------------------------
     def _decide(self, llm_request: LLMRequest, exclude: set[str]) -> SchedulingResult | None:
-        candidates = self.pool.candidates()
+        candidates = self.pool.candidates_for(llm_request.model)
         if exclude:
             candidates = [ep for ep in candidates if ep.name not in exclude]
         started = time.perf_counter()
@@ -216,134 +232,197 @@ class Router:
                 headers[name] = value
         headers.setdefault("x-request-id", parsed.request_id)
         tried: set[str] = set()
-        current = asyncio.current_task()
-        evicted = False
+        task = asyncio.current_task()
+        assert task is not None
+        attempt: _Attempt | None = None
 
         def evict() -> None:
-            nonlocal evicted
-            evicted = True
-            if current is not None:
-                current.cancel()
+            if attempt is not None:
+                attempt.interrupt(_EVICTED)
 
         if admission is not None:
             admission.on_evict(evict)
-        for attempt in range(2):
+        for number in range(2):
             result = self._decide(llm_request, tried)
             if result is None:
-                return error_response(503, "no healthy inference endpoint is available", code="no_healthy_endpoints",
-                                      headers={"Retry-After": "1", DROPPED_REASON: "rejected-capacity"})
-            endpoint = result.endpoint
-            tried.add(endpoint.name)
-            prefill = _PrefillBacklog(endpoint, _uncached_tokens(result, llm_request))
-            endpoint.in_flight_requests += 1
-            cached_tokens: int | None = None
-            box: list[web.StreamResponse] = []  # the client response once made (for error events)
+                return _no_endpoint()
+            tried.add(result.endpoint.name)
+            attempt = _Attempt(task, result.endpoint, _uncached_tokens(result, llm_request))
+            self._attempts.setdefault(result.endpoint.name, set()).add(attempt)
+            retry = number == 0
             try:
-                try:
-                    upstream = await self.session.post(endpoint.name + parsed.path, data=body, headers=headers,
-                                                       timeout=self.timeout)
-                except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
-                    self.metrics.upstream_errors.labels("connect").inc()
-                    self.pool.report_failure(endpoint.name, f"{type(exc).__name__}: {exc}")
-                    if attempt == 0:
-                        continue
-                    return error_response(502, f"inference endpoint unreachable: {type(exc).__name__}",
-                                          code="upstream_unreachable", err_type="server_error")
-                complete = False
-                try:
-                    self.metrics.first_byte.labels(objective).observe(time.monotonic() - received)
-                    cached_tokens = await self._relay(request, upstream, box, prefill)
-                    response = box[0]
-                    complete = True
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                    self.metrics.upstream_errors.labels("stream").inc()
-                    self.pool.report_failure(endpoint.name, f"{type(exc).__name__}: {exc}")
-                    return await self._fail_stream(request, box[0] if box else None, exc)
-                finally:
-                    if complete:
-                        upstream.release()  # keep-alive: back to the pool
-                    else:
-                        upstream.close()  # the engine sees the disconnect and aborts the request
-                return response
+                response = await self._try(request, parsed, body, headers, attempt, objective, received, retry)
             except asyncio.CancelledError:
-                if not evicted:
-                    raise  # the client went away: the upstream connection was closed above
-                if current is not None:
-                    current.uncancel()
-                self.metrics.shed.labels(objective, "evicted").inc()
-                return await self._evicted(request, box[0] if box else None)
+                if attempt.reason is None:
+                    raise  # the client went away: the upstream connection is closed, the engine aborts
+                task.uncancel()
+                if attempt.reason is _EVICTED:
+                    self.metrics.shed.labels(objective, "evicted").inc()
+                    return await self._interrupted(attempt, 429, "evicted to make room for higher-priority work; "
+                                                   "retry later", "evicted")
+                # the endpoint was declared down while this request ran on it
+                self.metrics.upstream_errors.labels("endpoint_down").inc()
+                if retry and not attempt.sent:
+                    continue
+                return await self._interrupted(attempt, 503, "the inference endpoint went down", "upstream_failed")
             finally:
-                endpoint.in_flight_requests = max(0, endpoint.in_flight_requests - 1)
-                prefill.done()
-                self.scheduler.response_complete(llm_request, result, cached_tokens)
-        raise AssertionError("unreachable")  # pragma: no cover
+                attempt.finish()
+                self._attempts.get(result.endpoint.name, set()).discard(attempt)
+                self.scheduler.response_complete(llm_request, result, attempt.cached_tokens)
+            if response is not None:
+                return response
+        return _no_endpoint()
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                     box: list[web.StreamResponse], prefill: _PrefillBacklog) -> int | None:
-        """Pass the engine's answer to the client (the response is appended to ``box`` as soon as
-        it exists); returns the cached prompt tokens the engine reported, if any. The first body
-        chunk of a stream means the prefill is over (``prefill.done()``)."""
+    async def _try(self, request: web.Request, parsed: ParsedRequest, body: bytes, headers: dict[str, str],
+                       attempt: _Attempt, objective: str, received: float, retry: bool) -> web.StreamResponse | None:
+        """One try on ``attempt.endpoint``; None means "nothing ran there, try another endpoint"."""
+        name = attempt.endpoint.name
+        try:
+            upstream = await self.session.post(name + parsed.path, data=body, headers=headers, timeout=self.timeout)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
+            self.metrics.upstream_errors.labels("connect").inc()
+            self.pool.report_failure(name, f"{type(exc).__name__}: {exc}")
+            return None if retry else _no_endpoint()  # refused: nothing ran, so the request may be retried
+        complete = False
+        try:
+            self.metrics.first_byte.labels(objective).observe(time.monotonic() - received)
+            attempt.cached_tokens = await self._relay(request, upstream, attempt)
+            complete = True
+        except _ClientGone:
+            return attempt.response  # the client closed its connection: not the engine's fault
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self.metrics.upstream_errors.labels("stream").inc()
+            self.pool.report_failure(name, f"{type(exc).__name__}: {exc}")
+            return await self._interrupted(attempt, 502, f"the inference endpoint failed mid-response: "
+                                           f"{type(exc).__name__}", "upstream_failed")
+        finally:
+            if complete:
+                upstream.release()  # keep-alive: back to the pool
+            else:
+                upstream.close()  # the engine sees the disconnect and aborts the request
+        return attempt.response
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, attempt: _Attempt) -> int | None:
+        """Pass the engine's answer to the client (``attempt.response`` is set as soon as it
+        exists); returns the cached prompt tokens the engine reported, if any. The first body
+        chunk of a stream means the prefill is over (``attempt.prefill_done()``).
+
+        Raises:
+            _ClientGone: writing to the client failed (it disconnected).
+            aiohttp.ClientError, OSError: reading from the engine failed.
+        """
         out_headers = {k: v for k in RETURNED_HEADERS if (v := upstream.headers.get(k)) is not None}
         content_type = upstream.headers.get("content-type", "")
         if not content_type.startswith("text/event-stream"):
             data = await upstream.read()
-            box.append(web.Response(status=upstream.status, body=data, headers=out_headers))
+            attempt.response = web.Response(status=upstream.status, body=data, headers=out_headers)
             return _cached_from_json(data)
-        response = web.StreamResponse(status=upstream.status, headers=out_headers)
-        box.append(response)
+        response = attempt.response = web.StreamResponse(status=upstream.status, headers=out_headers)
         response.headers["Cache-Control"] = "no-cache"
-        await response.prepare(request)
+        await _to_client(response.prepare(request))
         tail = b""
         async for chunk in upstream.content.iter_any():
-            prefill.done()
-            await response.write(chunk)
+            attempt.prefill_done()
+            attempt.sent = True
+            await _to_client(response.write(chunk))
             tail = (tail + chunk)[-8192:]
-        await response.write_eof()
+        await _to_client(response.write_eof())
         return _cached_from_sse_tail(tail)
 
-    async def _fail_stream(self, request: web.Request, response: web.StreamResponse | None,
-                           exc: BaseException) -> web.StreamResponse:
-        message = f"the inference endpoint failed mid-response: {type(exc).__name__}"
+    async def _interrupted(self, attempt: _Attempt, status: int, message: str, code: str) -> web.StreamResponse:
+        """End a request that cannot finish: an error response when nothing was sent yet (429/503
+        with ``Retry-After`` and the drop reason for evictions and lost endpoints), else an SSE
+        ``error`` event closing the stream (no ``[DONE]``)."""
+        response = attempt.response
         if response is None or not response.prepared:
-            return error_response(502, message, code="upstream_failed", err_type="server_error")
-        event = orjson.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                        "code": "upstream_failed"}})
-        try:
+            if status == 502:
+                return error_response(502, message, code=code, err_type="server_error")
+            reason = "evicted" if code == "evicted" else "rejected-capacity"
+            return error_response(status, message, code=code, headers={"Retry-After": "1", DROPPED_REASON: reason})
+        event = orjson.dumps({"error": {"message": message, "type": "server_error" if status >= 500 else
+                                        "rate_limit_error", "param": None, "code": code}})
+        with contextlib.suppress(ConnectionError, RuntimeError):
             await response.write(b"data: " + event + b"\n\n")
             await response.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass
         return response
 
-    async def _evicted(self, request: web.Request, response: web.StreamResponse | None) -> web.StreamResponse:
-        message = "evicted to make room for higher-priority work; retry later"
-        if response is None or not response.prepared:
-            return error_response(429, message, code="evicted",
-                                  headers={"Retry-After": "1", DROPPED_REASON: "evicted"})
-        return await self._fail_stream(request, response, RuntimeError(message))
+    def endpoint_down(self, name: str) -> None:
+        """Pool hook: ``name`` left the candidate set. Its requests in flight are interrupted
+        (their counters were reset by the pool, so they no longer count them)."""
+        for attempt in list(self._attempts.pop(name, ())):
+            attempt.orphan()
+            attempt.interrupt(_ENDPOINT_DOWN)
 
 
-class _PrefillBacklog:
-    """One request's share of its endpoint's ``in_flight_uncached_tokens``: the prompt tokens the
-    router expects the engine still has to compute for it. Added when the request is forwarded,
-    removed once (:meth:`done`) when its first streamed chunk arrives — the prefill is over — or
-    when the request ends. So the counter is the endpoint's queued prefill work, which the
+_EVICTED = "evicted"
+_ENDPOINT_DOWN = "endpoint_down"
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it closed the connection."""
+
+
+async def _to_client(write: Any) -> None:
+    """Await a write to the client, turning a reset connection into :class:`_ClientGone`."""
+    try:
+        await write
+    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError is one
+        raise _ClientGone() from exc
+
+
+def _no_endpoint() -> web.Response:
+    return error_response(503, "no healthy inference endpoint is available", code="no_healthy_endpoints",
+                          headers={"Retry-After": "1", DROPPED_REASON: "rejected-capacity"})
+
+
+class _Attempt:
+    """One try of a request on one endpoint: its share of the endpoint's in-flight counters, what
+    was sent to the client, and why it was interrupted (eviction, endpoint down), if it was.
+
+    The endpoint's ``in_flight_uncached_tokens`` carries the tokens the router expects the engine
+    still has to compute for it, removed when its first streamed chunk arrives (the prefill is
+    over) or when it ends, so the counter is the endpoint's queued prefill work, which the
     load-aware plugins (``token-load-scorer``, ``prefix-cache-affinity-filter``) turn into a wait
-    estimate; decode-only requests no longer count."""
+    estimate.
+    """
 
-    __slots__ = ("endpoint", "tokens")
+    __slots__ = ("task", "endpoint", "tokens", "counted", "reason", "sent", "response", "cached_tokens")
 
-    def __init__(self, endpoint: Endpoint, tokens: int) -> None:
+    def __init__(self, task: asyncio.Task, endpoint: Endpoint, uncached_tokens: int) -> None:
+        self.task = task
         self.endpoint = endpoint
-        self.tokens = tokens
-        endpoint.in_flight_uncached_tokens += tokens
+        self.tokens = uncached_tokens
+        self.counted = True
+        self.reason: str | None = None
+        self.sent = False
+        self.response: web.StreamResponse | None = None
+        self.cached_tokens: int | None = None
+        endpoint.in_flight_requests += 1
+        endpoint.in_flight_uncached_tokens += uncached_tokens
 
-    def done(self) -> None:
-        """Remove the tokens (idempotent)."""
-        if self.tokens:
+    def prefill_done(self) -> None:
+        """The prefill is over: remove the tokens (idempotent)."""
+        if self.tokens and self.counted:
             ep = self.endpoint
             ep.in_flight_uncached_tokens = max(0, ep.in_flight_uncached_tokens - self.tokens)
-            self.tokens = 0
+        self.tokens = 0
+
+    def finish(self) -> None:
+        """The try ended: remove it from the endpoint's counters (once)."""
+        self.prefill_done()
+        if self.counted:
+            self.endpoint.in_flight_requests = max(0, self.endpoint.in_flight_requests - 1)
+            self.counted = False
+
+    def orphan(self) -> None:
+        """The pool reset the endpoint's counters: this try no longer counts there."""
+        self.counted = False
+
+    def interrupt(self, reason: str) -> None:
+        """Cancel the request's task, remembering why (first reason wins)."""
+        if self.reason is None:
+            self.reason = reason
+            self.task.cancel()
 
 
 def _matched(result: SchedulingResult) -> list[float]:

@@ -48,7 +48,8 @@ class RouterStack:
     def start_engine(self, i: int) -> None:
         """Start engine ``i`` (again) on its port and wait until it answers."""
         options = {"time_scale": 0.0, **self.engine_options[i]}
-        argv = sim_engine_argv(self.engine_ports[i], [self.model], self.kv_bind, **options)
+        models = options.pop("models", [self.model])
+        argv = sim_engine_argv(self.engine_ports[i], models, self.kv_bind, **options)
         self.engines[i] = self._spawn(argv, f"engine{i}")
         wait_ready(self.engine_urls[i], timeout=30, process=self.engines[i])
 

@@ -139,9 +139,36 @@ def test_bad_input_gets_openai_error_envelopes(stack: RouterStack) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-llm-d-inference-fairness-id"
     r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10,
                    json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]  # the engine's answer
+    assert r.status_code == 404 and r.json()["error"]["message"] == "The model `no-such-model` does not exist."
     r = httpx.get(f"{stack.url}/v1/nope", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
+    chat_body = {"model": "sim-model", "messages": [{"role": "user", "content": "x"}]}
+    odd = [
+        # a text part whose text is not a string
+        dict(json={"model": "sim-model", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+        # a fairness id that is not UTF-8
+        dict(json=chat_body, headers={"x-llm-d-inference-fairness-id": b"t\xff\xfe"}),
+        # a body that does not decode as its Content-Encoding says
+        dict(content=b"notgzip", headers={"content-type": "application/json", "content-encoding": "gzip"}),
+    ]
+    for kwargs in odd:
+        r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10, **kwargs)
+        assert r.status_code == 400, (kwargs, r.status_code, r.text)
+        assert r.json()["error"]["message"]
+    assert "code=\"500\"" not in httpx.get(f"{stack.url}/metrics", timeout=10).text
+
+
+def test_requests_go_only_to_engines_serving_their_model(tmp_path: Path) -> None:
+    with RouterStack(tmp_path, engines=2, engine_options=[{}, {"models": ["other-model"]}]) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        for i in range(6):
+            for model in ("sim-model", "other-model"):
+                answer = client.chat.completions.create(model=model, max_tokens=1,
+                                                        messages=[{"role": "user", "content": f"hi {i}"}])
+                assert answer.model == model
+        assert sorted(m.id for m in client.models.list()) == ["other-model", "sim-model"]
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.chat.completions.create(model="nobody-serves-it", messages=[{"role": "user", "content": "x"}])
 
 
 def test_admin_state_and_metrics(stack: RouterStack, client: openai.OpenAI) -> None:
@@ -254,3 +281,5 @@ def test_client_disconnect_cancels_the_upstream_request(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the engine never saw the abort"
             time.sleep(0.05)
         assert s.wait_candidates(1)["endpoints"][0]["in_flight_requests"] == 0
+        # a client going away is not the engine's failure: no upstream error, the engine stays a candidate
+        assert 'backfill_router_upstream_errors_total{kind="stream"}' not in httpx.get(f"{s.url}/metrics").text

@@ -36,7 +36,7 @@ def test_prefix_quick_writes_every_policy_with_the_four_figures(tmp_path):
         assert figures["ttft_p50_s"] <= figures["ttft_p99_s"]
         assert sum(figures["engines"]["requests_per_engine"]) == payload["trace"]["requests"]
     # vllm-router is a dev dependency: round-robin always runs
-    assert "missing" not in payload["policies"]["round-robin"]
+    assert "missing" not in payload["policies"]["round-robin"], payload["policies"]["round-robin"]["missing"]
     assert payload["trace"]["working_set_blocks"] > 0 and payload["fleet"]["engines"] == 2
     assert set(payload["goals"]) >= {"approximate_captured_reuse", "precise_captured_reuse",
                                      "precise_ttft_p50_vs_round_robin", "approximate_ttft_p99_s_vs_best_peer"}
