@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -68,6 +70,9 @@ def test_f10_all_engines_gone_then_back(tmp_path: Path) -> None:
         assert httpx.post(f"{s.url}/v1/chat/completions", json=_body("hi", 2), timeout=10).status_code == 200
         s.kill_engine(0)
         s.kill_engine(1)
+        # before the health checks notice: both connections are refused, nothing ran → 503, retry later
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=_body("right away", 2), timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
         s.wait_candidates(0)
         r = httpx.post(f"{s.url}/v1/chat/completions", json=_body("anyone?", 2), timeout=10)
         assert r.status_code == 503
@@ -81,6 +86,74 @@ def test_f10_all_engines_gone_then_back(tmp_path: Path) -> None:
         r = httpx.post(f"{s.url}/v1/chat/completions", json=_body("back", 2), timeout=10)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
         assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+
+
+def test_f9_engine_hung_mid_stream(tmp_path: Path) -> None:
+    """An engine that stops answering (SIGSTOP) is marked down by its failed health checks, and the
+    streams it was serving end with an error event then, not at the client's own timeout."""
+    with RouterStack(tmp_path, engines=2, engine_options=[{"time_scale": 1.0}, {"time_scale": 1.0}]) as s:
+        with httpx.Client(timeout=60) as client, \
+                client.stream("POST", f"{s.url}/v1/chat/completions", json=_body("long answer", 400, True)) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            serving = next(e["name"] for e in s.state()["endpoints"] if e["in_flight_requests"] == 1)
+            victim = s.engine_urls.index(serving)
+            proc = s.engines[victim]
+            os.killpg(proc.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                rest = [line for line in lines if line.startswith("data: ")]
+                waited = time.monotonic() - started
+            finally:
+                os.killpg(proc.pid, signal.SIGCONT)
+        last = orjson.loads(rest[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "upstream_failed" and "went down" in last["error"]["message"]
+        assert waited < 30  # the health checks' doing (about 2 s), far below the 60 s client timeout
+        state = s.wait_candidates(2)  # resumed: healthy again, and nothing left counted in flight
+        assert all(e["in_flight_requests"] == 0 for e in state["endpoints"])
+
+
+EVICTION_FLOW = """
+eviction: true
+eviction_interval_s: 0
+bands:
+- {objective: interactive, priority: 100, ttl_s: 30}
+- {objective: batch, priority: -10, ttl_s: 600, sheddable: true}
+"""
+
+
+def test_eviction_frees_room_for_a_blocked_higher_band(tmp_path: Path) -> None:
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(EVICTION_FLOW)
+    # one slow engine running one sequence at a time: five batch requests saturate it
+    with RouterStack(tmp_path, engines=1, engine_options=[{"time_scale": 1.0, "max_num_seqs": 1}],
+                     router_options={"flow_control": str(flow)}) as s:
+        done: list[tuple[str, int, str | None]] = []
+
+        async def send(client: httpx.AsyncClient, objective: str, tag: str) -> None:
+            r = await client.post(f"{s.url}/v1/chat/completions", json=_body(tag, 100, system=tag),
+                                  headers={"x-llm-d-inference-objective": objective})
+            done.append((objective, r.status_code, r.headers.get("x-llm-d-request-dropped-reason")))
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                batch = [asyncio.create_task(send(client, "batch", f"b{i}")) for i in range(8)]
+                deadline = time.monotonic() + 10
+                while True:
+                    bands = (await asyncio.to_thread(s.state))["bands"]
+                    if next(b for b in bands if b["objective"] == "batch")["queued_requests"] > 0:
+                        break  # saturated: batch work now waits in the router
+                    assert time.monotonic() < deadline, bands
+                    await asyncio.sleep(0.05)
+                await send(client, "interactive", "urgent")
+                for task in batch:
+                    task.cancel()
+                await asyncio.gather(*batch, return_exceptions=True)
+
+        asyncio.run(scenario())
+    assert ("interactive", 200, None) in done
+    evicted = [d for d in done if d[2] == "evicted"]
+    assert evicted and all(d[0] == "batch" and d[1] == 429 for d in evicted)
 
 
 F11_FLOW = """
