@@ -16,7 +16,9 @@ the pool, scheduler, flow controller, tokenizer and KV index, and its handlers c
    another endpoint (nothing ran), a failure mid-stream ends the client's stream with an error
    event; the client going away cancels the upstream request (aiohttp closes the connection,
    which vLLM treats as an abort);
-6. counters fall, ``response_complete`` hooks get ``usage.prompt_tokens_details.cached_tokens``.
+6. counters fall, ``response_complete`` hooks get ``usage.prompt_tokens_details.cached_tokens``
+   when the engine reported it (always for JSON answers; for streams only when the client asked
+   for ``stream_options.include_usage``).
 """
 
 from __future__ import annotations
