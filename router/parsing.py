@@ -37,6 +37,7 @@ from typing import Any
 
 import orjson
 
+from backfill.json_types import json_type_name
 from router.chat_template import TEXT_PART_TYPES, render_chat
 
 CHAT_PATH = "/v1/chat/completions"
@@ -138,28 +139,12 @@ class ParsedRequest:
 
 
 # ---- field checks ------------------------------------------------------------------------------
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
 def _missing(param: str) -> RequestError:
     return RequestError(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
 
 
 def _wrong_type(param: str, expected: str, value: Any) -> RequestError:
-    return RequestError(400, f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
+    return RequestError(400, f"Invalid type for '{param}': expected {expected}, but got {json_type_name(value)} instead.",
                         param, "invalid_type")
 
 
@@ -371,7 +356,7 @@ def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> ParsedR
         raise RequestError(400, f"We could not parse the JSON body of your request: {exc}", None, "invalid_json") \
             from None
     if not isinstance(data, dict):
-        raise RequestError(400, f"The request body must be a JSON object, but got {_json_type(data)} instead.",
+        raise RequestError(400, f"The request body must be a JSON object, but got {json_type_name(data)} instead.",
                            None, "invalid_type")
     model = data.get("model")
     if model is None:

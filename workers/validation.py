@@ -35,6 +35,8 @@ from typing import Any
 
 import orjson
 
+from backfill.json_types import json_type_name
+
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",
     "PREFIX_KEY_BYTES",
@@ -442,21 +444,7 @@ def _wrong_type(value: Any, expected: type, param: str) -> str | None:
     if value is None:
         return f"Missing required parameter: '{param}'."
     want = "an object" if expected is dict else "a string"
-    return f"Invalid type for '{param}': expected {want}, but got {_json_type(value)}."
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
+    return f"Invalid type for '{param}': expected {want}, but got {json_type_name(value)}."
 
 
 def _clip(text: str, limit: int = 200) -> str:
@@ -467,7 +455,7 @@ def _show(value: Any) -> str:
     """Quote a user value for a message, clipped so a hostile value cannot bloat the error."""
     if isinstance(value, str):
         return f"'{_clip(value)}'"
-    return _json_type(value)
+    return json_type_name(value)
 
 
 # --------------------------------------------------------------------------------------------------

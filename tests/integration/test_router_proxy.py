@@ -216,15 +216,22 @@ def _wait_index(stack: RouterStack, predicate, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-def test_precise_routing_follows_kv_events_removals_and_cpu_tier(tmp_path: Path) -> None:
-    engine = {**SMALL_GPU, "cpu_offload_blocks": 0}
+@contextlib.contextmanager
+def _precise_stack(tmp_path: Path, cpu_offload_blocks: int):
+    """Two small-GPU engines behind a precise router, after one request with :data:`PREFIX`:
+    yields (stack, client, the engine the index says holds the prefix)."""
+    engine = {**SMALL_GPU, "cpu_offload_blocks": cpu_offload_blocks}
     with RouterStack(tmp_path, engines=2, engine_options=[engine, engine], kv_events=True,
                      router_options={"config": PRECISE}) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
         chat(client, PREFIX, "first")
         state = _wait_index(s, lambda blocks: any(b["gpu"] >= 7 for b in blocks.values()))
         assert state["index"]["kind"] == "kv-events"
-        holder = next(e["name"] for e in state["endpoints"] if e["cache_blocks"]["gpu"] >= 7)
+        yield s, client, next(e["name"] for e in state["endpoints"] if e["cache_blocks"]["gpu"] >= 7)
+
+
+def test_precise_routing_follows_kv_events_removals_and_cpu_tier(tmp_path: Path) -> None:
+    with _precise_stack(tmp_path, cpu_offload_blocks=0) as (s, client, holder):
         other = next(u for u in s.engine_urls if u != holder)
         assert all(chat(client, PREFIX, f"again {i}").usage.prompt_tokens_details.cached_tokens >= 480
                    for i in range(3))
@@ -244,13 +251,7 @@ def test_precise_routing_follows_kv_events_removals_and_cpu_tier(tmp_path: Path)
 
 
 def test_precise_routing_counts_the_cpu_tier(tmp_path: Path) -> None:
-    engine = {**SMALL_GPU, "cpu_offload_blocks": 512}
-    with RouterStack(tmp_path, engines=2, engine_options=[engine, engine], kv_events=True,
-                     router_options={"config": PRECISE}) as s:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
-        chat(client, PREFIX, "first")
-        state = _wait_index(s, lambda blocks: any(b["gpu"] >= 7 for b in blocks.values()))
-        holder = next(e["name"] for e in state["endpoints"] if e["cache_blocks"]["gpu"] >= 7)
+    with _precise_stack(tmp_path, cpu_offload_blocks=512) as (s, client, holder):
         _flood(holder)  # the prefix leaves the GPU tier but stays in the CPU tier
         _wait_index(s, lambda blocks: blocks[holder]["gpu"] < 7 and blocks[holder]["cpu"] >= 7)
         before = s.served_counts()
