@@ -62,3 +62,38 @@ def test_decision_rate_counts_the_window_only() -> None:
     assert rate.rate() == 2.0
     now[0] += 6
     assert rate.rate() == 0.0
+
+
+def test_kubernetes_source_keeps_the_pool_equal_to_the_ready_pods() -> None:
+    import asyncio
+
+    import aiohttp
+
+    from router.pool import EndpointPool, KubernetesSource
+
+    class FakeCoreV1:
+        def __init__(self) -> None:
+            self.pods = [_pod("Running", "10.0.0.1", "True"), _pod("Running", "10.0.0.2", "True")]
+            self.calls: list[tuple[str, str]] = []
+
+        def list_namespaced_pod(self, namespace: str, label_selector: str) -> SimpleNamespace:
+            self.calls.append((namespace, label_selector))
+            return SimpleNamespace(items=list(self.pods))
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            pool = EndpointPool(session, health_interval_s=60, scrape_interval_s=60)
+            source = KubernetesSource(pool, "app=vllm", 8000, namespace="llm", interval_s=0.01,
+                                      static=["http://static:8000"])
+            api = FakeCoreV1()
+            task = asyncio.create_task(source._loop(api))
+            await asyncio.sleep(0.05)
+            assert set(pool.states) == {"http://static:8000", "http://10.0.0.1:8000", "http://10.0.0.2:8000"}
+            api.pods.pop()  # a pod went away (scaled down, or no longer Ready)
+            await asyncio.sleep(0.05)
+            assert set(pool.states) == {"http://static:8000", "http://10.0.0.1:8000"}
+            assert api.calls[0] == ("llm", "app=vllm")
+            task.cancel()
+            await pool.close()
+
+    asyncio.run(scenario())
