@@ -37,7 +37,7 @@ from router.scheduling.interfaces import PluginHandle
 from router.scheduling.saturation import SaturationThresholds, endpoint_saturation, pool_saturation
 from router.scheduling.scheduler import Scheduler
 from router.settings import RouterSettings
-from router.tokenizers import build_tokenizer
+from router.tokenizers import EngineTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -249,8 +249,10 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                                      has_endpoints=lambda: bool(rt.pool.candidates()))
         objective_priority = {band.objective: band.priority for band in flow_config.bands}
         tokenizer_path = str(settings.tokenizer_path) if settings.tokenizer_path else None
-        tokenizer = build_tokenizer(settings.tokenizer, tokenizer_path=tokenizer_path,
-                                    engine_url=settings.engines[0] if settings.engines else None)
+        if settings.tokenizer == "engine":  # ask any healthy engine, whichever source found it
+            tokenizer = EngineTokenizer(lambda: next((ep.name for ep in rt.pool.candidates()), None))
+        else:
+            tokenizer = build_tokenizer(settings.tokenizer, tokenizer_path=tokenizer_path)
         router = Router(pool=rt.pool, scheduler=rt.scheduler, profile=settings.profile, tokenizer=tokenizer,
                         flow=rt.flow, session=forward, metrics=RouterMetrics(rt.state),
                         objective_priority=objective_priority, default_objective=flow_config.default_objective,

@@ -38,6 +38,7 @@ def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -
     import uvloop
     from aiohttp import web
 
+    from backfill.logging import configure_logging
     from router.app import create_app
 
     overrides = dict(options)
@@ -51,7 +52,8 @@ def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -
         raise click.BadParameter(str(exc)) from exc
     if not settings.engines and not settings.engine_selector:
         raise click.UsageError("give at least one --engine URL or an --engine-selector")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(settings.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine /tokenize call otherwise
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
     def ready(*_args) -> None:

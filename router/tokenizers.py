@@ -202,7 +202,9 @@ class EngineTokenizer:
     incremented and a warning is logged (``action=tokenize_fallback``).
 
     Args:
-        engine_url: the engine's base URL, e.g. ``http://10.0.0.7:8000``.
+        engine_url: the engine's base URL, e.g. ``http://10.0.0.7:8000``, or a callable returning
+            one per call (the router passes "some healthy endpoint", so a dead engine is not asked;
+            None from it means no engine: estimate).
         client: the HTTP client to use (not closed by :meth:`aclose`); None makes one that
             :meth:`aclose` closes.
         timeout_s: per-call timeout in seconds (default 2 s, our choice: a tokenize call is one CPU
@@ -212,8 +214,9 @@ class EngineTokenizer:
 
     kind = "engine"
 
-    def __init__(self, engine_url: str, client: httpx.AsyncClient | None = None, *, timeout_s: float = 2.0):
-        self.url = engine_url.rstrip("/") + "/tokenize"
+    def __init__(self, engine_url: str | Callable[[], str | None], client: httpx.AsyncClient | None = None, *,
+                 timeout_s: float = 2.0):
+        self._engine_url = engine_url
         self._owns_client = client is None
         self._client = client if client is not None else httpx.AsyncClient()
         self.timeout_s = timeout_s
@@ -244,8 +247,12 @@ class EngineTokenizer:
         if given is not None:
             return given
         error: str
+        base = self._engine_url() if callable(self._engine_url) else self._engine_url
+        url = f"{base.rstrip('/')}/tokenize" if base else None
         try:
-            response = await self._client.post(self.url, json=self.request_body(parsed), timeout=self.timeout_s)
+            if url is None:
+                raise ValueError("no engine to ask")
+            response = await self._client.post(url, json=self.request_body(parsed), timeout=self.timeout_s)
             if response.status_code == 200:
                 tokens = response.json().get("tokens")
                 if isinstance(tokens, list):
@@ -258,7 +265,7 @@ class EngineTokenizer:
             error = f"{type(exc).__name__}: {exc}"
         self.fallbacks += 1
         log.warning("engine tokenize failed, estimating the prompt", extra={
-            "action": "tokenize_fallback", "engine": self.url, "error": error, "request_id": parsed.request_id})
+            "action": "tokenize_fallback", "engine": url, "error": error, "request_id": parsed.request_id})
         return estimate_prompt(parsed)
 
     async def aclose(self) -> None:

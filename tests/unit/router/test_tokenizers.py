@@ -307,7 +307,7 @@ def test_build_tokenizer_kinds_and_errors(tmp_path):
     assert build_tokenizer("hf", tokenizer_path=str(small_tokenizer(tmp_path))).kind == "hf"
     client = httpx.AsyncClient()
     engine = build_tokenizer("engine", engine_url="http://e:8000", client=client)
-    assert (engine.kind, engine.url) == ("engine", "http://e:8000/tokenize")
+    assert (engine.kind, engine._engine_url) == ("engine", "http://e:8000")
     run(engine.aclose())
     assert not client.is_closed  # an injected client belongs to the caller
     owned = build_tokenizer("engine", engine_url="http://e:8000")
