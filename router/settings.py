@@ -14,10 +14,10 @@ Every field can come from the environment (``BACKFILL_ROUTER_PORT=8100``) or fro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 #: The shipped scheduling config (approximate prefix + load scorers) used when none is given.
 DEFAULT_SCHEDULING_CONFIG = Path(__file__).parent / "scheduling" / "default-config.yaml"
@@ -28,7 +28,8 @@ class RouterSettings(BaseSettings):
 
     Attributes:
         host, port: where the proxy listens.
-        engines: static engine base URLs (``http://10.0.0.7:8000``), the endpoint pool's first source.
+        engines: static engine base URLs (``http://10.0.0.7:8000``), the endpoint pool's first source;
+            in ``BACKFILL_ROUTER_ENGINES`` separated by spaces or commas.
         engine_selector: Kubernetes label selector of engine pods (second source; needs the
             ``kubernetes`` package and in-cluster or kubeconfig credentials).
         engine_namespace: namespace watched by the selector (default: the pod's own).
@@ -57,7 +58,7 @@ class RouterSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
-    engines: list[str] = Field(default_factory=list)
+    engines: Annotated[list[str], NoDecode] = Field(default_factory=list)  # "URL URL" or "URL,URL" in the env
     engine_selector: str | None = None
     engine_namespace: str | None = None
     engine_port: int = Field(8000, ge=1, le=65535)

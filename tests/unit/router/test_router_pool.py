@@ -97,3 +97,11 @@ def test_kubernetes_source_keeps_the_pool_equal_to_the_ready_pods() -> None:
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_engines_from_the_environment_split_on_spaces_and_commas(monkeypatch) -> None:
+    from router.settings import build_settings
+
+    monkeypatch.setenv("BACKFILL_ROUTER_ENGINES", "http://a:8000 http://b:8000,http://c:8000/")
+    assert build_settings().engines == ["http://a:8000", "http://b:8000", "http://c:8000"]
+    assert build_settings(engines=["http://d:1"]).engines == ["http://d:1"]  # the command line wins
