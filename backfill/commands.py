@@ -8,6 +8,7 @@ when ``DATABASE_URL`` is not set, so they work on a fresh machine too.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import sys
@@ -84,6 +85,9 @@ def _celery_logging(log_level: str) -> None:
 
     configure_logging(log_level)
     setup_logging.connect(lambda **_: None, weak=False)
+    # Celery's own per-task "received" / "succeeded" lines: our tasks log what they did (action=…)
+    for name in ("celery.worker.strategy", "celery.app.trace"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _multiprocess_metrics_dir() -> str:

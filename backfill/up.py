@@ -60,6 +60,18 @@ class Stack:
         self.children[name] = _spawn(argv, self.env, self.data_dir / "logs", name)
         return self.children[name]
 
+    def metrics_urls(self) -> str:
+        """``service:URL`` of every Prometheus endpoint of the stack, comma-separated."""
+        host = self.env.get("BACKFILL_METRICS_HOST", "127.0.0.1")
+        urls = [f"gateway:{self.gateway_url.removesuffix('/v1')}/metrics"]
+        if self.router_url:
+            urls.append(f"router:{self.router_url}/metrics")
+        for service in ("worker", "processor"):
+            port = self.env.get(f"BACKFILL_{service.upper()}_METRICS_PORT")
+            if port and service in self.children:
+                urls.append(f"{service}:http://{host}:{port}/metrics")
+        return ",".join(urls)
+
     def dead_child(self) -> str | None:
         """The name of a child that exited, if any."""
         for name, proc in self.children.items():
@@ -168,7 +180,7 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     stack.router_url = f"http://{host}:{port}"
     stack.env["BACKFILL_ROUTER_URL"] = stack.router_url  # the gateway's dashboard reads its admin JSON
     stack.start("router", router_argv(port, stack.engine_urls, host=host, engine_priority=simulated,
-                                      extra=["--log-level", "WARNING"]))
+                                      extra=["--log-level", "INFO"]))
     _wait_ready(f"{stack.router_url}/health", stack)
 
 
@@ -254,6 +266,12 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         _register_key(stores.database_url, api_key)
         env = dict(os.environ, DATABASE_URL=stores.database_url, REDIS_URL=stores.redis_url,
                    BACKFILL_DATA_DIR=str(data_dir), BACKFILL_API_KEY=api_key)
+        # each service its own Prometheus port on this host unless given (the gateway and the router
+        # serve /metrics on their own ports); one shared port for every child cannot work here
+        env.pop("BACKFILL_METRICS_PORT", None)
+        for service in ("WORKER", "PROCESSOR"):
+            env.setdefault(f"BACKFILL_{service}_METRICS_PORT", str(free_port(host)))
+        env.setdefault("BACKFILL_METRICS_HOST", host)
         if admin_key:
             env["BACKFILL_ADMIN_KEY"] = admin_key
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)
@@ -262,11 +280,10 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
             if stack.engine_urls:
                 start_router(stack, host, simulated=not engine_urls)
                 stack.start("processor", _backfill("processor", "--backend", "redis", "--router-url",
-                                                   stack.router_url, "--saturation-gate",
-                                                   "--log-level", "WARNING"))
-            stack.start("worker", _backfill("worker"))
-            stack.start("beat", _backfill("beat", "--data-dir", str(data_dir)))
-            stack.start("gateway", _backfill("gateway", "--host", host, "--port", str(port)))
+                                                   stack.router_url, "--saturation-gate", "--log-level", "INFO"))
+            stack.start("worker", _backfill("worker", "--log-level", "INFO"))
+            stack.start("beat", _backfill("beat", "--data-dir", str(data_dir), "--log-level", "INFO"))
+            stack.start("gateway", _backfill("gateway", "--host", host, "--port", str(port), "--log-level", "info"))
             _wait_ready(f"http://{host}:{port}/health", stack)
             yield stack
         finally:
@@ -316,7 +333,8 @@ def up_command(data_dir: Path, host: str, port: int, api_key: str | None, admin_
             admin = stack.gateway_url.removesuffix("/v1") + "/admin"
             click.echo(f"backfill ready gateway={stack.gateway_url} admin={admin} api_key={stack.api_key} "
                        f"router={stack.router_url or '-'} engines={','.join(stack.engine_urls) or '-'} "
-                       f"redis={stack.env['REDIS_URL']} data_dir={stack.data_dir} logs={stack.data_dir / 'logs'}", err=False)
+                       f"redis={stack.env['REDIS_URL']} data_dir={stack.data_dir} logs={stack.data_dir / 'logs'} "
+                       f"metrics={stack.metrics_urls()}", err=False)
             sys.stdout.flush()
             while True:
                 failing = stack.restart_dead()
