@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +28,22 @@ def settings_from(settings_class, prefix: str, env: dict[str, str]):
     """``settings_class`` built from the ``prefix``-ed variables of ``env`` passed as field values
     (only those: the test process' own environment stays out)."""
     return settings_class(**{k.removeprefix(prefix).lower(): v for k, v in env.items() if k.startswith(prefix)})
+
+
+#: variables of the test process that must not leak into settings built from a deploy environment
+FOREIGN_ENV = {"DATABASE_URL", "REDIS_URL", "PUBSUB_EMULATOR_HOST"}
+#: the stores' URLs, Secrets the operator creates (absent from the production overlay)
+STORE_FALLBACK = {"DATABASE_URL": "postgresql://u:p@db/backfill", "REDIS_URL": "redis://redis:6379/0"}
+
+
+def settings_under_env(build: Callable[[], Any], env: dict[str, str], monkeypatch) -> Any:
+    """``build()`` (a settings class or ``router.settings.build_settings``) run with exactly ``env``
+    as its ``BACKFILL_*`` / store variables (the test process' own are removed meanwhile), so
+    aliases and environment-only parsing apply as in the service."""
+    with monkeypatch.context() as patch:
+        for key in list(os.environ):
+            if key.startswith("BACKFILL_") or key in FOREIGN_ENV:
+                patch.delenv(key)
+        for key, value in env.items():
+            patch.setenv(key, value)
+        return build()

@@ -6,7 +6,6 @@ setting some service reads (and validates)."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import yaml
 from async_processor.messages import LANE_PRIORITIES, pubsub_request_topic, request_stream
 from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
-from conftest import DEPLOY, OVERLAYS, REPO, settings_from
+from conftest import DEPLOY, OVERLAYS, REPO, STORE_FALLBACK, settings_from, settings_under_env
 from router.fleet.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
 from router.settings import RouterSettings
 from workers.settings import WorkerSettings
@@ -180,20 +179,13 @@ def test_every_backfill_variable_is_read_by_some_service(rendered):
 def test_service_settings_validate_with_the_rendered_environment(rendered, overlay, monkeypatch):
     """Each service's settings class accepts the environment its pods get (values parse)."""
     objects = rendered[overlay]
-    fallback = {"DATABASE_URL": "postgresql://u:p@db/backfill", "REDIS_URL": "redis://redis:6379/0"}
     for deployment, settings in [("backfill-gateway", GatewaySettings), ("backfill-worker", WorkerSettings),
                                  ("backfill-beat", WorkerSettings), ("backfill-processor", ProcessorSettings),
                                  ("backfill-router", RouterSettings)]:
-        with monkeypatch.context() as patch:
-            for key in list(os.environ):
-                if key.startswith("BACKFILL_") or key in {"DATABASE_URL", "REDIS_URL", "PUBSUB_EMULATOR_HOST"}:
-                    patch.delenv(key)
-            for key, value in {**fallback, **env_of(objects, deployment)}.items():
-                patch.setenv(key, value)
-            built = settings()
-            if settings is GatewaySettings:
-                assert built.file_store == "s3" and built.s3_bucket
-            if settings is ProcessorSettings:
-                assert built.saturation_gate is True
-            if settings is RouterSettings:
-                assert built.host == "0.0.0.0" and built.engine_priority is True
+        built = settings_under_env(settings, {**STORE_FALLBACK, **env_of(objects, deployment)}, monkeypatch)
+        if settings is GatewaySettings:
+            assert built.file_store == "s3" and built.s3_bucket
+        if settings is ProcessorSettings:
+            assert built.saturation_gate is True
+        if settings is RouterSettings:
+            assert built.host == "0.0.0.0" and built.engine_priority is True
