@@ -1,12 +1,15 @@
 """The router's admin state as the dashboard reads it, and the sampler that keeps its recent past.
 
-``GET {BACKFILL_ROUTER_URL}/admin/state`` answers (the router's contract)::
+``GET {BACKFILL_ROUTER_URL}/admin/state`` answers (the router's contract, ``router.app.admin_state``;
+fields the dashboard does not show are ignored)::
 
     {"pool_saturation": float, "time": unix_s, "decisions_per_s": float,
-     "endpoints": [{"name", "healthy", "model", "num_requests_waiting", "num_requests_running",
+     "endpoints": [{"name", "healthy", "models": [str], "num_requests_waiting", "num_requests_running",
                     "kv_cache_usage_perc", "in_flight_requests", "in_flight_uncached_tokens",
-                    "saturation", "metrics_age_s", "cache_blocks": {"gpu", "cpu", "disk"},
-                    "prefix_cache_hit_rate": float | null}],
+                    "saturation": float | null (null while unhealthy), "metrics_age_s",
+                    "cache_blocks": {"gpu", "cpu", "disk"},
+                    "prefix_cache_hit_rate": float | null (GPU tier),
+                    "external_prefix_cache_hit_rate": float | null (CPU / disk tiers)}],
      "bands": [{"objective", "priority", "queued_requests", "queued_bytes", "in_flight",
                 "dispatched_total", "shed_total": {reason: n}}]}
 
@@ -14,6 +17,10 @@
 ``router_history`` samples (a ``deque``), from which the lanes page draws saturation and dispatch
 rate over time. A router that is down or answers garbage is recorded as ``last_error``; the pages
 say so instead of failing.
+
+Several router replicas behind one Service: each poll may reach another replica, and the state
+carries no instance id. :func:`rates` therefore splits the samples into *counter tracks* (each
+replica's counters only grow) and takes differences only within a track; see there.
 """
 
 from __future__ import annotations
@@ -48,20 +55,24 @@ class CacheBlocks(_Lenient):
 
 
 class EndpointState(_Lenient):
-    """One engine as the router sees it (units: requests, fraction 0..1, tokens, seconds)."""
+    """One engine as the router sees it (units: requests, fraction 0..1, tokens, seconds);
+    ``saturation`` is None while the engine is unhealthy; the hit rates are hits ÷ queries in tokens,
+    ``prefix_cache_hit_rate`` on the GPU and ``external_prefix_cache_hit_rate`` on the CPU / disk
+    tiers (None before any query)."""
 
     name: str
     healthy: bool = False
-    model: str | None = None
+    models: list[str] = Field(default_factory=list)
     num_requests_waiting: int = 0
     num_requests_running: int = 0
     kv_cache_usage_perc: float = 0.0
     in_flight_requests: int = 0
     in_flight_uncached_tokens: int = 0
-    saturation: float = 0.0
+    saturation: float | None = None
     metrics_age_s: float | None = None
     cache_blocks: CacheBlocks = Field(default_factory=CacheBlocks)
     prefix_cache_hit_rate: float | None = None
+    external_prefix_cache_hit_rate: float | None = None
 
 
 class BandState(_Lenient):
@@ -167,17 +178,58 @@ class RouterSampler:
         await self._client.aclose()
 
 
+MAX_TRACKS = 8
+"""Counter tracks :func:`rates` follows at once (router replicas plus restarts in the window)."""
+
+
+def _counters(state: RouterState) -> dict[str, int]:
+    out = {}
+    for band in state.bands:
+        out[f"d:{band.objective}"] = band.dispatched_total
+        out.update({f"s:{band.objective}:{reason}": n for reason, n in band.shed_total.items()})
+    return out
+
+
+def _growth(before: dict[str, int], after: dict[str, int]) -> int | None:
+    """How much the counters grew from ``before`` to ``after``, or None when one went down (not the
+    same router instance, or it restarted)."""
+    shared = before.keys() & after.keys()
+    if not shared or any(after[key] < before[key] for key in shared):
+        return None
+    return sum(after[key] - before[key] for key in shared)
+
+
 def rates(samples: list[Sample]) -> dict[str, list[tuple[float, float]]]:
-    """Dispatch rate per objective between consecutive samples: ``{objective: [(unix_s, requests/s)]}``
-    (a counter that went down — a router restart — gives no point for that interval)."""
+    """Dispatch rate per objective: ``{objective: [(unix_s, requests/s)]}``, one point per sample
+    that follows an earlier sample of the same router instance.
+
+    The state has no instance id, so instances are told apart by their counters (every band's
+    ``dispatched_total`` and ``shed_total``), which only grow within one router process: each sample
+    joins the *track* (the latest sample of a presumed instance, at most :data:`MAX_TRACKS`) whose
+    counters it is not below anywhere and grew least from; none fits → a new track (another
+    replica, or a restart). Rates are differences within a track over its router clock (``time``).
+    Limitations: two replicas whose counters all lie close together can be confused, and a router
+    that restarted can continue its old track for one point once its counters pass the old ones;
+    either gives a wrong but never negative rate. With several replicas each point is the rate of
+    the replica that answered, not the fleet's sum."""
     out: dict[str, list[tuple[float, float]]] = {}
-    for before, after in zip(samples, samples[1:]):
-        seconds = after.state.time - before.state.time
-        if seconds <= 0:
-            continue
-        previous = {band.objective: band.dispatched_total for band in before.state.bands}
-        for band in after.state.bands:
-            if band.objective in previous and band.dispatched_total >= previous[band.objective]:
-                out.setdefault(band.objective, []).append(
-                    (after.state.time, (band.dispatched_total - previous[band.objective]) / seconds))
+    tracks: list[tuple[Sample, dict[str, int]]] = []
+    for sample in samples:
+        counters = _counters(sample.state)
+        best, best_growth = None, None
+        for index, (last, last_counters) in enumerate(tracks):
+            growth = _growth(last_counters, counters)
+            if growth is not None and sample.state.time > last.state.time and (
+                    best_growth is None or growth < best_growth):
+                best, best_growth = index, growth
+        if best is not None:
+            before, _ = tracks.pop(best)
+            seconds = sample.state.time - before.state.time
+            previous = {band.objective: band.dispatched_total for band in before.state.bands}
+            for band in sample.state.bands:
+                if band.objective in previous:
+                    out.setdefault(band.objective, []).append(
+                        (sample.state.time, (band.dispatched_total - previous[band.objective]) / seconds))
+        tracks.append((sample, counters))
+        del tracks[:-MAX_TRACKS]
     return out

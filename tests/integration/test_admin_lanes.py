@@ -44,14 +44,17 @@ class FakeRouter:
         if self.mode == "garbage":
             return JSONResponse({"pool_saturation": "high"})
         self.reads += 1
-        engine = {"name": "engine-0", "healthy": True, "model": "sim-model", "num_requests_waiting": 3,
+        # the shape of router.app.admin_state (models a list, saturation null while unhealthy)
+        engine = {"name": "engine-0", "healthy": True, "models": ["sim-model"], "num_requests_waiting": 3,
                   "num_requests_running": 7, "kv_cache_usage_perc": 0.42, "in_flight_requests": 10,
                   "in_flight_uncached_tokens": 5120, "saturation": 0.9, "metrics_age_s": 0.2,
-                  "cache_blocks": {"gpu": 812, "cpu": 96, "disk": 0}, "prefix_cache_hit_rate": 0.8}
-        sick = {**engine, "name": "engine-1", "healthy": False, "kv_cache_usage_perc": 0.95, "saturation": 1.7,
-                "prefix_cache_hit_rate": None}
+                  "cache_blocks": {"gpu": 812, "cpu": 96, "disk": 0}, "prefix_cache_hit_rate": 0.8,
+                  "external_prefix_cache_hit_rate": 0.15, "last_error": None}
+        hot = {**engine, "name": "engine-1", "models": ["sim-model", "sim-lora"], "kv_cache_usage_perc": 0.95,
+               "saturation": 1.7, "prefix_cache_hit_rate": None, "external_prefix_cache_hit_rate": None}
+        sick = {**engine, "name": "engine-2", "healthy": False, "saturation": None, "last_error": "refused"}
         return {"pool_saturation": self.saturation, "time": 1_800_000_000 + TIME_STEP * self.reads,
-                "decisions_per_s": 42.0, "endpoints": [engine, sick],
+                "decisions_per_s": 42.0, "endpoints": [engine, hot, sick],
                 "bands": [{"objective": "interactive", "priority": 100, "queued_requests": 0, "queued_bytes": 0,
                            "in_flight": 4, "dispatched_total": 500, "shed_total": {}},
                           {"objective": "batch", "priority": -10, "queued_requests": 12, "queued_bytes": 9000,
@@ -134,11 +137,15 @@ def test_fleet_page_shows_engines_load_kv_prefix_hits_and_health(gateway_setting
         page = client.get("/admin/fleet", headers=ADMIN)
         assert page.status_code == 200
         healthy = _row(page.text, "data-engine", "engine-0")
+        assert healthy[1] == ["sim-model"]  # the router's "models" list
         assert healthy[2] == ["healthy"] and healthy[3:5] == [["3"], ["7"]] and healthy[5] == ["42%"]
-        assert healthy[8] == ["0.90"] and healthy[9] == ["812", "/", "96", "/", "0"] and healthy[10] == ["80%"]
-        sick = _row(page.text, "data-engine", "engine-1")
-        assert sick[2] == ["unhealthy"] and sick[10] == ["—"]
+        assert healthy[8] == ["0.90"] and healthy[9] == ["812", "/", "96", "/", "0"]
+        assert healthy[10] == ["80%", "/", "15%"]  # prefix-cache hit rate: GPU / CPU and disk tiers
+        hot = _row(page.text, "data-engine", "engine-1")
+        assert hot[1] == ["sim-model,", "sim-lora"] and hot[10] == ["—", "/", "—"]
         assert 'class="num hot">1.70' in page.text  # over the saturation threshold
+        sick = _row(page.text, "data-engine", "engine-2")  # no saturation while unhealthy
+        assert sick[2] == ["unhealthy"] and sick[8] == ["—"]
         assert "Saturation per engine" in page.text and "KV-cache use per engine" in page.text
 
 
@@ -163,14 +170,35 @@ def test_without_a_router_url_the_pages_say_how_to_set_one(gateway_settings):
         assert page.status_code == 200 and "BACKFILL_ROUTER_URL" in page.text
 
 
-def test_rates_skip_a_counter_reset_and_the_chart_scales_to_its_data():
-    def sample(t: float, dispatched: int) -> Sample:
-        return Sample(at=t, state=RouterState(pool_saturation=0.5, time=t, bands=[
-            {"objective": "batch", "dispatched_total": dispatched}]))
+def _sample(t: float, dispatched: int, shed: int = 0, interactive: int = 0) -> Sample:
+    return Sample(at=t, state=RouterState(pool_saturation=0.5, time=t, bands=[
+        {"objective": "batch", "dispatched_total": dispatched, "shed_total": {"saturated": shed}},
+        {"objective": "interactive", "dispatched_total": interactive}]))
 
-    series = rates([sample(10, 0), sample(12, 20), sample(14, 5), sample(18, 25)])
-    assert series == {"batch": [(12, 10.0), (18, 5.0)]}  # 14: the router restarted (counter went down)
+
+def test_rates_skip_a_counter_reset_and_the_chart_scales_to_its_data():
+    series = rates([_sample(10, 0), _sample(12, 20), _sample(13, 25), _sample(15, 5), _sample(17, 15),
+                    _sample(19, 35), _sample(21, 45)])
+    # 15: the router restarted (counter went down): no point. Once the new counters pass the old ones
+    # (19) they may continue the old track for one point (a known limitation), never negative.
+    assert series["batch"][:3] == [(12, 10.0), (13, 5.0), (17, 5.0)]
+    assert series["batch"][-1] == (21, 5.0) and all(rate >= 0 for _, rate in series["batch"])
     svg = str(line_chart(series, title="t", now=18))
     xs_ys = [tuple(map(float, p.split(","))) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
     assert xs_ys[0][1] < xs_ys[1][1] and xs_ys[0][0] < xs_ys[1][0]  # 10/s drawn above 5/s, earlier on the left
     assert "no data yet" in str(line_chart({}, title="t", now=0))
+
+
+def test_rates_with_two_router_replicas_use_only_samples_of_the_same_replica():
+    """Two replicas behind one Service, polled alternately and irregularly: replica A dispatches
+    10 batch requests/s from 1000, B 2/s from 300 (and sheds); a rate never mixes their counters."""
+    def a(t):
+        return _sample(t, 1000 + 10 * t, shed=40, interactive=700 + t)
+
+    def b(t):
+        return _sample(t, 300 + 2 * t, shed=90 + t, interactive=900 + 3 * t)
+
+    polls = [a(0), b(2), b(4), a(6), b(8), a(10), a(12), b(14)]
+    series = rates(polls)
+    assert series["batch"] == [(4, 2.0), (6, 10.0), (8, 2.0), (10, 10.0), (12, 10.0), (14, 2.0)]
+    assert all(rate >= 0 for _, rate in series["interactive"])
