@@ -15,11 +15,13 @@ import pytest
 import yaml
 
 from async_processor.settings import ProcessorSettings
-from conftest import DEPLOY, REPO, settings_from
+from compose_env import MissingVariable, interpolate, service_environment
+from conftest import DEPLOY, REPO, settings_from, settings_under_env
 from router.fleet.launch import sim_engine_argv
-from router.settings import RouterSettings
+from router.settings import build_settings
 
 COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+SHELL = {"BACKFILL_ADMIN_KEY": "compose-test-admin-key"}  # what `docker compose` is run with
 SERVICES = COMPOSE["services"]
 BACKFILL_SERVICES = {"migrate", "gateway", "worker", "beat", "processor", "router", "engine-0", "engine-1"}
 
@@ -91,9 +93,11 @@ def test_engines_run_the_launch_builders_command(index):
     assert _health_port(service) == 8000
 
 
-def test_router_and_processor_settings_from_compose():
-    router_env = SERVICES["router"]["environment"]
-    router = settings_from(RouterSettings, "BACKFILL_ROUTER_", router_env)
+def test_router_and_processor_settings_from_compose(monkeypatch):
+    """The router's settings as `backfill router` builds them (build_settings() from the environment,
+    where BACKFILL_ROUTER_ENGINES is a separated string, not a JSON list)."""
+    router_env = service_environment(COMPOSE, "router", SHELL)
+    router = settings_under_env(build_settings, router_env, monkeypatch)
     assert router.engines == [f"http://engine-{i}:8000" for i in range(2)]
     assert router.kv_events_bind.endswith(":5557") and _health_port(SERVICES["router"]) == router.port
     mount = SERVICES["router"]["volumes"][0].split(":")
@@ -122,3 +126,32 @@ def test_dockerfile_builds_a_non_root_backfill_image():
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".git" in ignored and ".venv" in ignored
     assert not copied & set(ignored)
+
+
+def test_interpolation_follows_compose():
+    env = {"SET": "v", "EMPTY": ""}
+    assert interpolate("$$SET ${SET} $SET ${UNSET:-d} ${EMPTY:-d} ${EMPTY-d} ${SET:?x}", env) == "$SET v v d d  v"
+    with pytest.raises(MissingVariable):
+        interpolate("${EMPTY:?needed}", env)
+
+
+def test_admin_key_comes_from_the_environment_only():
+    """No well-known default key: every service that reads BACKFILL_ADMIN_KEY refuses to start
+    without it (Compose stops at interpolation) and otherwise gets exactly the caller's."""
+    readers = [name for name, service in SERVICES.items() if "BACKFILL_ADMIN_KEY" in (service.get("environment") or {})]
+    assert "gateway" in readers
+    for name in readers:
+        with pytest.raises(MissingVariable):
+            service_environment(COMPOSE, name, {})
+        with pytest.raises(MissingVariable):
+            service_environment(COMPOSE, name, {"BACKFILL_ADMIN_KEY": ""})
+        assert service_environment(COMPOSE, name, SHELL)["BACKFILL_ADMIN_KEY"] == SHELL["BACKFILL_ADMIN_KEY"]
+
+
+def test_published_ports_listen_on_loopback_only():
+    published = {name: service["ports"] for name, service in SERVICES.items() if service.get("ports")}
+    assert set(published) == {"gateway", "router"}
+    for name, ports in published.items():
+        for port in ports:
+            host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).rsplit(":", 2)[0]
+            assert host_ip == "127.0.0.1", (name, port)
