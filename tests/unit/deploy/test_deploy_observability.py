@@ -27,32 +27,51 @@ REQUIRED_ALERT_SERIES = {
 }
 
 
-def documented_series() -> set[str]:
+def contract_text() -> str:
     readme = (DEPLOY / "README.md").read_text()
     contract = readme[readme.index("## Metrics contract"):]
-    contract = contract[:contract.find("\n## ", 1)]
-    return set(NAME.findall(contract)) | set(NAME.findall((REPO / "docs" / "observability.md").read_text()))
+    return contract[:contract.find("\n## ", 1)]
+
+
+def documented_series() -> set[str]:
+    return set(NAME.findall(contract_text())) | set(NAME.findall((REPO / "docs" / "observability.md").read_text()))
+
+
+def contract_list(heading: str) -> set[str]:
+    """The series of the bullet list after the contract's bold ``heading`` paragraph."""
+    section = contract_text().split(f"**{heading}**", 1)[1].split("\n**", 1)[0]
+    return {NAME.match(line[2:])[1] for line in section.splitlines() if line.startswith("- `")}
+
+
+GLOBAL_GAUGES = contract_list("Global gauges")
+ABSENT_UNTIL_FIRST_EVENT = contract_list("Absent until the first event")
+#: labels that keep one replica's series apart (ServiceMonitor targets carry both)
+REPLICA_LABELS = {"pod", "instance"}
+ARITHMETIC = {"+", "-", "*", "/", "%", "^", "atan2"}
+COMPARISON = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, ">": lambda a, b: a > b,
+              "<": lambda a, b: a < b, ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
+
+
+def children(node) -> list:
+    """The sub-expressions of a parsed PromQL node (operands, arguments, aggregation parameter)."""
+    out = [getattr(node, attr, None) for attr in ("expr", "lhs", "rhs", "vector_selector", "param")]
+    return [child for child in out + list(getattr(node, "args", None) or []) if child is not None]
+
+
+def walk(node):
+    """``node`` and every node below it."""
+    yield node
+    for child in children(node):
+        yield from walk(child)
 
 
 def selectors(expr: str) -> set[str]:
     """Metric names of every vector selector in a PromQL expression (raises on a parse error)."""
     names: set[str] = set()
-
-    def visit(node) -> None:
+    for node in walk(promql_parser.parse(expr)):
         if isinstance(node, promql_parser.VectorSelector):
             assert node.name, f"selector without a metric name in {expr!r}"
             names.add(node.name)
-        for attr in ("expr", "lhs", "rhs", "vector_selector"):
-            child = getattr(node, attr, None)
-            if child is not None:
-                visit(child)
-        for child in getattr(node, "args", None) or []:
-            visit(child)
-        param = getattr(node, "param", None)
-        if param is not None:
-            visit(param)
-
-    visit(promql_parser.parse(expr))
     return names
 
 
@@ -134,3 +153,112 @@ def test_contract_names_are_registered_in_the_code():
     assert names  # the router's and the engines' series
     for name in sorted(names - {"up"}):
         assert f'"{name.removesuffix("_total")}"' in source, name
+
+
+def sums_over_replicas(expr: str, gauges: set[str]) -> list[str]:
+    """``sum`` aggregations in ``expr`` that add up replicas' copies of one of ``gauges``: a gauge
+    reached with no aggregation in between, and no replica label kept (``by (pod)``)."""
+    out = []
+
+    def direct(node) -> set[str]:
+        if isinstance(node, promql_parser.VectorSelector):
+            return {node.name} & gauges
+        if isinstance(node, promql_parser.AggregateExpr):
+            return set()
+        return set().union(*(direct(child) for child in children(node)))
+
+    for node in walk(promql_parser.parse(expr)):
+        if isinstance(node, promql_parser.AggregateExpr) and str(node.op) == "sum":
+            modifier = node.modifier
+            keeps_replica = modifier is not None and modifier.type == promql_parser.AggModifierType.By \
+                and REPLICA_LABELS & set(modifier.labels)
+            found = direct(node.expr)
+            if found and not keeps_replica:
+                out.append(f"{node}: sums {sorted(found)}")
+    return out
+
+
+def absent_reads(expr: str, series: set[str], *, panel: bool) -> list[str]:
+    """Places in ``expr`` where one of ``series`` (no sample before its first event) missing would
+    change the answer, because it is not read as 0 by an ``or`` fallback: anywhere in a panel (it
+    would say "No data"); in an alert, an operand of vector arithmetic, the right of a vector
+    comparison or of ``and``, the left of a comparison other than ``>`` (0 > x never holds for
+    rates), and the operand of a comparison with a number that 0 satisfies (``== 0``)."""
+
+    def unguarded(node) -> set[str]:
+        if isinstance(node, promql_parser.BinaryExpr) and str(node.op) == "or":
+            return set()
+        if isinstance(node, promql_parser.VectorSelector):
+            return {node.name} & series
+        return set().union(*(unguarded(child) for child in children(node)))
+
+    root = promql_parser.parse(expr)
+    if panel:
+        return [f"{expr}: {sorted(unguarded(root))}"] if unguarded(root) else []
+    out = []
+    for node in walk(root):
+        if not isinstance(node, promql_parser.BinaryExpr):
+            continue
+        op, lhs, rhs = str(node.op), node.lhs, node.rhs
+        numbers = [isinstance(side, promql_parser.NumberLiteral) for side in (lhs, rhs)]
+        must = []
+        if op in ARITHMETIC and not any(numbers):
+            must = [lhs, rhs]
+        elif op == "and":
+            must = [rhs]
+        elif op in COMPARISON and not any(numbers):
+            must = [rhs] if op == ">" else [lhs, rhs]
+        elif op in COMPARISON and numbers[1] and COMPARISON[op](0, rhs.val):
+            must = [lhs]
+        for side in must:
+            if unguarded(side):
+                out.append(f"{side} (in {op}): {sorted(unguarded(side))} read without a fallback")
+    return out
+
+
+def test_contract_lists_global_gauges_and_late_series():
+    documented = documented_series()
+    assert {"backfill_gateway_batches", "backfill_router_pool_saturation"} <= GLOBAL_GAUGES <= documented
+    assert {"backfill_router_shed_total", "backfill_router_dispatched_total"} <= ABSENT_UNTIL_FIRST_EVENT <= documented
+
+
+def test_the_checks_find_the_reviewed_mistakes():
+    """The expressions shipped before the review fail; their fixed forms pass."""
+    assert sums_over_replicas('sum(backfill_gateway_batches{status="in_progress"}) > 0', GLOBAL_GAUGES)
+    assert sums_over_replicas("sum by (status) (backfill_gateway_batches)", GLOBAL_GAUGES)
+    assert not sums_over_replicas("max by (status) (backfill_gateway_batches)", GLOBAL_GAUGES)
+    assert not sums_over_replicas("sum by (pod) (backfill_router_endpoint_healthy)", GLOBAL_GAUGES)
+    assert not sums_over_replicas("sum(max by (endpoint) (backfill_router_endpoint_healthy))", GLOBAL_GAUGES)
+    late = ABSENT_UNTIL_FIRST_EVENT
+    shed = "sum by (band, reason) (rate(backfill_router_shed_total[5m]))"
+    assert absent_reads(shed, late, panel=True)
+    assert not absent_reads(shed + " or vector(0)", late, panel=True)
+    ratio = ("sum(rate(backfill_router_shed_total[5m])) / (sum(rate(backfill_router_shed_total[5m]))"
+             " + sum(rate(backfill_router_dispatched_total[5m]))) > 0.01")
+    assert absent_reads(ratio, late, panel=False)
+    assert not absent_reads("sum(rate(backfill_router_shed_total[5m])) > 0", late, panel=False)
+    assert absent_reads("sum(rate(backfill_router_shed_total[5m])) == 0", late, panel=False)
+
+
+def test_no_alert_or_panel_sums_replicas_of_a_global_gauge():
+    exprs = [rule["expr"] for rule in alert_rules()] + [grafana_to_promql(e) for e in dashboard_exprs()]
+    assert [problem for expr in exprs for problem in sums_over_replicas(expr, GLOBAL_GAUGES)] == []
+
+
+def test_series_absent_until_their_first_event_read_as_zero():
+    problems = [p for rule in alert_rules() for p in absent_reads(rule["expr"], ABSENT_UNTIL_FIRST_EVENT, panel=False)]
+    problems += [p for e in dashboard_exprs()
+                 for p in absent_reads(grafana_to_promql(e), ABSENT_UNTIL_FIRST_EVENT, panel=True)]
+    assert problems == []
+
+
+def test_no_healthy_engine_counts_a_router_that_found_no_engine():
+    """A router with an empty pool has no backfill_router_endpoint_healthy series at all; the alert
+    reads it as 0 healthy through a per-router fallback on a series every router has."""
+    rule = next(r for r in alert_rules() if r["alert"] == "BackfillNoHealthyEngine")
+    root = promql_parser.parse(rule["expr"])
+    assert str(root.op) == "==" and root.rhs.val == 0
+    guard = root.lhs.expr if isinstance(root.lhs, promql_parser.ParenExpr) else root.lhs
+    assert str(guard.op) == "or"
+    assert selectors(str(guard.rhs)) == {"backfill_router_pool_saturation"}
+    assert set(guard.rhs.rhs.modifier.labels) == {"pod"} == set(guard.lhs.modifier.labels)
