@@ -5,6 +5,7 @@ setting some service reads (and validates)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -14,12 +15,20 @@ import yaml
 from async_processor.messages import LANE_PRIORITIES, pubsub_request_topic, request_stream
 from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
+from batch_gateway.storage import build_file_store, storage_key
 from conftest import DEPLOY, OVERLAYS, REPO, STORE_FALLBACK, settings_from, settings_under_env
 from router.fleet.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
+from router.scheduling.config import parse_config
+from router.scheduling.plugins.prefix import PRECISE_PRODUCER_TYPE
 from router.settings import RouterSettings
 from workers.settings import WorkerSettings
 
 CPU_OFFLOAD_BYTES = 32 << 30  # deploy/vllm/engine-args.yaml: the 32 GiB CPU KV tier
+#: the first vLLM release known to read each kv_connector_extra_config key of the CPU KV tier
+#: (vllm/v1/kv_offload/cpu.py at the versioned API docs, docs.vllm.ai/en/<tag>/api/vllm/v1/kv_offload/cpu:
+#: v0.11.0 reads num_cpu_blocks only; v0.11.2 adds eviction_policy; v0.15.0 reads cpu_bytes_to_use in
+#: place of num_cpu_blocks, vLLM pull request #24498; v0.12-v0.14 unchecked)
+OFFLOAD_KEYS_SINCE = {"cpu_bytes_to_use": (0, 15, 0), "eviction_policy": (0, 11, 2)}
 SETTINGS_BY_PREFIX = {"BACKFILL_PROCESSOR_": ProcessorSettings, "BACKFILL_ROUTER_": RouterSettings,
                       "BACKFILL_WORKER_": WorkerSettings, "BACKFILL_GATEWAY_": GatewaySettings}
 SOURCE_DIRS = ("backfill", "batch_gateway", "workers", "async_processor", "router")
@@ -189,3 +198,71 @@ def test_service_settings_validate_with_the_rendered_environment(rendered, overl
             assert built.saturation_gate is True
         if settings is RouterSettings:
             assert built.host == "0.0.0.0" and built.engine_priority is True
+
+
+def image_version(image: str) -> tuple[int, ...]:
+    """``(0, 15, 0)`` of ``vllm/vllm-openai:v0.15.0``."""
+    return tuple(int(part) for part in image.rsplit(":", 1)[1].removeprefix("v").split("."))
+
+
+@pytest.mark.parametrize("overlay", ["production", "pubsub"])
+def test_vllm_image_reads_the_offload_keys_the_builder_emits(rendered, overlay):
+    """The pinned vLLM release reads every CPU-tier key router/fleet/launch.py puts in
+    --kv-transfer-config (v0.11.0 required num_cpu_blocks and refused to start)."""
+    argv = vllm_engine_argv("m", 8000, ["m"], None, cpu_offload_bytes=CPU_OFFLOAD_BYTES)
+    keys = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    image = container_of(rendered[overlay], "backfill-vllm")["image"]
+    assert image.startswith("vllm/vllm-openai:")
+    assert set(keys) <= set(OFFLOAD_KEYS_SINCE), "a new key: find the first vLLM release that reads it"
+    assert all(image_version(image) >= OFFLOAD_KEYS_SINCE[key] for key in keys), image
+    assert not all(image_version("vllm/vllm-openai:v0.11.0") >= OFFLOAD_KEYS_SINCE[key] for key in keys)
+
+
+def s3_object_key(settings: GatewaySettings, object_id: str) -> str:
+    return build_file_store(settings).object_key(storage_key(object_id))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_s3_object_keys_do_not_repeat_the_stores_namespace(rendered, overlay, monkeypatch):
+    """BACKFILL_S3_PREFIX goes before the store's own files/<shard>/<id> keys: a prefix ending in
+    files/ made files/files/…."""
+    env = {**STORE_FALLBACK, **env_of(rendered[overlay], "backfill-gateway")}
+    settings = settings_under_env(GatewaySettings, env, monkeypatch)
+    key = s3_object_key(settings, "file-3fa9c0")
+    parts = key.split("/")
+    assert key.endswith(storage_key("file-3fa9c0")) and parts.count("files") == 1, key
+    doubled = settings.model_copy(update={"s3_prefix": "files/"})
+    assert s3_object_key(doubled, "file-3fa9c0").split("/").count("files") == 2
+
+
+def mounted_scheduling_config(objects):
+    """The scheduling config the router reads (BACKFILL_ROUTER_CONFIG's file in its ConfigMap)."""
+    settings = settings_from(RouterSettings, "BACKFILL_ROUTER_", env_of(objects, "backfill-router"))
+    return parse_config(find(objects, "ConfigMap", "backfill-router-scheduling")["data"][settings.config.name])
+
+
+def precise_router_problem(objects) -> str | None:
+    """Why the router's KV-event view is partial, or None: a precise (KV-event) producer in the
+    mounted scheduling config with more than one router replica (each engine's events reach one)."""
+    config = mounted_scheduling_config(objects)
+    precise = [p.instance_name for p in config.plugins if p.type == PRECISE_PRODUCER_TYPE]
+    replicas = find(objects, "Deployment", "backfill-router")["spec"].get("replicas", 1)
+    return f"{precise} with {replicas} router replicas" if precise and replicas > 1 else None
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_shipped_routers_use_the_approximate_config(rendered, overlay):
+    objects = rendered[overlay]
+    assert precise_router_problem(objects) is None
+    config = mounted_scheduling_config(objects)
+    assert [p.type for p in config.plugins if p.type.endswith("prefix-cache-producer")] == ["approx-prefix-cache-producer"]
+
+
+def test_a_precise_config_needs_one_router_replica(rendered):
+    objects = copy.deepcopy(rendered["production"])
+    find(objects, "ConfigMap", "backfill-router-scheduling")["data"]["config.yaml"] = \
+        (REPO / "router" / "scheduling" / "precise-config.yaml").read_text()
+    assert find(objects, "Deployment", "backfill-router")["spec"]["replicas"] == 2
+    assert "precise-prefix-cache-producer" in precise_router_problem(objects)
+    find(objects, "Deployment", "backfill-router")["spec"]["replicas"] = 1
+    assert precise_router_problem(objects) is None
