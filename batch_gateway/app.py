@@ -53,6 +53,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             app.state.tasks.close()
             engine.dispose()
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # else one INFO line per admin router poll
     app = FastAPI(title="backfill gateway", version="0.1.0", lifespan=lifespan)
     app.include_router(files.router)
     app.include_router(batches.router)

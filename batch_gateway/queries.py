@@ -12,7 +12,7 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 
-from sqlalchemy import Select, func, or_, select, text, tuple_, update
+from sqlalchemy import Select, and_, case, func, or_, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -641,21 +641,29 @@ def request_state_counts(session: Session, batch_id: str) -> dict[str, int]:
     ).all())
 
 
-def admin_request_page(session: Session, batch_id: str, *, limit: int, after: str | None = None,
+ERROR_BODY_BYTES = 65536
+"""How much of a failed request's response body the job page reads for its error message (bytes;
+an API error body is a few hundred)."""
+
+
+def admin_request_page(session: Session, batch_id: str, *, limit: int, after: int | None = None,
                        state: str | None = None) -> tuple[list, bool]:
-    """A page of the batch's requests ordered by ``custom_id`` (the primary key), after the
-    ``custom_id`` ``after``, optionally in one ``state``: rows ``(custom_id, line, state, attempts,
-    status_code, error_code, error_message, prompt_tokens, completion_tokens, finished_at)`` and
-    whether more follow. Bodies are not read."""
+    """A page of the batch's requests in input order (``line``), after the line ``after``, optionally
+    in one ``state``: rows ``(custom_id, line, state, attempts, status_code, error_code,
+    error_message, error_body, prompt_tokens, completion_tokens, finished_at)`` and whether more
+    follow. ``error_body`` is the first :data:`ERROR_BODY_BYTES` of the response body of a request
+    answered with HTTP ≥ 400 and no ``error_message`` (else None); other bodies are not read."""
+    error_body = case((and_(BatchRequest.status_code >= 400, BatchRequest.error_message.is_(None)),
+                       func.substring(BatchRequest.response_body, 1, ERROR_BODY_BYTES)))
     stmt = select(BatchRequest.custom_id, BatchRequest.line, BatchRequest.state, BatchRequest.attempts,
                   BatchRequest.status_code, BatchRequest.error_code, BatchRequest.error_message,
-                  BatchRequest.prompt_tokens, BatchRequest.completion_tokens, BatchRequest.finished_at
-                  ).where(BatchRequest.batch_id == batch_id)
+                  error_body.label("error_body"), BatchRequest.prompt_tokens, BatchRequest.completion_tokens,
+                  BatchRequest.finished_at).where(BatchRequest.batch_id == batch_id)
     if state is not None:
         stmt = stmt.where(BatchRequest.state == state)
     if after is not None:
-        stmt = stmt.where(BatchRequest.custom_id > after)
-    rows = list(session.execute(stmt.order_by(BatchRequest.custom_id).limit(limit + 1)).all())
+        stmt = stmt.where(BatchRequest.line > after)
+    rows = list(session.execute(stmt.order_by(BatchRequest.line).limit(limit + 1)).all())
     return rows[:limit], len(rows) > limit
 
 
@@ -688,13 +696,15 @@ def tenant_usage(session: Session, *, limit: int, after: str | None = None) -> t
     return rows[:limit], len(rows) > limit
 
 
-IN_FLIGHT_REQUEST_STATES = ("queued", "running")
+OPEN_REQUEST_STATES = ("pending", "queued")
+"""Requests not yet ended: ``pending`` (in Postgres, not yet fed to the queue) and ``queued``
+(handed to the processors, no result yet). No other non-terminal state exists."""
 
 
-def in_flight_by_tenant(session: Session, tenant_ids: Sequence[str]) -> dict[str, dict[str, int]]:
-    """``{tenant_id: {state: requests}}`` of requests handed out and not finished (``queued``,
-    ``running``). Only batches ``in_progress`` or ``cancelling`` can hold such requests, so the count
-    starts from those (``ix_batches_status_deadline``) and reaches their requests through
+def open_requests_by_tenant(session: Session, tenant_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+    """``{tenant_id: {"pending" | "queued": requests}}`` of requests not yet ended. Only batches
+    ``in_progress`` or ``cancelling`` can hold such requests, so the count starts from those
+    (``ix_batches_status_deadline``) and reaches their requests through
     ``ix_batch_requests_batch_id_state``: ended batches' requests are never scanned."""
     if not tenant_ids:
         return {}
@@ -702,7 +712,7 @@ def in_flight_by_tenant(session: Session, tenant_ids: Sequence[str]) -> dict[str
         select(Batch.tenant_id, BatchRequest.state, func.count())
         .join(BatchRequest, BatchRequest.batch_id == Batch.id)
         .where(Batch.status.in_(("in_progress", "cancelling")), Batch.tenant_id.in_(list(tenant_ids)),
-               BatchRequest.state.in_(IN_FLIGHT_REQUEST_STATES))
+               BatchRequest.state.in_(OPEN_REQUEST_STATES))
         .group_by(Batch.tenant_id, BatchRequest.state)
     ).all()
     out: dict[str, dict[str, int]] = {}

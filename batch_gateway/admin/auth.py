@@ -6,7 +6,8 @@ SameSite=Strict, Path=/admin) holding a signed session token; or it is sent on e
 (hex), valid for ``admin_session_seconds`` and on every gateway replica, and void as soon as the admin
 key changes. Forms that change something carry :func:`csrf_token` (an HMAC of the session token),
 checked on top of SameSite; a Bearer request needs none (a browser never adds that header by itself).
-Keys and tokens are compared with :func:`hmac.compare_digest`.
+Keys and tokens are compared as UTF-8 bytes with :func:`hmac.compare_digest` (so a cookie or form
+field with non-ASCII characters is a wrong credential, never a ``TypeError``).
 
 Errors (``AdminError`` and its subclasses, all :class:`~batch_gateway.errors.GatewayError`)::
 
@@ -81,12 +82,18 @@ def session_token(admin_key: str, issued: int | None = None) -> str:
 def session_valid(admin_key: str, token: str, max_age_seconds: int, now: float | None = None) -> bool:
     """Whether ``token`` was signed with ``admin_key`` less than ``max_age_seconds`` ago."""
     issued, _, signature = token.partition(".")
-    if not issued.isdigit():
+    if not (issued.isascii() and issued.isdigit()):
         return False
     now = time.time() if now is None else now
     if not 0 <= now - int(issued) < max_age_seconds:
         return False
-    return hmac.compare_digest(signature, _sign(admin_key, f"session:{issued}"))
+    return _same(signature, _sign(admin_key, f"session:{issued}"))
+
+
+def _same(given: str, expected: str) -> bool:
+    """Constant-time equality of two secrets, compared as UTF-8 bytes (``hmac.compare_digest``
+    refuses ``str`` with non-ASCII characters)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
 
 
 def csrf_token(admin_key: str, token: str) -> str:
@@ -106,7 +113,7 @@ class Admin:
 def check_key(settings: GatewaySettings, key: str, session_factory) -> None:
     """Accept ``key`` if it is the admin key; raise :class:`AdminForbiddenError` for a tenant's key
     and :class:`AdminLoginRequired` for anything else."""
-    if hmac.compare_digest(key.encode(), settings.admin_key.encode()):
+    if _same(key, settings.admin_key):
         return
     with session_factory() as session:
         if queries.tenant_for_key(session, key) is not None:
@@ -144,6 +151,6 @@ def check_csrf(admin: Admin, submitted: str | None) -> None:
     """Refuse (403) a cookie-authenticated form whose ``csrf_token`` is missing or wrong."""
     if admin.csrf is None:
         return
-    if not submitted or not hmac.compare_digest(submitted, admin.csrf):
+    if not submitted or not _same(submitted, admin.csrf):
         raise AdminForbiddenError("The form's CSRF token is missing or wrong; reload the page and try again.",
                                   code="csrf_failed")

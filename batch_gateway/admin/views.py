@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
+import orjson
 import redis
 from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
@@ -35,7 +36,15 @@ templates = Jinja2Templates(directory=HERE / "templates")
 STATIC = {"admin.css": "text/css", "admin.js": "text/javascript"}
 
 BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL_BATCH_STATUSES)
-REQUEST_STATES = ("pending", "queued", "running", "succeeded", "failed", "cancelled", "expired")
+REQUEST_STATES = ("pending", "queued", *queries.TERMINAL_REQUEST_STATES)
+"""A batch request's states (``batch_gateway.models.BatchRequest``): ``pending`` (in Postgres, not
+yet fed), ``queued`` (handed to the processors' queue, no result yet), then a terminal one."""
+ENDED_AT = {"completed": "completed_at", "failed": "failed_at", "expired": "expired_at",
+            "cancelled": "cancelled_at"}
+"""The ``*_at`` column holding when a batch in each terminal status ended."""
+MAX_BIGINT = 2**63 - 1
+MAX_INTEGER = 2**31 - 1
+"""Largest PostgreSQL ``bigint`` / ``integer``: a larger cursor matches nothing it could name."""
 PAGE_SIZE = 50
 REFRESH_MS = 2000
 SECURITY_HEADERS = {
@@ -54,6 +63,59 @@ class AdminBadRequest(AdminError):
     """400: a filter or cursor the dashboard cannot read."""
 
     status = 400
+
+
+class AdminNotFound(AdminError):
+    """404: no such batch or file (of any tenant)."""
+
+    status = 404
+    code = "not_found"
+
+
+class AdminConflict(AdminError):
+    """409: the batch is not in a state that allows the action (as the API's ``ConflictError``)."""
+
+    status = 409
+
+
+def cancel_refusal(status: str) -> str | None:
+    """Why a batch whose cancel left it in ``status`` was not cancellable (the API's check and
+    message, ``POST /v1/batches/{id}/cancel``), or None when it is cancelling or cancelled."""
+    if status in ("cancelling", "cancelled"):
+        return None
+    return f"Cannot cancel a batch with status '{status}'."
+
+
+NOTICES = ("cancel_requested", "cancel_refused")
+"""What the job page may say after its cancel form: ``?notice=…``."""
+
+
+def _body_error(body: bytes | None) -> tuple[str | None, str | None]:
+    """``(code, message)`` of an error response body: OpenAI's ``{"error": {"code", "message"}}``
+    or vLLM's flat ``{"message", "code"}``; ``(None, None)`` when it is neither (or not JSON)."""
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(parsed, dict):
+        return None, None
+    error = parsed.get("error") if isinstance(parsed.get("error"), dict) else parsed
+    code, message = error.get("code"), error.get("message")
+    return (str(code) if code not in (None, "") else None,
+            message if isinstance(message, str) else None)
+
+
+def request_view(row) -> dict[str, Any]:
+    """One row of the job page's request outcomes (a row of :func:`queries.admin_request_page`),
+    its ``error_code`` / ``error_message`` taken from the response body when the request failed with
+    an HTTP error (the row's own fields are set only when no response came)."""
+    view = row._asdict()
+    body = view.pop("error_body")
+    if body is not None and view["error_message"] is None:
+        code, message = _body_error(body)
+        view["error_code"] = view["error_code"] or code
+        view["error_message"] = message
+    return view
 
 
 # --- formatting ------------------------------------------------------------------------------
@@ -77,8 +139,15 @@ def fmt_in(value: float | None, now: float) -> str:
     return f"in {text}" if later else f"{text} ago"
 
 
+def fmt_pct(value: float | None) -> str:
+    """A fraction 0..1 as a whole percentage (``80%``; ``—`` for None)."""
+    return "—" if value is None else f"{100 * value:.0f}%"
+
+
 templates.env.filters["time"] = fmt_time
+templates.env.globals["pct"] = fmt_pct
 templates.env.globals["fmt_in"] = fmt_in
+templates.env.globals["cancel_refusal"] = cancel_refusal
 
 
 def estimated_finish(total: int, done: int, in_progress_at: int | None, now: float) -> float | None:
@@ -91,7 +160,8 @@ def estimated_finish(total: int, done: int, in_progress_at: int | None, now: flo
 
 
 def job_view(batch, tenant: str, now: float) -> dict[str, Any]:
-    """What the job list and the job page show of one batch (counts from the batch row)."""
+    """What the job list and the job page show of one batch (counts from the batch row);
+    ``ended`` says it is in a terminal status and ``ended_at`` (Unix s) when it got there."""
     total, done = batch.request_total, batch.request_completed + batch.request_failed
     percent = 100 if batch.status == "completed" else (100 * done // total if total else 0)
     eta = estimated_finish(total, done, batch.in_progress_at, now) if batch.status == "in_progress" else None
@@ -100,6 +170,8 @@ def job_view(batch, tenant: str, now: float) -> dict[str, Any]:
             "failed": batch.request_failed, "done": done, "percent": percent,
             "created_at": batch.created_at, "in_progress_at": batch.in_progress_at,
             "expires_at": batch.expires_at, "eta": eta, "active": batch.status in ACTIVE_BATCH_STATUSES,
+            "ended": batch.status in ENDED_AT,
+            "ended_at": getattr(batch, ENDED_AT[batch.status]) if batch.status in ENDED_AT else None,
             "cancellable": batch.status in ("validating", "in_progress")}
 
 
@@ -113,13 +185,44 @@ def _render(request: Request, name: str, admin: Admin | None, status_code: int =
 # --- jobs ------------------------------------------------------------------------------------
 
 
+def _number(text: str, largest: int) -> int | None:
+    """``text`` as a non-negative integer up to ``largest`` (ASCII digits only), else None."""
+    if not (text.isascii() and text.isdigit()) or int(text) > largest:
+        return None
+    return int(text)
+
+
+def _bad_cursor(after: str) -> AdminBadRequest:
+    return AdminBadRequest(f"Invalid cursor {after[:80]!r}; use the link the page gives.", param="after")
+
+
 def _cursor(after: str | None) -> queries.BatchCursor | None:
+    """The job list's cursor ``CREATED_AT~BATCH_ID``; raises :class:`AdminBadRequest` (400) for
+    anything else, including a number beyond ``bigint`` and a NUL byte."""
     if after is None:
         return None
     created, _, batch_id = after.partition("~")
-    if not created.isdigit() or not batch_id or not queries.can_exist(batch_id):
-        raise AdminBadRequest(f"Invalid cursor '{after[:80]}'.", param="after")
-    return int(created), batch_id
+    number = _number(created, MAX_BIGINT)
+    if number is None or not batch_id or not queries.can_exist(batch_id):
+        raise _bad_cursor(after)
+    return number, batch_id
+
+
+def _line_cursor(after: str | None) -> int | None:
+    """The request list's cursor: the input line number of the last request shown (400 otherwise)."""
+    if after is None:
+        return None
+    number = _number(after, MAX_INTEGER)
+    if number is None:
+        raise _bad_cursor(after)
+    return number
+
+
+def _text_param(value: str | None, param: str) -> str | None:
+    """``value`` unless it holds a NUL byte, which no stored text can (400, never a database error)."""
+    if value is not None and not queries.can_exist(value):
+        raise AdminBadRequest(f"Invalid value for '{param}': it contains a NUL byte.", param=param)
+    return value
 
 
 def _jobs(session, status: str | None, tenant: str | None, after: str | None, limit: int) -> dict:
@@ -127,7 +230,7 @@ def _jobs(session, status: str | None, tenant: str | None, after: str | None, li
         raise AdminBadRequest(f"Unknown status '{status[:40]}'; one of: {', '.join(BATCH_STATUSES)}.",
                               param="status")
     tenant_id = None
-    if tenant:
+    if _text_param(tenant, "tenant"):
         found = queries.tenant_by_name(session, tenant)
         if found is None:
             return {"jobs": [], "next": None, "status": status, "tenant": tenant}
@@ -178,7 +281,7 @@ def build_router() -> APIRouter:
     @router.get("/static/{name}")
     def static(name: str) -> Response:
         if name not in STATIC:
-            raise AdminBadRequest("No such file.", code="not_found")
+            raise AdminNotFound("No such file.")
         return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
                         headers={"cache-control": "max-age=300"})
 
@@ -244,7 +347,7 @@ def build_router() -> APIRouter:
     def _job(session, batch_id: str) -> dict:
         row = queries.admin_get_batch(session, batch_id)
         if row is None:
-            raise AdminBadRequest(f"No such Batch object: {batch_id[:100]}", param="batch_id", code="not_found")
+            raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
         batch, tenant = row
         job = job_view(batch, tenant, time.time())
         job.update(errors=(batch.errors or []), input_file_id=batch.input_file_id,
@@ -263,34 +366,42 @@ def build_router() -> APIRouter:
         if state is not None and state not in REQUEST_STATES:
             raise AdminBadRequest(f"Unknown request state '{state[:40]}'.", param="state")
         detail = _job(session, batch_id)
-        rows, more = queries.admin_request_page(session, batch_id, limit=PAGE_SIZE, after=after, state=state)
+        rows, more = queries.admin_request_page(session, batch_id, limit=PAGE_SIZE, after=_line_cursor(after),
+                                                state=state)
         base = f"/admin/jobs/{batch_id}"
-        return _render(request, "job.html", admin, nav="jobs", **detail, requests=rows,
-                       request_states=REQUEST_STATES, state=state,
-                       notice=notice if notice in BATCH_STATUSES else None,
-                       fragment=f"/admin/fragments/jobs/{batch_id}",
-                       next_url=f"{base}?{_query(state=state, after=rows[-1].custom_id)}" if more else None,
+        notice = notice if notice in NOTICES else None
+        return _render(request, "job.html", admin, nav="jobs", **detail, requests=[request_view(r) for r in rows],
+                       request_states=REQUEST_STATES, state=state, notice=notice,
+                       fragment=f"/admin/fragments/jobs/{batch_id}?{_query(notice=notice)}".rstrip("?"),
+                       next_url=f"{base}?{_query(state=state, after=rows[-1].line)}" if more else None,
                        first_url=f"{base}?{_query(state=state)}" if after else None)
 
     @router.get("/fragments/jobs/{batch_id}")
-    def job_fragment(request: Request, batch_id: str, admin: AdminDep, session: SessionDep) -> HTMLResponse:
-        return _render(request, "_job_summary.html", admin, **_job(session, batch_id))
+    def job_fragment(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
+                     notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
+        return _render(request, "_job_summary.html", admin, **_job(session, batch_id),
+                       notice=notice if notice in NOTICES else None)
 
     @router.post("/jobs/{batch_id}/cancel")
     def cancel(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
                csrf_token: Annotated[str | None, Form()] = None) -> Response:
         """Cancel through the API's own path (:func:`queries.cancel_batch`, then the outbox hands the
-        cancel task to the worker), then back to the job page with the status it reached."""
+        cancel task to the worker), then back to the job page with ``notice=cancel_requested``; a
+        batch that had already ended otherwise goes back with ``notice=cancel_refused`` (the API
+        answers 409 "Cannot cancel a batch with status '…'." there)."""
         auth.check_csrf(admin, csrf_token)
         row = queries.admin_get_batch(session, batch_id)
         if row is None:
-            raise AdminBadRequest(f"No such Batch object: {batch_id[:100]}", param="batch_id", code="not_found")
+            raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
         moved = queries.cancel_batch(session, row[0].tenant_id, batch_id)
         session.commit()
         request.app.state.tasks.publish_pending(session)
-        log.info("batch cancel", extra={"action": "batch_cancel", "batch_id": batch_id, "tenant": row[1],
-                                        "status": moved.status, "by": "admin"})
-        return RedirectResponse(f"/admin/jobs/{batch_id}?notice={moved.status}", status_code=303)
+        refusal = cancel_refusal(moved.status)
+        log.info("batch cancel refused" if refusal else "batch cancel",
+                 extra={"action": "batch_cancel_refused" if refusal else "batch_cancel", "batch_id": batch_id,
+                        "tenant": row[1], "status": moved.status, "by": "admin"})
+        notice = "cancel_refused" if refusal else "cancel_requested"
+        return RedirectResponse(f"/admin/jobs/{batch_id}?notice={notice}", status_code=303)
 
     @router.get("/files/{file_id}")
     def file_download(request: Request, file_id: str, admin: AdminDep, session: SessionDep) -> StreamingResponse:
@@ -300,7 +411,7 @@ def build_router() -> APIRouter:
         except FileNotFoundError:
             chunks = None
         if chunks is None:
-            raise AdminBadRequest(f"No such File object: {file_id[:100]}", param="file_id", code="not_found")
+            raise AdminNotFound(f"No such File object: {file_id[:100]}", param="file_id")
         return StreamingResponse(chunks, media_type="application/octet-stream",
                                  headers={"content-disposition": content_disposition(row.filename)})
 
@@ -339,22 +450,32 @@ def build_router() -> APIRouter:
 
     # tenants ------------------------------------------------------------------------------------
 
-    @router.get("/tenants")
-    def tenants_page(request: Request, admin: AdminDep, session: SessionDep, after: After = None) -> HTMLResponse:
+    def _tenants(request: Request, session, after: str | None) -> dict:
         settings = request.app.state.settings
-        rows, more = queries.tenant_usage(session, limit=PAGE_SIZE, after=after)
-        in_flight = queries.in_flight_by_tenant(session, [row.id for row in rows])
+        rows, more = queries.tenant_usage(session, limit=PAGE_SIZE, after=_text_param(after, "after"))
+        open_requests = queries.open_requests_by_tenant(session, [row.id for row in rows])
         tenants = []
         for row in rows:
             limit = row.enqueued_token_limit or settings.default_enqueued_token_limit
             tenants.append({"name": row.name, "reserved": int(row.reserved_tokens), "limit": limit,
                             "percent": min(100.0, 100 * int(row.reserved_tokens) / limit) if limit else 0,
                             "active_batches": row.active_batches,
-                            "queued": in_flight.get(row.id, {}).get("queued", 0),
-                            "running": in_flight.get(row.id, {}).get("running", 0)})
-        return _render(request, "tenants.html", admin, nav="tenants", tenants=tenants,
-                       next_url=f"/admin/tenants?{_query(after=rows[-1].name)}" if more else None,
+                            **{state: open_requests.get(row.id, {}).get(state, 0)
+                               for state in queries.OPEN_REQUEST_STATES}})
+        return {"tenants": tenants, "more": more, "last": rows[-1].name if rows else None}
+
+    @router.get("/tenants")
+    def tenants_page(request: Request, admin: AdminDep, session: SessionDep, after: After = None) -> HTMLResponse:
+        page = _tenants(request, session, after)
+        return _render(request, "tenants.html", admin, nav="tenants", tenants=page["tenants"],
+                       fragment=f"/admin/fragments/tenants?{_query(after=after)}".rstrip("?"),
+                       next_url=f"/admin/tenants?{_query(after=page['last'])}" if page["more"] else None,
                        first_url="/admin/tenants" if after else None)
+
+    @router.get("/fragments/tenants")
+    def tenants_fragment(request: Request, admin: AdminDep, session: SessionDep,
+                         after: After = None) -> HTMLResponse:
+        return _render(request, "_tenants.html", admin, tenants=_tenants(request, session, after)["tenants"])
 
     return router
 
@@ -418,21 +539,27 @@ def _lanes(request: Request) -> dict:
     queues, queues_error = queue_depths(request.app.state.admin_redis, settings.queue_pool,
                                         settings.queue_consumer_group)
     samples, latest = context["samples"], context["latest"]
-    per_objective = rates(samples[-2:]) if len(samples) >= 2 else {}
+    per_objective = rates(samples)
     bands = {band.objective: band for band in latest.bands} if latest else {}
+
+    def rate(objective: str) -> float | None:
+        """The latest sample's rate, when it followed an earlier sample of the same router."""
+        points = per_objective.get(objective)
+        return points[-1][1] if points and latest and points[-1][0] == latest.time else None
+
     lanes = []
     for queue in queues:
         band = bands.pop(queue["lane"], None)
-        lanes.append({**queue, "band": band, "rate": (per_objective.get(queue["lane"]) or [(0, None)])[-1][1]})
+        lanes.append({**queue, "band": band, "rate": rate(queue["lane"])})
     lanes += [{"lane": name, "priority": band.priority, "stream": None, "length": None, "pending": None,
-               "dead": None, "band": band, "rate": (per_objective.get(name) or [(0, None)])[-1][1]}
+               "dead": None, "band": band, "rate": rate(name)}
               for name, band in bands.items()]  # objectives the router knows that have no stream
     now = time.time()
     saturation = {"pool": [(s.state.time, s.state.pool_saturation) for s in samples]}
     charts = [
         line_chart(saturation, title="Fleet saturation", now=now, threshold=SATURATION_THRESHOLD,
                    y_max=max([1.2] + [v for _, v in saturation["pool"]])),
-        line_chart(rates(samples), title="Dispatch rate per objective", unit="requests/s", now=now,
+        line_chart(per_objective, title="Dispatch rate per objective", unit="requests/s", now=now,
                    width=1280, height=240),  # drawn full width
     ]
     return {**context, "lanes": lanes, "queues_error": queues_error, "charts": charts,
@@ -446,7 +573,8 @@ def _fleet(request: Request) -> dict:
     kv: dict[str, list[tuple[float, float]]] = {}
     for sample in samples:
         for endpoint in sample.state.endpoints:
-            series.setdefault(endpoint.name, []).append((sample.state.time, endpoint.saturation))
+            if endpoint.saturation is not None:  # None while unhealthy: a gap, not a zero
+                series.setdefault(endpoint.name, []).append((sample.state.time, endpoint.saturation))
             kv.setdefault(endpoint.name, []).append((sample.state.time, 100 * endpoint.kv_cache_usage_perc))
     now = time.time()
     charts = [line_chart(series, title="Saturation per engine", now=now, threshold=SATURATION_THRESHOLD,

@@ -118,3 +118,18 @@ def test_without_an_admin_key_the_dashboard_is_closed(gateway_settings):
         assert error["code"] == "admin_disabled" and "--admin-key" in error["message"]
         assert "BACKFILL_ADMIN_KEY" in client.get("/admin").text
         assert client.post("/admin/login", data={"key": "x"}).status_code == 503
+
+
+def test_non_ascii_cookies_keys_and_csrf_tokens_are_refused_not_500s(client):
+    for cookie in (b"backfill_admin=1796020000.\xc3\xa9", b"backfill_admin=\xd9\xa1\xd9\xa2.abc",
+                   b"backfill_admin=" + b"9" * 40 + b".abc"):
+        answer = client.get("/admin/api/jobs", headers={b"cookie": cookie})
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_admin_key", cookie
+    assert client.get("/admin/api/jobs", headers={b"authorization": b"Bearer \xc3\xa9t\xc3\xa9"}).status_code == 401
+    assert _login(client, "clé").status_code == 401
+    _login(client, ADMIN_KEY)
+    refused = client.post("/admin/logout", data={"csrf_token": "é" * 64})
+    assert refused.status_code == 403 and "CSRF token" in refused.text
+    cancel = client.post("/admin/jobs/batch_abc/cancel", data={"csrf_token": "\u0661" * 64})
+    assert cancel.status_code == 403 and "CSRF token" in cancel.text
+    assert client.get("/admin/api/jobs").status_code == 200  # still logged in

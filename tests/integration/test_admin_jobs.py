@@ -38,8 +38,9 @@ def seed_batches(session, count: int, tenants=("acme", "globex", "initech"), wit
                  statuses: tuple[str, ...] = STATUSES, ended_with_requests: int = 0) -> list[dict]:
     """Insert ``count`` batches spread over ``tenants`` and ``statuses`` (in turn), three per
     created_at second (ties broken by id); the first ``with_requests`` in-progress ones get 200
-    requests, a quarter of them queued, and the first ``ended_with_requests`` completed ones 200
-    succeeded requests. Returns the rows inserted."""
+    requests, a quarter of them queued, a quarter pending (not yet fed) and the rest succeeded, and
+    the first ``ended_with_requests`` completed ones 200 succeeded requests. Ended batches ended at
+    their creation second. Returns the rows inserted."""
     ids = {name: queries.ensure_tenant(session, name).id for name in tenants}
     first = next(iter(ids.values()))
     session.execute(insert(File).values(id="file-seed", tenant_id=first, bytes=1, filename="seed.jsonl",
@@ -53,13 +54,18 @@ def seed_batches(session, count: int, tenants=("acme", "globex", "initech"), wit
                      "status": statuses[i % len(statuses)], "created_at": BASE_TIME + i // 3,
                      "in_progress_at": BASE_TIME + i // 3, "expires_at": BASE_TIME + 86400,
                      "deadline": deadline, "model": "m", "request_total": 200,
-                     "request_completed": i % 200, "enqueued_tokens": 1000, "_tenant": tenant})
-    session.execute(insert(Batch), [{k: v for k, v in row.items() if k != "_tenant"} for row in rows])
+                     "request_completed": i % 200, "enqueued_tokens": 1000, "_tenant": tenant,
+                     **({f"{statuses[i % len(statuses)]}_at": BASE_TIME + i // 3}
+                        if statuses[i % len(statuses)] in ("completed", "failed", "cancelled", "expired") else {})})
+    for status in set(statuses):  # one insert per status: the rows of one executemany share their keys
+        session.execute(insert(Batch), [{k: v for k, v in row.items() if k != "_tenant"}
+                                        for row in rows if row["status"] == status])
     running = [row for row in rows if row["status"] == "in_progress"][:with_requests]
     ended = [row for row in rows if row["status"] == "completed"][:ended_with_requests]
     requests = [{"batch_id": row["id"], "custom_id": f"r{j}", "line": j + 1, "byte_offset": j, "byte_length": 1,
                  "prefix_key": b"", "est_tokens": 1,
-                 "state": "queued" if j % 4 == 0 and row["status"] == "in_progress" else "succeeded"}
+                 "state": ("queued", "pending", "succeeded", "succeeded")[j % 4]
+                 if row["status"] == "in_progress" else "succeeded"}
                 for row in running + ended for j in range(200)]
     if requests:
         session.execute(insert(BatchRequest), requests)
@@ -137,7 +143,10 @@ def test_job_page_shows_validation_errors_with_line_numbers_and_file_links(gatew
     assert download.status_code == 200 and download.content == b"\n".join(lines) + b"\n"
     assert "Cancel batch" not in page.text  # an ended batch offers no cancel
     missing = admin.get("/admin/jobs/batch_nope")
-    assert missing.status_code == 400 and "No such Batch object" in missing.text
+    assert missing.status_code == 404 and "No such Batch object" in missing.text
+    assert admin.get("/admin/fragments/jobs/batch_nope").json()["error"]["code"] == "not_found"
+    assert admin.get("/admin/files/file-nope").status_code == 404
+    assert admin.post("/admin/jobs/batch_nope/cancel").status_code == 404
 
 
 def test_cancel_from_the_dashboard_goes_cancelling_then_cancelled(gateway):
@@ -161,17 +170,20 @@ def test_cancel_from_the_dashboard_goes_cancelling_then_cancelled(gateway):
     assert client.batches.retrieve(batch.id).status == "in_progress"
 
     done = browser.post(f"/admin/jobs/{batch.id}/cancel", data={"csrf_token": csrf})
-    assert done.status_code == 303 and done.headers["location"].endswith("?notice=cancelling")
+    assert done.status_code == 303 and done.headers["location"].endswith("?notice=cancel_requested")
     assert client.batches.retrieve(batch.id).status == "cancelling"  # the API sees the same batch
     shown = browser.get(done.headers["location"]).text
     assert 'id="job-status">cancelling<' in shown and "now <strong>cancelling</strong>" in shown
     assert "Cancel batch" not in shown
+    live = re.search(r'id="job-live" data-refresh="([^"]+)"', shown).group(1)
+    assert live == f"/admin/fragments/jobs/{batch.id}?notice=cancel_requested"  # the banner is live too
 
     proc.answer(held[1], error_result(held[1].id, ErrorCode.CANCELLED, "batch cancelled", held[1].metadata))
     assert lifecycle.collect(ctx) == 1
     assert lifecycle.finalize_due(ctx) == [batch.id]
-    fragment = browser.get(f"/admin/fragments/jobs/{batch.id}").text
+    fragment = browser.get(live).text
     assert 'id="job-status">cancelled<' in fragment
+    assert "now <strong>cancelling</strong>" not in fragment and "the batch is <strong>cancelled</strong>" in fragment
     timeline = re.findall(r'<span class="event">([^<]+)</span>', fragment)
     assert timeline.index("batch.cancelling") < timeline.index("batch.cancelled")
     assert client.batches.retrieve(batch.id).status == "cancelled"
@@ -179,20 +191,26 @@ def test_cancel_from_the_dashboard_goes_cancelling_then_cancelled(gateway):
     assert sorted(re.findall(r'<td class="mono">(c\d)</td>', outcomes)) == ["c1", "c2", "c3"]
 
 
-def test_tenants_page_shows_quota_use_and_in_flight_requests(gateway):
+def test_tenants_page_shows_quota_use_and_queued_and_pending_requests_live(gateway):
     with gateway.session() as session:
         rows = seed_batches(session, 30, with_requests=2)
     admin = _admin(gateway)
     page = admin.get("/admin/tenants").text
+    assert "running" not in page.lower()  # no request is ever in a state called running
+    fed = [r for r in rows if r["status"] == "in_progress"][:2]
+    assert {r["_tenant"] for r in fed} != {"acme", "globex", "initech"}  # some tenant has nothing open
     for name in ("acme", "globex", "initech"):
         mine = [r for r in rows if r["_tenant"] == name]
         active = [r for r in mine if r["status"] in ("in_progress", "validating")]
-        running = [r for r in rows if r["status"] == "in_progress"][:2]
-        queued = sum(50 for r in running if r["_tenant"] == name)
+        open_ = sum(50 for r in fed if r["_tenant"] == name)  # 50 queued and 50 pending of each
         row = re.search(rf'<tr data-tenant="{name}">(.*?)</tr>', page, re.S).group(1)
         assert f"{1000 * len(active):,} / " in row
         assert re.search(r'<td class="num">(\d+)</td>', row).group(1) == str(len(active))
-        assert f'in-flight-queued">{queued}<' in row
+        assert f'requests-queued">{open_}<' in row and f'requests-pending">{open_}<' in row
+    live = re.search(r'<tbody id="tenant-rows" data-refresh="([^"]+)"', page).group(1)
+    fragment = admin.get(live).text
+    assert "<html" not in fragment
+    assert re.findall(r'<tr data-tenant="([^"]+)">', fragment) == ["acme", "default", "globex", "initech"]
 
 
 def _plans(session, call) -> list[str]:
@@ -238,8 +256,84 @@ def test_with_10000_batches_a_page_is_an_index_scan(gateway):
                 assert "Seq Scan on batches" not in plan, plan
                 used = re.findall(r"Index Scan(?: Backward)? using (\w+) on batches|Bitmap Index Scan on (\w+)", plan)
                 assert used and all(any(name in keyset_indexes for name in pair) for pair in used), plan
-        [plan] = _plans(session, lambda s: queries.in_flight_by_tenant(s, [acme]))
+        [plan] = _plans(session, lambda s: queries.open_requests_by_tenant(s, [acme]))
         assert "Seq Scan on batch_requests" not in plan and "ix_batch_requests_batch_id_state" in plan, plan
         assert "Seq Scan on batches" not in plan, plan
     page = _admin(gateway).get("/admin", params={"limit": 50})
     assert page.status_code == 200 and len(re.findall(r"<tr data-batch=", page.text)) == 50
+
+
+ERROR_400 = {"error": {"message": "Missing required parameter: 'messages'.", "type": "invalid_request_error",
+                       "param": "messages", "code": "missing_required_parameter"}}
+
+
+def test_job_page_lists_requests_in_input_order_with_http_error_messages(gateway):
+    with gateway.session() as session:
+        [row] = seed_batches(session, 1, statuses=("in_progress",))
+        requests = [{"batch_id": row["id"], "custom_id": f"req-{line}", "line": line, "byte_offset": line,
+                     "byte_length": 1, "prefix_key": b"", "est_tokens": 1, "state": "pending"}
+                    for line in range(1, 76)]  # custom_id as text sorts req-1, req-10, req-11, …
+        requests[8].update(state="failed", status_code=400, response_body=orjson.dumps(ERROR_400))
+        requests[9].update(state="failed", status_code=500, response_body=b'{"object": "error", '
+                           b'"message": "engine overloaded", "type": "InternalServerError", "code": 500}')
+        requests[10].update(state="failed", status_code=502, response_body=b"<html>bad gateway</html>")
+        session.execute(insert(BatchRequest), requests)
+        session.commit()
+    admin = _admin(gateway)
+    page = admin.get(f"/admin/jobs/{row['id']}").text
+    lines = [int(n) for n in re.findall(r'<tr><td class="num">(\d+)</td><td class="mono">req-', page)]
+    assert lines == list(range(1, 51))
+    rows = {r[1]: r for r in re.findall(r'<tr><td class="num">(\d+)</td><td class="mono">(req-\d+)</td>(.*?)</tr>',
+                                         page, re.S) for r in [r]}
+    assert "Missing required parameter: &#39;messages&#39;." in rows["req-9"][2]
+    assert "missing_required_parameter" in rows["req-9"][2]
+    assert "engine overloaded" in rows["req-10"][2]  # vLLM's flat error body
+    assert ">502<" in rows["req-11"][2]  # not JSON: the status alone
+    after = re.search(r'href="([^"]+)" rel="next"', page).group(1).replace("&amp;", "&")
+    assert after.endswith("after=50")
+    rest = admin.get(after).text
+    assert [int(n) for n in re.findall(r'<tr><td class="num">(\d+)</td><td class="mono">req-', rest)] == \
+        list(range(51, 76))
+    options = re.findall(r'<option value="(\w+)"', page)
+    assert "running" not in options and {"pending", "queued", "failed"} <= set(options)
+    assert admin.get(f"/admin/jobs/{row['id']}", params={"state": "running"}).status_code == 400
+
+
+def test_an_ended_batch_shows_when_it_ended_and_refuses_a_cancel(gateway):
+    with gateway.session() as session:
+        [row] = seed_batches(session, 1, statuses=("completed",))
+    browser = gateway.http(tenant=None)
+    assert browser.post("/admin/login", data={"key": ADMIN_KEY}).status_code == 303
+    listing = browser.get("/admin").text
+    cell = re.search(rf'<tr data-batch="{row["id"]}">(.*?)</tr>', listing, re.S).group(1)
+    assert "ended" in cell and " in " not in cell  # no deadline "in 23h 54m" for a finished batch
+    page = browser.get(f"/admin/jobs/{row['id']}").text
+    ended = re.search(r'id="job-ended">([^<]+)<', page).group(1)
+    assert ended.startswith("2026-09-21") and "ago" in ended  # BASE_TIME, in the past
+    csrf = re.search(r'name="csrf_token" value="([0-9a-f]+)"', page).group(1)
+    refused = browser.post(f"/admin/jobs/{row['id']}/cancel", data={"csrf_token": csrf})
+    assert refused.status_code == 303 and refused.headers["location"].endswith("?notice=cancel_refused")
+    shown = browser.get(refused.headers["location"]).text
+    assert "Cannot cancel a batch with status &#39;completed&#39;." in shown and "Cancel requested" not in shown
+    assert 'id="job-status">completed<' in shown
+
+
+def test_bad_cursors_and_filters_are_400s_never_500s(gateway):
+    with gateway.session() as session:
+        [row] = seed_batches(session, 1, statuses=("in_progress",))
+    admin = _admin(gateway)
+    for path, params in [("/admin/api/jobs", {"after": "99999999999999999999999999~batch_abc"}),
+                         ("/admin/api/jobs", {"after": "\u0661\u0662~batch_abc"}),  # Arabic-Indic digits
+                         ("/admin/api/jobs", {"after": "12~batch\x00"}),
+                         ("/admin/api/jobs", {"tenant": "acme\x00"}),
+                         (f"/admin/jobs/{row['id']}", {"after": "\x00"}),
+                         (f"/admin/jobs/{row['id']}", {"after": "99999999999"}),
+                         (f"/admin/jobs/{row['id']}", {"after": "req-1"}),
+                         ("/admin/tenants", {"after": "\x00"}),
+                         ("/admin/fragments/tenants", {"after": "a\x00"})]:
+        answer = admin.get(path, params=params)
+        assert answer.status_code == 400, (path, params, answer.status_code, answer.text[:300])
+    error = admin.get("/admin/api/jobs", params={"after": "9" * 26 + "~batch_abc"}).json()["error"]
+    assert error["param"] == "after" and error["type"] == "invalid_request_error"
+    assert admin.get("/admin/api/jobs", params={"after": "1~batch_abc"}).json() == {"data": [], "next": None}
+    assert admin.get("/admin/jobs/batch%00x").status_code == 404
