@@ -125,6 +125,8 @@ def test_log_in_watch_progress_open_the_batch_and_cancel_it(page, stack):
     assert page.locator("#job-status").inner_text() == "cancelling"  # requests still run at the engine
     shot(page, "job-cancelling")
     page.wait_for_function("() => document.querySelector('#job-status').textContent === 'cancelled'")
+    notice = page.locator("#notice").inner_text()  # the live refresh updated the banner too
+    assert "cancelled" in notice and "cancelling" not in notice
     timeline = page.locator(".timeline").inner_text()
     assert timeline.index("batch.cancelling") < timeline.index("batch.cancelled")
     shot(page, "job-cancelled")
@@ -148,4 +150,9 @@ def test_lanes_fleet_and_tenants_pages_render(page, stack):
     page.wait_for_function("(names) => names.every(n => document.querySelector(`tr[data-engine=\"${n}\"]`))",
                            arg=engines)
     assert page.locator("#router-error").count() == 0
+    models = page.locator(f'tr[data-engine="{engines[0]}"] td').nth(1).inner_text()
+    assert models not in ("", "—")  # the engine's served model(s), from the router's "models"
+    shot(page, "fleet-engines")
+    page.goto(admin_url(stack) + "/tenants")
+    assert page.locator("#tenant-rows").get_attribute("data-refresh") == "/admin/fragments/tenants"
 

@@ -133,3 +133,10 @@ def test_non_ascii_cookies_keys_and_csrf_tokens_are_refused_not_500s(client):
     cancel = client.post("/admin/jobs/batch_abc/cancel", data={"csrf_token": "\u0661" * 64})
     assert cancel.status_code == 403 and "CSRF token" in cancel.text
     assert client.get("/admin/api/jobs").status_code == 200  # still logged in
+
+
+def test_the_gateway_does_not_log_every_router_poll(gateway_settings):
+    import logging
+
+    create_app(gateway_settings)
+    assert logging.getLogger("httpx").level == logging.WARNING  # set, whatever the root level: httpx logs each request at INFO
