@@ -52,7 +52,7 @@ class RouterRuntime:
         self.settings = settings
         self.thresholds = SaturationThresholds(
             queue_threshold=settings.queue_threshold, kv_threshold=settings.kv_threshold,
-            max_metrics_age_s=settings.max_metrics_age_s, in_flight_credit=True)
+            max_metrics_age_s=settings.max_metrics_age_s)
         self.pool: EndpointPool | None = None
         self.scheduler: Scheduler | None = None
         self.flow: Any | None = None
@@ -61,20 +61,35 @@ class RouterRuntime:
         self.router: Router | None = None
 
     def saturation(self) -> float:
-        """Pool saturation now, with credit for dispatches the last scrape cannot show yet.
+        """Pool saturation now: the detector's value from the last scrapes, plus credit for the
+        requests those scrapes cannot show yet.
 
-        Two kinds: requests forwarded since the scrape (the detector's ``in_flight_credit``) and
-        requests flow control has released whose handlers have not been scheduled yet (one
-        dispatch step may release several before any of them reaches an engine). The second are
-        spread evenly, as waiting requests, over the candidates.
+        Unseen requests are those the router forwarded beyond what an endpoint reports (``in
+        flight − (waiting + running)``, llm-d's scrape-lag credit) plus those flow control has
+        released whose handlers have not been scheduled yet (one dispatch step may release
+        several before any reaches an engine). Not all of them will queue: an endpoint seen
+        running ``peak_running`` requests at once has about ``peak_running − running`` free
+        slots. Only the unseen requests beyond the pool's free slots count, as waiting requests
+        spread over the candidates. Without the free-slot allowance a fast engine (hundreds of
+        requests/s) is capped at ``queue_threshold`` new requests per scrape interval; without
+        the credit a burst overshoots by everything released within one scrape interval.
         """
         assert self.pool is not None
         candidates = self.pool.candidates()
         value = pool_saturation(candidates, time.monotonic(), self.thresholds)
-        if self.flow is not None and candidates:
-            pending = self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates)
-            if pending > 0:
-                value += pending / (len(candidates) * self.thresholds.queue_threshold)
+        if not candidates:
+            return value
+        unseen = free = 0
+        forwarded = 0
+        for ep in candidates:
+            forwarded += ep.in_flight_requests
+            unseen += max(0, ep.in_flight_requests - (ep.num_requests_waiting + ep.num_requests_running))
+            free += max(0, ep.peak_running - ep.num_requests_running)
+        if self.flow is not None:
+            unseen += max(0, self.flow.in_flight_requests - forwarded)
+        excess = unseen - free
+        if excess > 0:
+            value += excess / (len(candidates) * self.thresholds.queue_threshold)
         return value
 
     def state(self) -> dict[str, Any]:

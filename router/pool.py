@@ -314,6 +314,7 @@ class EndpointPool:
         ep = state.endpoint
         ep.num_requests_waiting = metrics.num_requests_waiting
         ep.num_requests_running = metrics.num_requests_running
+        ep.peak_running = max(ep.peak_running, metrics.num_requests_running)
         ep.kv_cache_usage_perc = metrics.kv_cache_usage_perc
         if metrics.block_size is not None:
             ep.block_size = metrics.block_size
@@ -338,6 +339,7 @@ class EndpointPool:
             state.endpoint.in_flight_requests = 0
             state.endpoint.in_flight_uncached_tokens = 0
             state.endpoint.metrics_updated_at = None
+            state.endpoint.peak_running = 0  # it may come back as another engine
         for hook in self._on_down:
             try:
                 hook(name)

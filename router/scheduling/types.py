@@ -47,6 +47,9 @@ class Endpoint:
         in_flight_uncached_tokens: prompt tokens of those requests that the router expected the
             engine to compute (not served from its prefix cache) and whose prefill has not ended
             yet (no first streamed chunk), in tokens: the endpoint's queued prefill work.
+        peak_running: the most requests the endpoint has been seen running at once (scraped);
+            a lower bound of its batch size, which the router uses to tell how many requests it
+            sent since the last scrape will have started rather than queued.
     """
 
     name: str
@@ -59,6 +62,7 @@ class Endpoint:
     metrics_updated_at: float | None = None
     in_flight_requests: int = 0
     in_flight_uncached_tokens: int = 0
+    peak_running: int = 0
 
 
 @dataclass(slots=True, eq=False)
