@@ -2,9 +2,8 @@
 fleet of known capacity C, as PERFORMANCE.md defines it (goal: achieved ≥ 0.95 × C; every
 ``custom_id`` exactly once).
 
-The fleet is what ``backfill up`` sends to: until the router exists the processor sends every
-request to the *first* engine, so the stack is started with one simulated engine and C is that
-engine's capacity. Its settings reach the engine through the simulator's environment variables
+The fleet is what ``backfill up`` sends to: the stack is started with one simulated engine behind
+the router, so C is that engine's capacity. Its settings reach the engine through the simulator's environment variables
 (``BACKFILL_ENGINE_SIM_TIME_SCALE``, ``…_MAX_NUM_SEQS``), which ``run_stack``'s children inherit.
 
 The capacity is set by the simulator's serialised prefills: each request's prefill (30 ms model
