@@ -169,7 +169,8 @@ class BatchRequest(Base):
 
     ``line``/``byte_offset``/``byte_length`` locate the request's JSON in the input file (bytes);
     ``prefix_key`` (first 128 bytes of the prompt text) orders feeding by shared prefix.
-    ``state``: ``pending`` → ``queued`` → ``running`` → ``succeeded`` | ``failed`` | ``cancelled``
+    ``state``: ``pending`` (not fed yet) → ``queued`` (on a processor lane, no result yet) →
+    ``succeeded`` | ``failed`` | ``cancelled``
     | ``expired``; ``lease_token``/``lease_expires_at`` guard result writes (compare-and-set).
     """
 

@@ -301,6 +301,15 @@ def transition(session: Session, batch_id: str, from_: Sequence[str], to: str,
     return batch
 
 
+def cancel_refusal(status: str) -> str | None:
+    """Why a batch whose :func:`cancel_batch` left it in ``status`` was not cancellable (the
+    message ``POST /v1/batches/{id}/cancel`` answers with 409, and the dashboard shows), or None
+    when it is cancelling or cancelled."""
+    if status in ("cancelling", "cancelled"):
+        return None
+    return f"Cannot cancel a batch with status '{status}'."
+
+
 def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
     """Cancel the tenant's batch. Returns the batch after the change, or None when not found.
 

@@ -78,14 +78,6 @@ class AdminConflict(AdminError):
     status = 409
 
 
-def cancel_refusal(status: str) -> str | None:
-    """Why a batch whose cancel left it in ``status`` was not cancellable (the API's check and
-    message, ``POST /v1/batches/{id}/cancel``), or None when it is cancelling or cancelled."""
-    if status in ("cancelling", "cancelled"):
-        return None
-    return f"Cannot cancel a batch with status '{status}'."
-
-
 NOTICES = ("cancel_requested", "cancel_refused")
 """What the job page may say after its cancel form: ``?notice=…``."""
 
@@ -147,7 +139,7 @@ def fmt_pct(value: float | None) -> str:
 templates.env.filters["time"] = fmt_time
 templates.env.globals["pct"] = fmt_pct
 templates.env.globals["fmt_in"] = fmt_in
-templates.env.globals["cancel_refusal"] = cancel_refusal
+templates.env.globals["cancel_refusal"] = queries.cancel_refusal
 
 
 def estimated_finish(total: int, done: int, in_progress_at: int | None, now: float) -> float | None:
@@ -396,7 +388,7 @@ def build_router() -> APIRouter:
         moved = queries.cancel_batch(session, row[0].tenant_id, batch_id)
         session.commit()
         request.app.state.tasks.publish_pending(session)
-        refusal = cancel_refusal(moved.status)
+        refusal = queries.cancel_refusal(moved.status)
         log.info("batch cancel refused" if refusal else "batch cancel",
                  extra={"action": "batch_cancel_refused" if refusal else "batch_cancel", "batch_id": batch_id,
                         "tenant": row[1], "status": moved.status, "by": "admin"})

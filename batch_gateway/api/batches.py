@@ -185,8 +185,9 @@ def cancel_batch(batch_id: str, request: Request, tenant: TenantDep, session: Se
         raise _not_found(batch_id)
     session.commit()
     request.app.state.tasks.publish_pending(session)  # processors drop the batch's queued work now
-    if row.status not in ("cancelling", "cancelled"):
-        raise ConflictError(f"Cannot cancel a batch with status '{row.status}'.")
+    refusal = queries.cancel_refusal(row.status)
+    if refusal is not None:
+        raise ConflictError(refusal)
     log.info("batch cancel", extra={"action": "batch_cancel", "batch_id": batch_id,
                                     "tenant": tenant.name, "status": row.status})
     return batch_object(row)
