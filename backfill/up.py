@@ -5,8 +5,9 @@ Starts the stores (embedded PostgreSQL and Redis under ``--data-dir`` unless ``D
 real ones given with ``--engine-url``), the router in front of them, the async processor (sending
 to the router, gated on its saturation), the Celery worker, beat and the gateway as child
 processes, waits until the gateway, the router and the engines answer, and prints one line
-beginning ``backfill ready`` with ``gateway=http://HOST:PORT/v1`` and ``router=http://…``. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then
-SIGKILL after the grace period) and the stores, and exits 0; children also get SIGTERM from the
+beginning ``backfill ready`` with ``gateway=http://HOST:PORT/v1``, ``router=http://…`` and the
+``metrics=`` URLs. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then SIGKILL after
+the grace period) and the stores, and exits 0; children also get SIGTERM from the
 kernel if ``backfill up`` itself is killed. One stack at a time may use a data directory (a lock
 file), and a busy port is refused before anything starts. A child that dies on its own is
 restarted; one that keeps dying (more than 5 times a minute) stops everything with exit code 1.

@@ -135,8 +135,7 @@ class Router:
         response: web.StreamResponse | None = None
         try:
             if request.content_length is not None and request.content_length > self.max_body_bytes:
-                response = error_response(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
-                return response
+                raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
             body = await request.read()
             parsed = parse_request(request.path, body, request.headers)
             objective = self._objective(parsed)
