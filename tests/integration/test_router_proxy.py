@@ -284,3 +284,14 @@ def test_client_disconnect_cancels_the_upstream_request(tmp_path: Path) -> None:
         assert s.wait_candidates(1)["endpoints"][0]["in_flight_requests"] == 0
         # a client going away is not the engine's failure: no upstream error, the engine stays a candidate
         assert 'backfill_router_upstream_errors_total{kind="stream"}' not in httpx.get(f"{s.url}/metrics").text
+
+
+def test_a_request_past_its_deadline_is_shed_with_the_reason(stack: RouterStack) -> None:
+    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10,
+                   headers={"x-llm-d-slo-ttft-ms": "0", "x-llm-d-inference-objective": "batch"},
+                   json={"model": "sim-model", "messages": [{"role": "user", "content": "too late"}]})
+    assert r.status_code == 429
+    assert r.headers["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
+    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "rejected-ttl-expired"
+    batch = next(b for b in stack.state()["bands"] if b["objective"] == "batch")
+    assert batch["shed_total"]["rejected-ttl-expired"] >= 1
