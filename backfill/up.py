@@ -331,7 +331,7 @@ def up_command(data_dir: Path, host: str, port: int, api_key: str | None, admin_
     try:
         with run_stack(data_dir, host, port, api_key, engines=engines, served_model_names=names,
                        engine_urls=list(engine_urls), admin_key=admin_key) as stack:
-            admin = stack.gateway_url.removesuffix("/v1") + "/admin"
+            admin = stack.gateway_url.removesuffix("/v1") + "/admin" if admin_key else "-"  # closed without a key
             click.echo(f"backfill ready gateway={stack.gateway_url} admin={admin} api_key={stack.api_key} "
                        f"router={stack.router_url or '-'} engines={','.join(stack.engine_urls) or '-'} "
                        f"redis={stack.env['REDIS_URL']} data_dir={stack.data_dir} logs={stack.data_dir / 'logs'} "
