@@ -186,13 +186,15 @@ def keys_create(tenant: str, data_dir: Path) -> None:
 @click.option("--tenant", help="Only this tenant's keys.")
 @DATA_DIR_OPTION
 def keys_list(tenant: str | None, data_dir: Path) -> None:
-    """List API keys (their first 12 characters), tenant and state."""
+    """List API keys (their first 12 characters — fewer for a short key, so a key is never shown
+    whole), tenant and state."""
     from batch_gateway import queries
 
     with _session(data_dir) as session:
         for name, prefix, created_at, revoked_at in queries.list_api_keys(session, tenant):
             state = "revoked" if revoked_at else "active"
-            click.echo(f"{name}\t{prefix}…\t{state}\tcreated {created_at}")
+            shown = prefix if len(prefix) >= 12 else prefix[: len(prefix) // 2]  # a short key is stored whole
+            click.echo(f"{name}\t{shown}…\t{state}\tcreated {created_at}")
 
 
 @keys_group.command("revoke")

@@ -36,7 +36,7 @@ async def _admin_error(request: Request, exc: AdminError) -> Response:
         return RedirectResponse(f"/admin/login?next={quote(target, safe='')}", status_code=303)
     from batch_gateway.admin.views import _render
 
-    return _render(request, "error.html", None, status_code=exc.status, error=exc)
+    return _render(request, "error.html", getattr(request.state, "admin", None), status_code=exc.status, error=exc)
 
 
 def install(app: FastAPI) -> None:

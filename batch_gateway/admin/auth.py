@@ -140,11 +140,14 @@ def require_admin(request: Request) -> Admin:
         if scheme.lower() != "bearer" or not key.strip():
             raise AdminLoginRequired(NO_CREDENTIAL)
         check_key(settings, key.strip(), request.app.state.sessionmaker)
-        return Admin(via="bearer", csrf=None)
-    token = request.cookies.get(COOKIE)
-    if token and session_valid(admin_key, token, settings.admin_session_seconds):
-        return Admin(via="cookie", csrf=csrf_token(admin_key, token))
-    raise AdminLoginRequired(NO_CREDENTIAL)
+        admin = Admin(via="bearer", csrf=None)
+    else:
+        token = request.cookies.get(COOKIE)
+        if not (token and session_valid(admin_key, token, settings.admin_session_seconds)):
+            raise AdminLoginRequired(NO_CREDENTIAL)
+        admin = Admin(via="cookie", csrf=csrf_token(admin_key, token))
+    request.state.admin = admin  # error pages of this request keep the navigation
+    return admin
 
 
 def check_csrf(admin: Admin, submitted: str | None) -> None:

@@ -144,6 +144,7 @@ def test_job_page_shows_validation_errors_with_line_numbers_and_file_links(gatew
     assert "Cancel batch" not in page.text  # an ended batch offers no cancel
     missing = admin.get("/admin/jobs/batch_nope")
     assert missing.status_code == 404 and "No such Batch object" in missing.text
+    assert 'href="/admin/lanes"' in missing.text  # the error page keeps the navigation
     assert admin.get("/admin/fragments/jobs/batch_nope").json()["error"]["code"] == "not_found"
     assert admin.get("/admin/files/file-nope").status_code == 404
     assert admin.post("/admin/jobs/batch_nope/cancel").status_code == 404
