@@ -56,18 +56,12 @@ def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine /tokenize call otherwise
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
-    def ready(*_args) -> None:
+    def ready(_banner: str) -> None:  # run_app calls it once the socket listens
         click.echo(f"router ready on http://{settings.host}:{settings.port} engines={','.join(settings.engines)}",
                    err=True)
 
-    app = create_app(settings)
-    app.on_startup.append(lambda _app: _announce(ready))
-    web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
+    web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=ready,
                 handler_cancellation=True, shutdown_timeout=5.0)
-
-
-async def _announce(ready) -> None:  # noqa: ANN001
-    asyncio.get_running_loop().call_soon(ready)
 
 
 def router_argv(port: int, engines: list[str], *, host: str = "127.0.0.1", config: str | None = None,

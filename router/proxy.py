@@ -37,6 +37,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
+from router.flow_control import FlowItem, RequestDropped
 from router.metrics import RouterMetrics
 from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
 from router.pool import EndpointPool
@@ -185,8 +186,6 @@ class Router:
                 admission.release()
 
     async def _admit(self, parsed: ParsedRequest, objective: str, size: int, received: float) -> Any:
-        from router.flow_control import FlowItem, RequestDropped
-
         deadline = received + parsed.slo_ttft_ms / 1000.0 if parsed.slo_ttft_ms is not None else None
         item = FlowItem(request_id=parsed.request_id, fairness_id=parsed.fairness_id or "",
                         objective=objective, byte_size=size, deadline=deadline)
@@ -432,10 +431,7 @@ def _matched(result: SchedulingResult) -> list[float]:
 
 
 def _prefix_info(result: SchedulingResult) -> PrefixMatchInfo | None:
-    for value in result.state._data.values():  # the producers' output, whatever their names
-        if isinstance(value, PrefixMatchInfo):
-            return value
-    return None
+    return result.state.first(PrefixMatchInfo)  # the producers' output, whatever their names
 
 
 def _uncached_tokens(result: SchedulingResult, request: LLMRequest) -> int:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 #: Bytes of prompt text per pseudo-token in the ``estimate`` tokenizer backend (ROUTING.md: "about
 #: 4 bytes per token"; llm-d's estimate backend uses the same figure).
 ESTIMATE_BYTES_PER_TOKEN = 4
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True, eq=False)
@@ -152,6 +154,11 @@ class CycleState:
     def read(self, key: str, default: Any = None) -> Any:
         """The value under ``key``, or ``default`` when nothing was written."""
         return self._data.get(key, default)
+
+    def first(self, kind: type[T]) -> T | None:
+        """The first value written that is a ``kind`` (e.g. the :class:`PrefixMatchInfo` of
+        whichever producer ran), or None."""
+        return next((v for v in self._data.values() if isinstance(v, kind)), None)
 
 
 def prefix_match_key(producer_name: str) -> str:

@@ -158,7 +158,7 @@ def test_one_batch_from_the_api_to_the_router_header(gateway, json_logs):
 
     deadline = time.monotonic() + 20
     while lifecycle.collect(ctx) < 2 and time.monotonic() < deadline:
-        pass
+        time.sleep(0.05)
     assert lifecycle.finalize(ctx, batch.id) == "completed"
 
     # processor series
