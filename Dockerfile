@@ -17,6 +17,7 @@ RUN groupadd --system --gid 10001 backfill \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY backfill ./backfill
+COPY common ./common
 COPY batch_gateway ./batch_gateway
 COPY workers ./workers
 COPY async_processor ./async_processor

@@ -33,7 +33,7 @@ import click
 import httpx
 import orjson
 
-from async_processor.messages import REQUEST_FIELD, RESULT_FIELD, RequestMessage, encode_request, encode_result
+from common.contracts.queue import REQUEST_FIELD, RESULT_FIELD, RequestMessage, encode_request, encode_result
 
 _BODY = b'{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}]}'
 _RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
@@ -141,7 +141,7 @@ async def bench_redis_loop(redis_url: str, n: int, batch: int = 256) -> float:
     """Messages/s of a bare XREADGROUP -> XADD result -> XACK+XDEL loop (no HTTP, no decoding)."""
     import redis.asyncio as aioredis
 
-    from async_processor.messages import ResultMessage
+    from common.contracts.queue import ResultMessage
 
     ns = f"bench-{secrets.token_hex(4)}"
     client = aioredis.Redis.from_url(redis_url)

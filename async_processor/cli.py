@@ -14,7 +14,7 @@ import time
 import click
 import orjson
 
-from async_processor.messages import LANE_PRIORITIES, RequestMessage, encode_result
+from common.contracts.queue import LANE_PRIORITIES, RequestMessage, encode_result
 from async_processor.settings import build_settings
 
 _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
@@ -48,7 +48,7 @@ def processor_command(lanes: str | None, log_level: str, **options) -> None:
 
     from async_processor.metrics import ProcessorMetrics, start_metrics_server
     from async_processor.processor import run_processor
-    from backfill.logging import configure_logging
+    from common.logging import configure_logging
 
     configure_logging(log_level)
     settings = build_settings(lanes=lanes.split(",") if lanes else None, **options)

@@ -25,10 +25,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import orjson
-
 from async_processor.lanes import Work
 from async_processor.router_client import NoAnswer, RouterClient
+from common.contracts.router_state import SATURATION_THRESHOLD, parse_pool_saturation
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class SaturationGate:
     def saturated(self) -> bool:
         """True unless a fresh reading below 1.0 exists."""
         fresh = self.clock() - self.read_at <= self.max_age_s
-        return not (fresh and self.saturation is not None and self.saturation < 1.0)
+        return not (fresh and self.saturation is not None and self.saturation < SATURATION_THRESHOLD)
 
     def admits(self, work: Work) -> bool:
         return work.priority >= self.exempt_priority or not self.saturated()
@@ -142,16 +141,16 @@ class SaturationGate:
         """One ``GET /admin/state``; an unusable answer clears the reading (fail closed)."""
         try:
             answer = await self.client.get(self.url, self.timeout_s)
-            value = orjson.loads(answer.body).get("pool_saturation") if answer.status == 200 else None
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"status {answer.status}, pool_saturation={value!r}")
-        except (NoAnswer, ValueError, AttributeError) as exc:
+            if answer.status != 200:
+                raise ValueError(f"status {answer.status}")
+            value = parse_pool_saturation(answer.body)
+        except (NoAnswer, ValueError) as exc:
             if self.saturation is not None:
                 log.warning("router saturation unreadable; gating closed",
                             extra={"action": "gate_unreadable", "error": str(exc)})
             self.saturation = None
             return
-        self.saturation = float(value)
+        self.saturation = value
         self.read_at = self.clock()
 
 

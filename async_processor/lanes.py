@@ -1,6 +1,6 @@
 """Priority lanes: the bounded in-memory buffer between the queue and the dispatcher.
 
-Lanes are objectives (:data:`~async_processor.messages.LANE_PRIORITIES`: ``interactive`` 100,
+Lanes are objectives (:data:`~common.contracts.queue.LANE_PRIORITIES`: ``interactive`` 100,
 ``async`` 10, ``batch`` -10) served in strict priority order: a lower lane dispatches only when every
 higher lane is empty, waiting out a retry backoff, or refused by a gate (e.g. a tenant quota).
 Inside a lane, earliest deadline first; ties in arrival order (FIFO).
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from async_processor.backends.base import Delivery
-from async_processor.messages import LANE_PRIORITIES, RequestMessage
+from common.contracts.queue import LANE_PRIORITIES, RequestMessage
 
 
 @dataclass(eq=False)

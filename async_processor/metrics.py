@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from async_processor.messages import ErrorCode, ResultMessage
+from common.contracts.queue import ErrorCode, ResultMessage
 from async_processor.retry import RETRYABLE_STATUSES
 
 if TYPE_CHECKING:

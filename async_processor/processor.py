@@ -37,10 +37,11 @@ from dataclasses import dataclass
 import orjson
 
 from async_processor.backends.base import Admission, Delivery, QueueBackend
-from async_processor.errors import InvalidMessage, ProcessorError
+from async_processor.errors import ProcessorError
+from common.contracts.queue import InvalidMessage
 from async_processor.gates import AllGates, ConcurrencyGate, Gate, SaturationGate, TenantQuotaGate
 from async_processor.lanes import LaneBuffer, Work
-from async_processor.messages import (
+from common.contracts.queue import (
     ErrorCode,
     RequestMessage,
     ResultMessage,

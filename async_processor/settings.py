@@ -12,7 +12,15 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from async_processor.messages import DEFAULT_POOL, DEFAULT_RESULT_STREAM, DEFAULT_RESULT_TOPIC, LANE_PRIORITIES
+from common.contracts.queue import (
+    DEFAULT_POOL,
+    DEFAULT_RESULT_STREAM,
+    DEFAULT_RESULT_TOPIC,
+    LANE_PRIORITIES,
+    PROCESSOR_GROUP,
+    REQUEST_STREAM_PREFIX,
+    REQUEST_TOPIC_PREFIX,
+)
 
 
 class ProcessorSettings(BaseSettings):
@@ -48,14 +56,14 @@ class ProcessorSettings(BaseSettings):
     poll_interval_s: float = Field(0.02, gt=0, description="sleep when every lane was empty")
     dedup_ttl_s: float = Field(86400.0, gt=0, description="how long a finished id is remembered")
 
-    stream_prefix: str = "backfill:requests"
+    stream_prefix: str = REQUEST_STREAM_PREFIX
     result_stream: str = DEFAULT_RESULT_STREAM
-    consumer_group: str = "backfill-processors"
+    consumer_group: str = PROCESSOR_GROUP
     consumer_name: str = ""
     delete_acked: bool = Field(True, description="XDEL entries once acknowledged (one group per stream)")
 
     pubsub_project: str = "backfill-local"
-    pubsub_topic_prefix: str = "backfill-requests"
+    pubsub_topic_prefix: str = REQUEST_TOPIC_PREFIX
     result_topic: str = DEFAULT_RESULT_TOPIC
     pubsub_emulator_host: str = Field(
         "", validation_alias=AliasChoices("pubsub_emulator_host", "BACKFILL_PROCESSOR_PUBSUB_EMULATOR_HOST",

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import httpx
 
 from async_processor.backends.base import Delivery, QueueBackend
-from async_processor.messages import ResultMessage
+from common.contracts.queue import ResultMessage
 from async_processor.processor import Processor
 from async_processor.router_client import HttpxRouterClient, RouterClient
 from async_processor.settings import ProcessorSettings

@@ -62,7 +62,7 @@ def gateway_command(host: str, port: int, log_level: str) -> None:
     from batch_gateway.app import create_app
     from batch_gateway.settings import load_settings
 
-    from backfill.logging import configure_logging
+    from common.logging import configure_logging
 
     configure_logging(log_level)
     uvicorn.run(create_app(load_settings()), host=host, port=port, log_level=log_level, log_config=None,
@@ -77,11 +77,11 @@ def _celery(settings=None):
 
 
 def _celery_logging(log_level: str) -> None:
-    """JSON or text logs (:func:`backfill.logging.configure_logging`) instead of Celery's own set-up:
+    """JSON or text logs (:func:`common.logging.configure_logging`) instead of Celery's own set-up:
     a receiver of ``setup_logging`` makes Celery leave the logging configuration alone."""
     from celery.signals import setup_logging
 
-    from backfill.logging import configure_logging
+    from common.logging import configure_logging
 
     configure_logging(log_level)
     setup_logging.connect(lambda **_: None, weak=False)

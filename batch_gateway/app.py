@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backfill.tracing import instrument_fastapi
+from common.contracts.errors import ErrorType, error_envelope, openai_type_for_status
+from common.tracing import instrument_fastapi
 from batch_gateway import admin, queries
 from batch_gateway.api import batches, files
 from batch_gateway.db import make_engine, make_sessionmaker
@@ -26,11 +27,6 @@ from batch_gateway.settings import GatewaySettings
 from batch_gateway.storage import build_file_store
 
 log = logging.getLogger(__name__)
-
-_STATUS_TYPES = {401: "invalid_request_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 413: "invalid_request_error",
-                 415: "invalid_request_error", 429: "rate_limit_error"}
-
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     """Build the gateway for ``settings``. Serving it (uvicorn) runs the lifespan, which connects
@@ -68,8 +64,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code),
-                              status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -77,20 +72,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "header", "body")]
         param = ".".join(loc) or None
         message = f"Invalid value for '{param}': {first.get('msg', '')}." if param else first.get("msg", "")
-        return JSONResponse(error_body(message, "invalid_request_error", param, None), status_code=400)
+        return JSONResponse(error_envelope(message, ErrorType.INVALID_REQUEST, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code in (404, 405):  # no such route (or not with this method): OpenAI's wording
             message = f"Invalid URL ({request.method} {request.url.path})"
-        return JSONResponse(error_body(message, _STATUS_TYPES.get(exc.status_code, "invalid_request_error")),
+        return JSONResponse(error_envelope(message, openai_type_for_status(exc.status_code)),
                               status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", extra={"action": "unhandled_error", "path": request.url.path})
-        return JSONResponse(error_body("The server had an error while processing your request.",
-                                         "server_error"), status_code=500)
+        return JSONResponse(error_envelope("The server had an error while processing your request.",
+                                            ErrorType.SERVER), status_code=500)
 
     return app

@@ -13,17 +13,22 @@
     └── RateLimitError                429 tokens / token_limit_exceeded (with Retry-After)
 
 :func:`error_body` renders any of them as OpenAI's envelope
-``{"error": {"message", "type", "param", "code"}}``; ``batch_gateway.app`` installs the handlers.
+``{"error": {"message", "type", "param", "code"}}`` (:mod:`common.contracts.errors`);
+``batch_gateway.app`` installs the handlers.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+from common.contracts.errors import ErrorType, error_envelope
 
 
 class GatewayError(Exception):
     """Root of the gateway's errors: ``status`` (HTTP), ``type`` and ``code`` (OpenAI), ``param``."""
 
     status = 500
-    type = "api_error"
+    type: str = ErrorType.API
     code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
@@ -40,7 +45,7 @@ class InvalidRequestError(GatewayError):
     """400: the request's arguments are wrong."""
 
     status = 400
-    type = "invalid_request_error"
+    type = ErrorType.INVALID_REQUEST
 
 
 class UnsupportedMediaTypeError(InvalidRequestError):
@@ -59,7 +64,7 @@ class AuthenticationError(GatewayError):
     """401: no, a malformed, an unknown or a revoked API key."""
 
     status = 401
-    type = "invalid_request_error"
+    type = ErrorType.INVALID_REQUEST
     code = "invalid_api_key"
 
 
@@ -67,28 +72,28 @@ class NotFoundError(GatewayError):
     """404: no such object for this tenant (another tenant's object answers the same)."""
 
     status = 404
-    type = "invalid_request_error"
+    type = ErrorType.INVALID_REQUEST
 
 
 class ConflictError(GatewayError):
     """409: e.g. an ``Idempotency-Key`` reused with different arguments."""
 
     status = 409
-    type = "invalid_request_error"
+    type = ErrorType.INVALID_REQUEST
 
 
 class PayloadTooLargeError(GatewayError):
     """413: an upload or body over its byte cap."""
 
     status = 413
-    type = "invalid_request_error"
+    type = ErrorType.INVALID_REQUEST
 
 
 class RateLimitError(GatewayError):
     """429: over a quota; carries ``Retry-After``."""
 
     status = 429
-    type = "tokens"
+    type = ErrorType.TOKENS
     code = "token_limit_exceeded"
 
 
@@ -101,6 +106,6 @@ def token_limit_message(tenant_name: str, limit: int, model: str | None = None) 
     )
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error envelope as a dict."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def error_body(error: GatewayError) -> dict[str, Any]:
+    """OpenAI's error envelope of ``error`` as a dict."""
+    return error_envelope(error.message, error.type, error.param, error.code)

@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.contracts.queue import PROCESSOR_GROUP
+
 MB = 1024 * 1024
 
 
@@ -114,7 +116,7 @@ class GatewaySettings(SharedSettings):
     """Samples kept for the charts (720 x 5 s = the last hour)."""
     queue_pool: str = "default"
     """Pool of the processors' request streams shown on the lanes page (``backfill:requests:POOL:LANE``)."""
-    queue_consumer_group: str = "backfill-processors"
+    queue_consumer_group: str = PROCESSOR_GROUP
     """Consumer group of the processors on those streams (their ``XPENDING`` is shown)."""
 
 

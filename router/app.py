@@ -29,6 +29,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from common.contracts.router_state import BandState, CacheBlocks, EndpointState, RouterState
 from router.metrics import RouterMetrics
 from router.pool import EndpointPool, KubernetesSource
 from router.proxy import Router, error_response
@@ -92,27 +93,13 @@ class RouterRuntime:
             value += excess / (len(candidates) * self.thresholds.queue_threshold)
         return value
 
-    def state(self) -> dict[str, Any]:
-        """The admin JSON (see :func:`admin_state`)."""
+    def state(self) -> RouterState:
+        """The admin state (see :func:`admin_state`)."""
         return admin_state(self)
 
 
-def admin_state(rt: RouterRuntime) -> dict[str, Any]:
-    """``GET /admin/state``::
-
-        {"pool_saturation": float ≥ 0 (≥ 1.0: saturated), "time": Unix s,
-         "decisions_per_s": float, "profile": str, "tokenizer": str,
-         "endpoints": [{"name", "healthy", "models", "num_requests_waiting", "num_requests_running",
-                        "kv_cache_usage_perc" (0..1), "in_flight_requests",
-                        "in_flight_uncached_tokens" (tokens), "saturation", "metrics_age_s" (s|None),
-                        "block_size", "num_gpu_blocks", "num_cpu_blocks",
-                        "cache_blocks": {"gpu", "cpu", "disk"} (blocks the router's prefix
-                        index holds there), "prefix_cache_hit_rate" (GPU hits ÷ queries, tokens),
-                        "external_prefix_cache_hit_rate" (CPU/disk tier), "last_error"}],
-         "bands": [{"objective", "priority", "queued_requests", "queued_bytes", "in_flight",
-                    "dispatched_total", "shed_total": {reason: n}, "oldest_wait_s"}],
-         "index": {"kind": "kv-events"|"approximate"|None, "tiers": {tier: blocks}, …}}
-    """
+def admin_state(rt: RouterRuntime) -> RouterState:
+    """``GET /admin/state``: the contract :class:`common.contracts.router_state.RouterState`."""
     assert rt.pool is not None and rt.router is not None
     now = time.monotonic()
     per_endpoint_blocks, index_info = _index_view(rt)
@@ -120,25 +107,25 @@ def admin_state(rt: RouterRuntime) -> dict[str, Any]:
     for state in rt.pool.states.values():
         ep, m = state.endpoint, state.metrics
         age = None if ep.metrics_updated_at is None else now - ep.metrics_updated_at
-        endpoints.append({
-            "name": ep.name, "healthy": state.healthy, "models": state.models,
-            "num_requests_waiting": ep.num_requests_waiting, "num_requests_running": ep.num_requests_running,
-            "kv_cache_usage_perc": ep.kv_cache_usage_perc, "in_flight_requests": ep.in_flight_requests,
-            "in_flight_uncached_tokens": ep.in_flight_uncached_tokens,
-            "saturation": endpoint_saturation(ep, now, rt.thresholds) if state.healthy else None,
-            "metrics_age_s": age, "block_size": ep.block_size, "num_gpu_blocks": ep.num_gpu_blocks,
-            "num_cpu_blocks": ep.num_cpu_blocks,
-            "cache_blocks": per_endpoint_blocks.get(ep.name, {"gpu": 0, "cpu": 0, "disk": 0}),
-            "prefix_cache_hit_rate": _ratio(m.prefix_cache_hits, m.prefix_cache_queries),
-            "external_prefix_cache_hit_rate": _ratio(m.external_prefix_cache_hits, m.prefix_cache_queries),
-            "last_error": state.last_error,
-        })
-    bands = rt.flow.stats()["bands"] if rt.flow is not None else []
-    return {
-        "pool_saturation": rt.saturation(), "time": time.time(),
-        "decisions_per_s": rt.router.decisions.rate(), "profile": rt.router.profile or rt.scheduler.default_profile,
-        "tokenizer": rt.settings.tokenizer, "endpoints": endpoints, "bands": bands, "index": index_info,
-    }
+        endpoints.append(EndpointState(
+            name=ep.name, healthy=state.healthy, models=state.models,
+            num_requests_waiting=ep.num_requests_waiting, num_requests_running=ep.num_requests_running,
+            kv_cache_usage_perc=ep.kv_cache_usage_perc, in_flight_requests=ep.in_flight_requests,
+            in_flight_uncached_tokens=ep.in_flight_uncached_tokens,
+            saturation=endpoint_saturation(ep, now, rt.thresholds) if state.healthy else None,
+            metrics_age_s=age, block_size=ep.block_size, num_gpu_blocks=ep.num_gpu_blocks,
+            num_cpu_blocks=ep.num_cpu_blocks,
+            cache_blocks=CacheBlocks(**per_endpoint_blocks.get(ep.name, {})),
+            prefix_cache_hit_rate=_ratio(m.prefix_cache_hits, m.prefix_cache_queries),
+            external_prefix_cache_hit_rate=_ratio(m.external_prefix_cache_hits, m.prefix_cache_queries),
+            last_error=state.last_error,
+        ))
+    bands = [BandState(**band) for band in rt.flow.stats()["bands"]] if rt.flow is not None else []
+    return RouterState(
+        pool_saturation=rt.saturation(), time=time.time(),
+        decisions_per_s=rt.router.decisions.rate(), profile=rt.router.profile or rt.scheduler.default_profile,
+        tokenizer=rt.settings.tokenizer, endpoints=endpoints, bands=bands, index=index_info,
+    )
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -201,7 +188,7 @@ def create_app(settings: RouterSettings) -> web.Application:
                                   "healthy_endpoints": healthy}, status=status, dumps=_dumps)
 
     async def state(request: web.Request) -> web.Response:
-        return web.Response(body=orjson.dumps(rt.state()), content_type="application/json")
+        return web.Response(body=rt.state().model_dump_json(), content_type="application/json")
 
     async def metrics(request: web.Request) -> web.Response:
         body = request.app[ROUTER_KEY].metrics.render()

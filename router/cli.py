@@ -38,7 +38,7 @@ def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -
     import uvloop
     from aiohttp import web
 
-    from backfill.logging import configure_logging
+    from common.logging import configure_logging
     from router.app import create_app
 
     overrides = dict(options)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from common.contracts.router_state import RouterState
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -47,11 +48,11 @@ class RouterMetrics:
     """Counters and histograms updated by the proxy, plus a collector of live gauges.
 
     Args:
-        state: a callable returning the admin state dict (:func:`router.admin.admin_state` shape);
+        state: a callable returning the admin state (:class:`common.contracts.router_state.RouterState`);
             read at every scrape for the gauges.
     """
 
-    def __init__(self, state: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, state: Callable[[], RouterState]) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("backfill_router_requests", "Requests answered, by objective and HTTP status.",
@@ -91,26 +92,26 @@ class RouterMetrics:
 
 
 class _LiveCollector(Collector):
-    def __init__(self, state: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, state: Callable[[], RouterState]) -> None:
         self._state = state
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
         yield _gauge("backfill_router_pool_saturation", "Pool saturation (1.0 = at the thresholds).", {},
-                     [((), state["pool_saturation"])])
-        eps = state["endpoints"]
+                     [((), state.pool_saturation)])
+        eps = state.endpoints
         yield _gauge("backfill_router_endpoint_healthy", "1 when the endpoint is a candidate.", ("endpoint",),
-                     [((e["name"],), 1.0 if e["healthy"] else 0.0) for e in eps])
+                     [((e.name,), 1.0 if e.healthy else 0.0) for e in eps])
         yield _gauge("backfill_router_endpoint_in_flight_requests", "Requests forwarded and not finished.",
-                     ("endpoint",), [((e["name"],), e["in_flight_requests"]) for e in eps])
+                     ("endpoint",), [((e.name,), e.in_flight_requests) for e in eps])
         yield _gauge("backfill_router_endpoint_in_flight_tokens", "Uncached prompt tokens of in-flight requests.",
-                     ("endpoint",), [((e["name"],), e["in_flight_uncached_tokens"]) for e in eps])
-        bands = state["bands"]
+                     ("endpoint",), [((e.name,), e.in_flight_uncached_tokens) for e in eps])
+        bands = state.bands
         yield _gauge("backfill_router_flow_queue_requests", "Requests waiting in flow control.", ("band",),
-                     [((b["objective"],), b["queued_requests"]) for b in bands])
+                     [((b.objective,), b.queued_requests) for b in bands])
         yield _gauge("backfill_router_flow_queue_bytes", "Body bytes waiting in flow control.", ("band",),
-                     [((b["objective"],), b["queued_bytes"]) for b in bands])
-        tiers = state.get("index", {}).get("tiers", {})
+                     [((b.objective,), b.queued_bytes) for b in bands])
+        tiers = state.index.get("tiers", {})
         yield _gauge("backfill_router_prefix_index_blocks", "Blocks in the prefix index, by tier.", ("tier",),
                      [((tier,), n) for tier, n in tiers.items()])
 

@@ -37,7 +37,8 @@ from typing import Any
 
 import orjson
 
-from backfill.json_types import json_type_name
+from common.contracts.errors import ErrorType, error_json
+from common.json_types import json_type_name
 from router.chat_template import TEXT_PART_TYPES, render_chat
 
 CHAT_PATH = "/v1/chat/completions"
@@ -75,7 +76,7 @@ class RequestError(Exception):
     """
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):  # noqa: A002 - OpenAI's field name
+                 type: str = ErrorType.INVALID_REQUEST):  # noqa: A002 - OpenAI's field name
         super().__init__(message)
         self.status = status
         self.message = message
@@ -85,8 +86,7 @@ class RequestError(Exception):
 
     def envelope(self) -> bytes:
         """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}`` as JSON bytes."""
-        return orjson.dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}})
+        return error_json(self.message, self.type, self.param, self.code)
 
 
 @dataclass(slots=True, eq=False)

@@ -37,6 +37,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
+from common.contracts.errors import ErrorType, error_json, openai_type_for_status
 from router.flow_control import FlowItem, RequestDropped
 from router.metrics import RouterMetrics
 from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
@@ -59,10 +60,7 @@ DROPPED_REASON = "x-llm-d-request-dropped-reason"
 def error_response(status: int, message: str, *, code: str | None = None, err_type: str | None = None,
                    param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI error envelope ``{"error": {message, type, param, code}}`` with ``status``."""
-    if err_type is None:
-        err_type = "invalid_request_error" if status < 500 and status != 429 else (
-            "rate_limit_error" if status == 429 else "server_error")
-    body = orjson.dumps({"error": {"message": message, "type": err_type, "param": param, "code": code}})
+    body = error_json(message, err_type or openai_type_for_status(status), param, code)
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
@@ -169,7 +167,7 @@ class Router:
             return _no_endpoint()
         if not self.pool.candidates_for(parsed.model):
             return error_response(404, f"The model `{parsed.model}` does not exist.", code="model_not_found",
-                                  param="model", err_type="NotFoundError")
+                                  param="model", err_type=ErrorType.VLLM_NOT_FOUND)
         prompt = await self.tokenizer.prompt(parsed)
         priority = self.objective_priority[objective]
         llm_request = to_llm_request(parsed, prompt, priority)
@@ -336,11 +334,10 @@ class Router:
         response = attempt.response
         if response is None or not response.prepared:
             if status == 502:
-                return error_response(502, message, code=code, err_type="server_error")
+                return error_response(502, message, code=code, err_type=ErrorType.SERVER)
             reason = "evicted" if code == "evicted" else "rejected-capacity"
             return error_response(status, message, code=code, headers={"Retry-After": "1", DROPPED_REASON: reason})
-        event = orjson.dumps({"error": {"message": message, "type": "server_error" if status >= 500 else
-                                        "rate_limit_error", "param": None, "code": code}})
+        event = error_json(message, ErrorType.SERVER if status >= 500 else ErrorType.RATE_LIMIT, code=code)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await response.write(b"data: " + event + b"\n\n")
             await response.write_eof()

@@ -29,13 +29,13 @@ from collections import Counter
 import orjson
 from sqlalchemy import func, select
 
-from async_processor.messages import ErrorCode, RequestMessage, ResultMessage
+from common.contracts.queue import ErrorCode, RequestMessage, ResultMessage
 from batch_gateway import queries
 from batch_gateway.models import TERMINAL_BATCH_STATUSES, Batch
 from batch_gateway.storage import storage_key
 from workers.app import WorkerContext
 from workers.output import RequestOutcome, json_body, render_line
-from workers.queue import BATCH_LANE
+from common.contracts.queue import BATCH_LANE
 
 log = logging.getLogger(__name__)
 

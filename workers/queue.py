@@ -1,5 +1,5 @@
 """The workers' side of the request and result queues (Redis Streams, names and formats from
-:mod:`async_processor.messages`).
+:mod:`common.contracts.queue`).
 
 - :meth:`BatchQueue.publish` ``XADD``-s request messages to the ``batch`` lane's stream;
 - :meth:`BatchQueue.read_results` reads the batch result stream through the consumer group
@@ -15,9 +15,13 @@ from collections.abc import Sequence
 
 import redis
 
-from async_processor.messages import (
+from common.contracts.queue import (
+    BATCH_LANE,
+    BATCH_RESULT_STREAM,
+    COLLECTOR_GROUP,
     REQUEST_FIELD,
     RESULT_FIELD,
+    InvalidMessage,
     RequestMessage,
     ResultMessage,
     cancel_marker_key,
@@ -25,11 +29,6 @@ from async_processor.messages import (
     encode_request,
     request_stream,
 )
-from async_processor.errors import InvalidMessage
-
-BATCH_LANE = "batch"
-BATCH_RESULT_STREAM = "backfill:results:batch"
-COLLECTOR_GROUP = "collectors"
 
 
 class BatchQueue:

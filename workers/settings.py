@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from batch_gateway.settings import SharedSettings
+from common.contracts.queue import BATCH_RESULT_STREAM
 from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
@@ -29,7 +30,7 @@ class WorkerSettings(SharedSettings):
     purge_interval_seconds: float = 300.0
     pool: str = "default"
     """Pool of the request streams (``backfill:requests:{pool}:batch``)."""
-    result_stream: str = "backfill:results:batch"
+    result_stream: str = BATCH_RESULT_STREAM
     """Redis stream the processors write batch results to (set in each message)."""
     feed_window: int = 1000
     """Requests of one batch queued at a time (the rest wait in Postgres, so a cancel or an

@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from backfill.json_types import json_type_name
+from common.json_types import json_type_name
 
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",

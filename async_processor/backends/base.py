@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from async_processor.messages import RequestMessage, ResultMessage
+from common.contracts.queue import RequestMessage, ResultMessage
 
 
 class Admission(enum.Enum):

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from async_processor.backends.base import Admission, ClaimTable, Delivery
-from async_processor.messages import (
+from common.contracts.queue import (
     DEFAULT_RESULT_STREAM,
     RequestMessage,
     ResultMessage,
@@ -31,7 +31,7 @@ class MemoryBackend:
 
     ``clock``: monotonic seconds (default ``time.monotonic``). ``dead``: lane -> list of
     ``(body, reason)``. ``results``: queue name -> list of results ("" maps to
-    :data:`~async_processor.messages.DEFAULT_RESULT_STREAM`). :meth:`cancel` sets a cancel marker.
+    :data:`~common.contracts.queue.DEFAULT_RESULT_STREAM`). :meth:`cancel` sets a cancel marker.
     """
 
     name = "memory"

@@ -1,7 +1,7 @@
 """Google Pub/Sub backend, on the real ``google-cloud-pubsub`` client (synchronous pull, run in worker
 threads so the event loop never blocks).
 
-Layout in project ``pubsub_project`` (names from :mod:`async_processor.messages`):
+Layout in project ``pubsub_project`` (names from :mod:`common.contracts.queue`):
 
 - per lane a topic ``backfill-requests-{pool}-{lane}``, its subscription ``…-processor`` shared by
   every processor, and a dead-letter topic ``…-dead`` (with subscription ``…-dead-reader``, so dead
@@ -40,15 +40,19 @@ from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransp
 
 from async_processor.backends.base import Admission, ClaimTable, Delivery
 from async_processor.errors import BackendError
-from async_processor.messages import (
+from common.contracts.queue import (
     DEFAULT_POOL,
     DEFAULT_RESULT_TOPIC,
+    REQUEST_TOPIC_PREFIX,
     RequestMessage,
     ResultMessage,
     decode_result,
     encode_request,
     encode_result,
+    pubsub_dead_letter_subscription,
+    pubsub_dead_letter_topic,
     pubsub_request_topic,
+    pubsub_subscription,
 )
 
 _API_ERRORS = (gexc.GoogleAPIError,)
@@ -79,7 +83,7 @@ class PubSubBackend:
     name = "pubsub"
 
     def __init__(self, project: str, *, pool: str = DEFAULT_POOL, lanes: Sequence[str] = (),
-                 topic_prefix: str = "backfill-requests", result_topic: str = DEFAULT_RESULT_TOPIC,
+                 topic_prefix: str = REQUEST_TOPIC_PREFIX, result_topic: str = DEFAULT_RESULT_TOPIC,
                  max_deliveries: int = 5, done_ttl_s: float = 86400.0, emulator_host: str = ""):
         self.project = project
         self.pool = pool
@@ -116,7 +120,7 @@ class PubSubBackend:
 
     def subscription(self, lane: str) -> str:
         """Full path of the processors' subscription of ``lane``."""
-        return self.subscription_path(self.topic_id(lane) + "-processor")
+        return self.subscription_path(pubsub_subscription(self.topic_id(lane)))
 
     # set-up
     def _create_topic(self, path: str) -> None:
@@ -142,10 +146,10 @@ class PubSubBackend:
     def _ensure_lane(self, lane: str) -> None:
         if lane in self._ready:
             return
-        topic, dead = self.topic_path(self.topic_id(lane)), self.topic_path(self.topic_id(lane) + "-dead")
+        topic, dead = self.topic_path(self.topic_id(lane)), self.topic_path(pubsub_dead_letter_topic(self.topic_id(lane)))
         self._create_topic(topic)
         self._create_topic(dead)
-        self._create_subscription(self.subscription_path(self.topic_id(lane) + "-dead-reader"), dead)
+        self._create_subscription(self.subscription_path(pubsub_dead_letter_subscription(self.topic_id(lane))), dead)
         self._create_subscription(self.subscription(lane), topic, dead_topic=dead)
         self._ready.add(lane)
 
@@ -236,7 +240,7 @@ class PubSubBackend:
         then ack."""
         if not deliveries:
             return
-        futures = [self.publisher.publish(self.topic_path(self.topic_id(d.lane) + "-dead"), d.body,
+        futures = [self.publisher.publish(self.topic_path(pubsub_dead_letter_topic(self.topic_id(d.lane))), d.body,
                                           reason=reason[:1024], source_id=d.transport_id,
                                           deliveries=str(d.delivery_count)) for d in deliveries]
         await self._wait(futures)

@@ -1,6 +1,6 @@
 """Redis Streams backend (redis-py asyncio).
 
-Layout (names from :mod:`async_processor.messages`):
+Layout (names from :mod:`common.contracts.queue`):
 
 - one stream per (pool, lane), ``backfill:requests:{pool}:{lane}``, entry field ``message`` = JSON;
 - one consumer group ``backfill-processors`` (setting ``consumer_group``) shared by every processor,
@@ -9,7 +9,7 @@ Layout (names from :mod:`async_processor.messages`):
 - dead letters ``XADD``-ed to ``{stream}:dead`` with fields ``message``, ``reason``, ``source_id``,
   ``deliveries``;
 - id claims as keys ``backfill:claim:{id}`` (``running`` with the lease as TTL, then ``done`` for
-  ``dedup_ttl_s``); cancel markers as in :func:`~async_processor.messages.cancel_marker_key`.
+  ``dedup_ttl_s``); cancel markers as in :func:`~common.contracts.queue.cancel_marker_key`.
 
 Receiving: ``XAUTOCLAIM`` of entries idle longer than the lease (at most every ``lease/4`` s per lane),
 their delivery counts from ``XPENDING``; then ``XREADGROUP >`` for new entries. Entries trimmed
@@ -41,10 +41,12 @@ from redis.exceptions import RedisError, ResponseError
 
 from async_processor.backends.base import Admission, Delivery
 from async_processor.errors import BackendError
-from async_processor.messages import (
+from common.contracts.queue import (
     DEFAULT_POOL,
     DEFAULT_RESULT_STREAM,
+    PROCESSOR_GROUP,
     REQUEST_FIELD,
+    REQUEST_STREAM_PREFIX,
     RESULT_FIELD,
     RequestMessage,
     ResultMessage,
@@ -116,7 +118,7 @@ class RedisStreamsBackend:
     name = "redis"
 
     def __init__(self, client: aioredis.Redis, *, pool: str = DEFAULT_POOL, lanes: Sequence[str] = (),
-                 group: str = "backfill-processors", consumer: str = "", stream_prefix: str = "backfill:requests",
+                 group: str = PROCESSOR_GROUP, consumer: str = "", stream_prefix: str = REQUEST_STREAM_PREFIX,
                  result_stream: str = DEFAULT_RESULT_STREAM, delete_acked: bool = True,
                  done_ttl_s: float = 86400.0):
         self.client = client

@@ -337,7 +337,7 @@ class LaneSampler:
 
 async def enqueue_batch(redis, bodies: list[bytes], tag: str) -> None:
     """Put one request message per body on the ``batch`` lane (as the worker's feeder does)."""
-    from async_processor.messages import REQUEST_FIELD, RequestMessage, encode_request, request_stream
+    from common.contracts.queue import REQUEST_FIELD, RequestMessage, encode_request, request_stream
 
     now = int(time.time())
     stream = request_stream("batch")
@@ -354,7 +354,7 @@ async def enqueue_batch(redis, bodies: list[bytes], tag: str) -> None:
 
 async def batch_statuses(redis) -> dict[str, int]:
     """``{status_code or error_code: count}`` over the result stream."""
-    from async_processor.messages import RESULT_FIELD
+    from common.contracts.queue import RESULT_FIELD
 
     counts: dict[str, int] = {}
     start = "-"

@@ -3,7 +3,7 @@ the admin key (``BACKFILL_ADMIN_KEY``; see :mod:`.auth`).
 
 Server-rendered Jinja2 pages with one small script (``static/admin.js``) that re-reads the live part
 of a page every 2 s and asks before a cancel; charts are inline SVG drawn on the server
-(:mod:`.charts`) from the router's state, sampled into a ring buffer (:mod:`.router_state`). Lists
+(:mod:`.charts`) from the router's state, sampled into a ring buffer (:mod:`.router_sampler`). Lists
 are keyset-paginated; every query lives in :mod:`batch_gateway.queries`.
 
 :func:`install` adds the routes (whose lifespan starts the sampler) and the handler that answers the
@@ -30,7 +30,7 @@ def _wants_json(request: Request) -> bool:
 
 async def _admin_error(request: Request, exc: AdminError) -> Response:
     if _wants_json(request):
-        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+        return JSONResponse(error_body(exc), status_code=exc.status)
     if isinstance(exc, AdminLoginRequired) and request.method == "GET" and "authorization" not in request.headers:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         return RedirectResponse(f"/admin/login?next={quote(target, safe='')}", status_code=303)

@@ -20,12 +20,13 @@ from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.templating import Jinja2Templates
 
-from async_processor.messages import LANE_PRIORITIES, dead_letter_stream, request_stream
+from common.contracts.queue import LANE_PRIORITIES, dead_letter_stream, request_stream
 from batch_gateway import queries
 from batch_gateway.admin import auth
 from batch_gateway.admin.auth import Admin, AdminError, require_admin
 from batch_gateway.admin.charts import line_chart
-from batch_gateway.admin.router_state import SATURATION_THRESHOLD, RouterSampler, rates
+from batch_gateway.admin.router_sampler import RouterSampler, rates
+from common.contracts.router_state import SATURATION_THRESHOLD
 from batch_gateway.api.files import content_disposition
 from batch_gateway.deps import SessionDep
 from batch_gateway.models import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from backfill.tracing import current_traceparent
+from common.tracing import current_traceparent
 from batch_gateway import queries
 from batch_gateway.api import list_page
 from batch_gateway.deps import SessionDep, SettingsDep, TenantDep

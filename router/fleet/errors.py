@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.contracts.errors import ErrorType, error_envelope, vllm_type_for_status
+
 
 class EngineSimError(Exception):
     status = 500
-    type = "InternalServerError"
+    type: str = ErrorType.VLLM_INTERNAL
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -28,18 +30,18 @@ class EngineSimError(Exception):
 
     def body(self) -> dict[str, Any]:
         """vLLM's error envelope for this error."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return error_envelope(self.message, self.type, self.param, self.status)
 
 
 class BadRequestError(EngineSimError):
     status = 400
-    type = "BadRequestError"
+    type = ErrorType.VLLM_BAD_REQUEST
 
 
 class InvalidJSONError(BadRequestError):
     """A body that does not parse; ``detail`` is the JSON parser's message (e.g. "Expecting value")."""
 
-    type = "Bad Request"
+    type = ErrorType.VLLM_BAD_REQUEST_BODY
 
     def __init__(self, detail: str):
         super().__init__("1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.0', 'msg': 'JSON decode "
@@ -48,15 +50,13 @@ class InvalidJSONError(BadRequestError):
 
 class NotFoundError(EngineSimError):
     status = 404
-    type = "NotFoundError"
+    type = ErrorType.VLLM_NOT_FOUND
 
 
 class InjectedError(EngineSimError):
     """A simulated failure with any status (429 → RateLimitError, 503 → ServiceUnavailableError)."""
 
-    TYPES = {429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
     def __init__(self, status: int, message: str = "simulated failure"):
         super().__init__(message)
         self.status = status
-        self.type = self.TYPES.get(status, "InternalServerError")
+        self.type = vllm_type_for_status(status) if status in (429, 503) else ErrorType.VLLM_INTERNAL

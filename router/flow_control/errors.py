@@ -16,6 +16,8 @@ import math
 from enum import StrEnum
 from typing import Any
 
+from common.contracts.errors import ErrorType, error_envelope
+
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 
 
@@ -80,5 +82,5 @@ class RequestDropped(FlowControlError):
 
         {"error": {"message": "...", "type": "RateLimitError", "param": null, "code": "rejected-capacity"}}
         """
-        kind = "ServiceUnavailableError" if self.status == 503 else "RateLimitError"
-        return {"error": {"message": self.message, "type": kind, "param": None, "code": self.reason.value}}
+        kind = ErrorType.VLLM_SERVICE_UNAVAILABLE if self.status == 503 else ErrorType.VLLM_RATE_LIMIT
+        return error_envelope(self.message, kind, code=self.reason.value)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from async_processor.backends.base import QueueBackend
-from async_processor.messages import REQUEST_FIELD, dead_letter_stream
+from common.contracts.queue import REQUEST_FIELD, dead_letter_stream
 
 EMULATOR_CANDIDATES = ("/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator",)
 

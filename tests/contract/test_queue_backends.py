@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from async_processor.messages import ErrorCode, RequestMessage, decode_request
+from common.contracts.queue import ErrorCode, RequestMessage, decode_request
 from async_processor.settings import build_settings
 from async_processor.testing import OrderCheckingBackend, eventually, mock_target, running
 

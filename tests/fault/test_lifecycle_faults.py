@@ -9,7 +9,7 @@ import datetime as dt
 import pytest
 from sqlalchemy import select, update
 
-from async_processor.messages import ErrorCode, error_result
+from common.contracts.queue import ErrorCode, error_result
 from batch_gateway import queries
 from batch_gateway.models import BatchRequest, File
 from tests.integration.test_lifecycle import StandInProcessor, _line, _lines, _submit

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from sqlalchemy import event, insert, text
 
-from async_processor.messages import ErrorCode, error_result
+from common.contracts.queue import ErrorCode, error_result
 from batch_gateway import queries
 from batch_gateway.models import Batch, BatchRequest, File
 from tests.integration.test_lifecycle import StandInProcessor, _line, _submit

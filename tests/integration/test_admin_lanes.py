@@ -15,10 +15,11 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.testclient import TestClient
 
-from async_processor.messages import dead_letter_stream, request_stream
+from common.contracts.queue import dead_letter_stream, request_stream
 from backfill.up import free_port
 from batch_gateway.admin.charts import line_chart
-from batch_gateway.admin.router_state import RouterState, Sample, rates
+from batch_gateway.admin.router_sampler import Sample, rates
+from common.contracts.router_state import RouterState
 from batch_gateway.app import create_app
 from tests.conftest import serve
 

@@ -12,7 +12,7 @@ from openai.types import Batch as SdkBatch
 from openai.types.chat import ChatCompletion
 from sqlalchemy import select, update
 
-from async_processor.messages import (
+from common.contracts.queue import (
     REQUEST_FIELD,
     ErrorCode,
     decode_request,

@@ -20,13 +20,13 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from async_processor.messages import REQUEST_FIELD, request_stream
+from common.contracts.queue import REQUEST_FIELD, request_stream
 from async_processor.metrics import ProcessorMetrics
 from async_processor.processor import run_processor
 from async_processor.settings import build_settings
 from async_processor.testing import mock_target
-from backfill.logging import configure_logging
-from backfill.tracing import trace_id_of
+from common.logging import configure_logging
+from common.tracing import trace_id_of
 from backfill.up import free_port
 from tests.conftest import SHARED_BATCHES, backfill_up
 from workers import lifecycle
@@ -267,7 +267,7 @@ def test_processor_counts_retries_sheds_and_gate_decisions_once_per_request():
     """Concurrency 1 and three requests: the two held back are each denied once by the concurrency
     gate however often the dispatcher asks; a 429 is a retry; a past deadline is shed."""
     from async_processor.backends.memory import MemoryBackend
-    from async_processor.messages import RequestMessage
+    from common.contracts.queue import RequestMessage
     from async_processor.testing import eventually, running
 
     answers = {"r1": [429, 200], "r2": [200], "r3": [200]}
@@ -312,7 +312,7 @@ def test_processor_counts_retries_sheds_and_gate_decisions_once_per_request():
 
 
 def test_log_format_follows_the_environment_and_the_terminal(monkeypatch):
-    from backfill.logging import wants_json
+    from common.logging import wants_json
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -346,7 +346,7 @@ def test_log_format_follows_the_environment_and_the_terminal(monkeypatch):
 
 
 def test_trace_helpers():
-    from backfill.tracing import make_tracer_provider
+    from common.tracing import make_tracer_provider
 
     assert trace_id_of("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01") == "0af7651916cd43dd8448eb211c80319c"
     assert trace_id_of("not a traceparent") is None and trace_id_of(None) is None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from async_processor.messages import http_result
+from common.contracts.queue import http_result
 from batch_gateway.settings import load_settings
 from batch_gateway.storage_s3 import MIN_PART_BYTES, S3FileStore
 from tests.integration.test_lifecycle import StandInProcessor, _line

@@ -21,7 +21,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from async_processor.messages import RESULT_FIELD, RequestMessage, decode_result, encode_request, request_stream
+from common.contracts.queue import RESULT_FIELD, RequestMessage, decode_result, encode_request, request_stream
 from async_processor.processor import run_processor
 from async_processor.settings import build_settings
 from backfill.up import free_port
@@ -273,7 +273,7 @@ def test_kill_9_with_requests_in_flight_then_restart_gives_one_result_per_id(ns)
 def test_held_work_of_a_batch_cancelled_later_is_dropped_not_run(ns):
     """A cancel marker set after the messages were admitted still stops them: held work of that
     batch is answered CANCELLED without reaching the target."""
-    from async_processor.messages import cancel_marker_key
+    from common.contracts.queue import cancel_marker_key
 
     release = threading.Event()
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from async_processor.messages import LANE_PRIORITIES, pubsub_request_topic, request_stream
+from common.contracts.queue import LANE_PRIORITIES, pubsub_request_topic, request_stream
 from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
 from batch_gateway.storage import build_file_store, storage_key
@@ -31,7 +31,7 @@ CPU_OFFLOAD_BYTES = 32 << 30  # deploy/vllm/engine-args.yaml: the 32 GiB CPU KV 
 OFFLOAD_KEYS_SINCE = {"cpu_bytes_to_use": (0, 15, 0), "eviction_policy": (0, 11, 2)}
 SETTINGS_BY_PREFIX = {"BACKFILL_PROCESSOR_": ProcessorSettings, "BACKFILL_ROUTER_": RouterSettings,
                       "BACKFILL_WORKER_": WorkerSettings, "BACKFILL_GATEWAY_": GatewaySettings}
-SOURCE_DIRS = ("backfill", "batch_gateway", "workers", "async_processor", "router")
+SOURCE_DIRS = ("backfill", "common", "batch_gateway", "workers", "async_processor", "router")
 
 
 def find(objects, kind: str, name: str) -> dict[str, Any]:

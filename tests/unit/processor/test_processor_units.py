@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from async_processor.backends.base import Delivery
-from async_processor.errors import InvalidMessage
+from common.contracts.queue import InvalidMessage
 from async_processor.gates import AllGates, ConcurrencyGate, SaturationGate, TenantQuotaGate
 from async_processor.lanes import LaneBuffer, Work
-from async_processor.messages import (
+from common.contracts.queue import (
     ErrorCode,
     RequestMessage,
     decode_request,

@@ -1,17 +1,6 @@
-"""The router's admin state as the dashboard reads it, and the sampler that keeps its recent past.
+"""The sampler that keeps the recent past of the router's admin state for the dashboard.
 
-``GET {BACKFILL_ROUTER_URL}/admin/state`` answers (the router's contract, ``router.app.admin_state``;
-fields the dashboard does not show are ignored)::
-
-    {"pool_saturation": float, "time": unix_s, "decisions_per_s": float,
-     "endpoints": [{"name", "healthy", "models": [str], "num_requests_waiting", "num_requests_running",
-                    "kv_cache_usage_perc", "in_flight_requests", "in_flight_uncached_tokens",
-                    "saturation": float | null (null while unhealthy), "metrics_age_s",
-                    "cache_blocks": {"gpu", "cpu", "disk"},
-                    "prefix_cache_hit_rate": float | null (GPU tier),
-                    "external_prefix_cache_hit_rate": float | null (CPU / disk tiers)}],
-     "bands": [{"objective", "priority", "queued_requests", "queued_bytes", "in_flight",
-                "dispatched_total", "shed_total": {reason: n}}]}
+``GET {BACKFILL_ROUTER_URL}/admin/state`` answers :class:`common.contracts.router_state.RouterState`.
 
 :class:`RouterSampler` polls it every ``router_poll_seconds`` into a ring buffer of
 ``router_history`` samples (a ``deque``), from which the lanes page draws saturation and dispatch
@@ -33,79 +22,11 @@ from collections import deque
 from dataclasses import dataclass
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
+
+from common.contracts.router_state import RouterState
 
 log = logging.getLogger(__name__)
-
-SATURATION_THRESHOLD = 1.0
-"""Pool saturation at or above which the router holds sheddable (batch) work (llm-d's saturation
-detector: 1.0 = every endpoint at its queue-depth or KV-use limit)."""
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class CacheBlocks(_Lenient):
-    """KV-cache blocks an endpoint holds per tier."""
-
-    gpu: int = 0
-    cpu: int = 0
-    disk: int = 0
-
-
-class EndpointState(_Lenient):
-    """One engine as the router sees it (units: requests, fraction 0..1, tokens, seconds);
-    ``saturation`` is None while the engine is unhealthy; the hit rates are hits ÷ queries in tokens,
-    ``prefix_cache_hit_rate`` on the GPU and ``external_prefix_cache_hit_rate`` on the CPU / disk
-    tiers (None before any query)."""
-
-    name: str
-    healthy: bool = False
-    models: list[str] = Field(default_factory=list)
-    num_requests_waiting: int = 0
-    num_requests_running: int = 0
-    kv_cache_usage_perc: float = 0.0
-    in_flight_requests: int = 0
-    in_flight_uncached_tokens: int = 0
-    saturation: float | None = None
-    metrics_age_s: float | None = None
-    cache_blocks: CacheBlocks = Field(default_factory=CacheBlocks)
-    prefix_cache_hit_rate: float | None = None
-    external_prefix_cache_hit_rate: float | None = None
-
-
-class BandState(_Lenient):
-    """One priority band (objective) of the router's flow control; ``*_total`` are counters."""
-
-    objective: str
-    priority: int = 0
-    queued_requests: int = 0
-    queued_bytes: int = 0
-    in_flight: int = 0
-    dispatched_total: int = 0
-    shed_total: dict[str, int] = Field(default_factory=dict)
-
-    @property
-    def shed(self) -> int:
-        """Requests shed for any reason."""
-        return sum(self.shed_total.values())
-
-
-class RouterState(_Lenient):
-    """One answer of ``GET /admin/state``."""
-
-    pool_saturation: float
-    time: float
-    decisions_per_s: float = 0.0
-    endpoints: list[EndpointState] = Field(default_factory=list)
-    bands: list[BandState] = Field(default_factory=list)
-
-    @property
-    def gate_open(self) -> bool:
-        """Whether sheddable work may dispatch: saturation below :data:`SATURATION_THRESHOLD`."""
-        return self.pool_saturation < SATURATION_THRESHOLD
-
 
 @dataclass(frozen=True)
 class Sample:

@@ -1,5 +1,6 @@
-"""The published wire contract of the async processor: request and result messages, error codes and
-queue names. This is the only module other packages (``workers/``, queue producers) import.
+"""The queue contract: request and result messages, error codes, and every stream, topic, consumer
+group and marker name. The processor, the workers, the dashboard and queue producers import these
+names from here and nowhere else.
 
 Formats follow llm-d-async (``llm-d/llm-d-async`` ``api/api.go``) so its producers work unchanged;
 backfill's additions live only in ``metadata``. See ``shared/contracts/queue-and-headers.md``.
@@ -31,6 +32,10 @@ Where messages live (``pool`` defaults to ``"default"``, lanes are ``interactive
 - Google Pub/Sub: requests are published to :func:`pubsub_request_topic` (data = the JSON);
   results to the topic named by ``result_queue_name`` or :data:`DEFAULT_RESULT_TOPIC`, data = the
   result JSON, attribute ``id``.
+- The batch lifecycle publishes to the ``batch`` lane (:data:`BATCH_LANE`) with
+  ``result_queue_name`` :data:`BATCH_RESULT_STREAM`, read by the consumer group
+  :data:`COLLECTOR_GROUP`; processors share the group :data:`PROCESSOR_GROUP` (Redis) or the
+  subscription :func:`pubsub_subscription` (Pub/Sub).
 - Cancellation: a batch is cancelled for the processor while the Redis key
   :func:`cancel_marker_key` exists; its queued messages then get a ``CANCELLED`` result.
 """
@@ -43,7 +48,6 @@ from typing import Annotated, Any
 import msgspec
 import orjson
 
-from async_processor.errors import InvalidMessage
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 DEFAULT_POOL = "default"
@@ -55,6 +59,33 @@ REQUEST_FIELD = "message"
 RESULT_FIELD = "result"
 DEFAULT_RESULT_STREAM = "backfill:results"
 DEFAULT_RESULT_TOPIC = "backfill-results"
+REQUEST_STREAM_PREFIX = "backfill:requests"
+REQUEST_TOPIC_PREFIX = "backfill-requests"
+PROCESSOR_GROUP = "backfill-processors"
+"""Redis consumer group every processor shares on the request streams."""
+
+BATCH_LANE = "batch"
+BATCH_RESULT_STREAM = "backfill:results:batch"
+"""Result stream of batch requests (their ``result_queue_name``)."""
+COLLECTOR_GROUP = "collectors"
+"""Consumer group of the batch collectors on :data:`BATCH_RESULT_STREAM`."""
+
+
+class InvalidMessage(ValueError):
+    """A message that cannot be decoded or lacks a required field.
+
+    ``reason``: human-readable cause. ``id``, ``metadata`` and ``result_queue_name`` are whatever
+    could be salvaged from the raw bytes (empty when nothing could), so an ``INVALID_REQUEST``
+    result can still be addressed to the producer.
+    """
+
+    def __init__(self, reason: str, *, id: str = "", metadata: dict[str, str] | None = None,
+                 result_queue_name: str = ""):
+        super().__init__(reason)
+        self.reason = reason
+        self.id = id
+        self.metadata = metadata or {}
+        self.result_queue_name = result_queue_name
 
 
 class ErrorCode(enum.StrEnum):
@@ -185,7 +216,7 @@ def invalid_request_result(error: InvalidMessage) -> ResultMessage:
     return error_result(error.id, ErrorCode.INVALID_REQUEST, error.reason, error.metadata)
 
 
-def request_stream(lane: str, pool: str = DEFAULT_POOL, prefix: str = "backfill:requests") -> str:
+def request_stream(lane: str, pool: str = DEFAULT_POOL, prefix: str = REQUEST_STREAM_PREFIX) -> str:
     """Redis stream of one (pool, lane): ``backfill:requests:{pool}:{lane}``."""
     return f"{prefix}:{pool}:{lane}"
 
@@ -195,10 +226,24 @@ def dead_letter_stream(stream: str) -> str:
     return f"{stream}:dead"
 
 
-def pubsub_request_topic(lane: str, pool: str = DEFAULT_POOL, prefix: str = "backfill-requests") -> str:
-    """Pub/Sub topic id of one (pool, lane): ``backfill-requests-{pool}-{lane}`` (subscription:
-    the same id plus ``-processor``; dead-letter topic: plus ``-dead``)."""
+def pubsub_request_topic(lane: str, pool: str = DEFAULT_POOL, prefix: str = REQUEST_TOPIC_PREFIX) -> str:
+    """Pub/Sub topic id of one (pool, lane): ``backfill-requests-{pool}-{lane}``."""
     return f"{prefix}-{pool}-{lane}"
+
+
+def pubsub_subscription(topic_id: str) -> str:
+    """Subscription id every processor shares on a request topic: ``{topic_id}-processor``."""
+    return f"{topic_id}-processor"
+
+
+def pubsub_dead_letter_topic(topic_id: str) -> str:
+    """Dead-letter topic id of a request topic: ``{topic_id}-dead``."""
+    return f"{topic_id}-dead"
+
+
+def pubsub_dead_letter_subscription(topic_id: str) -> str:
+    """Subscription id on the dead-letter topic (so dead letters are kept): ``{topic_id}-dead-reader``."""
+    return f"{topic_id}-dead-reader"
 
 
 def cancel_marker_key(batch_id: str) -> str:

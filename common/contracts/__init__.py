@@ -1,0 +1,10 @@
+"""Wire contracts, one module each; every producer and consumer of a format imports it from here.
+
+=====================  ============================================================================
+:mod:`.queue`          request/result messages of the queues, every stream, topic, group and marker
+                       name (``../shared/contracts/queue-and-headers.md``)
+:mod:`.router_state`   the router's ``GET /admin/state`` JSON (router, processor gate, dashboard)
+:mod:`.errors`         OpenAI's error envelope ``{"error": {message, type, param, code}}`` and its
+                       ``type`` vocabulary
+=====================  ============================================================================
+"""

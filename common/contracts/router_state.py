@@ -1,0 +1,120 @@
+"""The router's ``GET /admin/state`` JSON: written by the router, read by the processor's saturation
+gate and the admin dashboard. Units: requests, tokens, blocks, seconds; fractions are 0..1::
+
+    {"pool_saturation": float ≥ 0 (≥ 1.0: saturated), "time": Unix s,
+     "decisions_per_s": float, "profile": str, "tokenizer": str,
+     "endpoints": [{"name", "healthy", "models": [str], "num_requests_waiting", "num_requests_running",
+                    "kv_cache_usage_perc", "in_flight_requests", "in_flight_uncached_tokens",
+                    "saturation": float | null (null while unhealthy), "metrics_age_s": s | null,
+                    "block_size", "num_gpu_blocks", "num_cpu_blocks",
+                    "cache_blocks": {"gpu", "cpu", "disk"} (blocks the router's prefix index holds),
+                    "prefix_cache_hit_rate": float | null (GPU hits ÷ queries, tokens),
+                    "external_prefix_cache_hit_rate": float | null (CPU / disk tiers),
+                    "last_error": str | null}],
+     "bands": [{"objective", "priority", "queued_requests", "queued_bytes", "in_flight",
+                "dispatched_total", "shed_total": {reason: n}, "oldest_wait_s", "flows"}],
+     "index": {"kind": "kv-events" | "approximate" | null, "tiers": {tier: blocks}, …}}
+
+Readers ignore fields they do not know (the models are lenient), so the router may add fields.
+:func:`parse_pool_saturation` is the gate's strict read of the one number it needs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+SATURATION_THRESHOLD = 1.0
+"""Pool saturation at or above which sheddable (batch) work is held (llm-d's saturation detector:
+1.0 = every endpoint at its queue-depth or KV-use limit)."""
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CacheBlocks(_Lenient):
+    """KV-cache blocks the router's prefix index holds for one endpoint, per tier."""
+
+    gpu: int = 0
+    cpu: int = 0
+    disk: int = 0
+
+
+class EndpointState(_Lenient):
+    """One engine as the router sees it; ``saturation`` is None while the engine is unhealthy; the hit
+    rates are hits ÷ queries in tokens (None before any query)."""
+
+    name: str
+    healthy: bool = False
+    models: list[str] = Field(default_factory=list)
+    num_requests_waiting: int = 0
+    num_requests_running: int = 0
+    kv_cache_usage_perc: float = 0.0
+    in_flight_requests: int = 0
+    in_flight_uncached_tokens: int = 0
+    saturation: float | None = None
+    metrics_age_s: float | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    cache_blocks: CacheBlocks = Field(default_factory=CacheBlocks)
+    prefix_cache_hit_rate: float | None = None
+    external_prefix_cache_hit_rate: float | None = None
+    last_error: str | None = None
+
+
+class BandState(_Lenient):
+    """One priority band (objective) of the router's flow control; ``*_total`` are counters."""
+
+    objective: str
+    priority: int = 0
+    queued_requests: int = 0
+    queued_bytes: int = 0
+    in_flight: int = 0
+    dispatched_total: int = 0
+    shed_total: dict[str, int] = Field(default_factory=dict)
+    oldest_wait_s: float = 0.0
+    flows: int = 0
+
+    @property
+    def shed(self) -> int:
+        """Requests shed for any reason."""
+        return sum(self.shed_total.values())
+
+
+class RouterState(_Lenient):
+    """One answer of ``GET /admin/state``."""
+
+    pool_saturation: float
+    time: float
+    decisions_per_s: float = 0.0
+    profile: str = ""
+    tokenizer: str = ""
+    endpoints: list[EndpointState] = Field(default_factory=list)
+    bands: list[BandState] = Field(default_factory=list)
+    index: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def gate_open(self) -> bool:
+        """Whether sheddable work may dispatch: saturation below :data:`SATURATION_THRESHOLD`."""
+        return self.pool_saturation < SATURATION_THRESHOLD
+
+
+def parse_pool_saturation(body: bytes | str) -> float:
+    """``pool_saturation`` of an ``/admin/state`` body, for the saturation gate.
+
+    Raises:
+        ValueError: the body is not a JSON object, or ``pool_saturation`` is missing, not a number
+            (a boolean is not), not finite or negative; a gate reading it fails closed.
+    """
+    try:
+        value = orjson.loads(body).get("pool_saturation")
+    except (orjson.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"not a router state: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"pool_saturation={value!r}")
+    return float(value)
