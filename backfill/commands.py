@@ -61,7 +61,6 @@ def gateway_command(host: str, port: int, log_level: str) -> None:
 
     from batch_gateway.app import create_app
     from batch_gateway.settings import load_settings
-
     from common.logging import configure_logging
 
     configure_logging(log_level)
@@ -157,8 +156,8 @@ def keys_group() -> None:
 
 @contextlib.contextmanager
 def _session(data_dir: Path):
-    from batch_gateway.db import make_engine, make_sessionmaker
-    from batch_gateway.settings import sqlalchemy_url
+    from batch_gateway.store.db import make_engine, make_sessionmaker
+    from batch_gateway.store.settings import sqlalchemy_url
 
     with database_url(data_dir) as url:
         engine = make_engine(sqlalchemy_url(url), pool_size=1)
@@ -175,7 +174,7 @@ def _session(data_dir: Path):
 @DATA_DIR_OPTION
 def keys_create(tenant: str, data_dir: Path) -> None:
     """Print a new API key for TENANT."""
-    from batch_gateway import queries
+    from batch_gateway.store import queries
 
     with _session(data_dir) as session:
         key = queries.add_api_key(session, tenant)
@@ -188,7 +187,7 @@ def keys_create(tenant: str, data_dir: Path) -> None:
 def keys_list(tenant: str | None, data_dir: Path) -> None:
     """List API keys (their first 12 characters — fewer for a short key, so a key is never shown
     whole), tenant and state."""
-    from batch_gateway import queries
+    from batch_gateway.store import queries
 
     with _session(data_dir) as session:
         for name, prefix, created_at, revoked_at in queries.list_api_keys(session, tenant):
@@ -202,7 +201,7 @@ def keys_list(tenant: str | None, data_dir: Path) -> None:
 @DATA_DIR_OPTION
 def keys_revoke(key: str, data_dir: Path) -> None:
     """Revoke KEY."""
-    from batch_gateway import queries
+    from batch_gateway.store import queries
 
     with _session(data_dir) as session:
         revoked = queries.revoke_api_key(session, key)
@@ -223,7 +222,7 @@ def tenants_group() -> None:
 @DATA_DIR_OPTION
 def tenants_webhook(tenant: str, url: str | None, disable: bool, data_dir: Path) -> None:
     """Set TENANT's webhook URL and print its new signing secret (whsec_…)."""
-    from batch_gateway import queries
+    from batch_gateway.store import queries
     from workers.webhooks import new_secret
 
     if disable == bool(url):
@@ -245,8 +244,8 @@ def tenants_quota(tenant: str, enqueued_tokens: int | None, data_dir: Path) -> N
     """Set TENANT's enqueued-token quota (token_limit_exceeded past it)."""
     from sqlalchemy import update
 
-    from batch_gateway import queries
-    from batch_gateway.models import Tenant
+    from batch_gateway.store import queries
+    from batch_gateway.store.models import Tenant
 
     with _session(data_dir) as session:
         row = queries.ensure_tenant(session, tenant)

@@ -233,9 +233,9 @@ def _stores(data_dir: Path):
 
 def _register_key(database_url: str, api_key: str) -> None:
     """Accept ``api_key`` for the ``default`` tenant (refused clearly when another tenant owns it)."""
-    from batch_gateway import queries
-    from batch_gateway.db import make_engine, make_sessionmaker
-    from batch_gateway.settings import sqlalchemy_url
+    from batch_gateway.store import queries
+    from batch_gateway.store.db import make_engine, make_sessionmaker
+    from batch_gateway.store.settings import sqlalchemy_url
 
     engine = make_engine(sqlalchemy_url(database_url), pool_size=1)
     try:

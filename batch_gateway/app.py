@@ -15,16 +15,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.contracts.errors import ErrorType, error_envelope, openai_type_for_status
-from common.tracing import instrument_fastapi
-from batch_gateway import admin, queries
+from batch_gateway import admin
 from batch_gateway.api import batches, files
-from batch_gateway.db import make_engine, make_sessionmaker
 from batch_gateway.errors import GatewayError, error_body
 from batch_gateway.metrics import install_metrics
-from batch_gateway.outbox import TaskPublisher
 from batch_gateway.settings import GatewaySettings
-from batch_gateway.storage import build_file_store
+from batch_gateway.store import queries
+from batch_gateway.store.db import make_engine, make_sessionmaker
+from batch_gateway.store.outbox import TaskPublisher
+from batch_gateway.store.storage import build_file_store
+from common.contracts.errors import ErrorType, error_envelope, openai_type_for_status
+from common.tracing import instrument_fastapi
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from batch_gateway import queries
 from batch_gateway.errors import AuthenticationError, InvalidRequestError
-from batch_gateway.models import Tenant
 from batch_gateway.settings import GatewaySettings
-from batch_gateway.storage import FileStore
+from batch_gateway.store import queries
+from batch_gateway.store.models import Tenant
+from batch_gateway.store.storage import FileStore
 
 NO_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header "

@@ -97,15 +97,6 @@ class RateLimitError(GatewayError):
     code = "token_limit_exceeded"
 
 
-def token_limit_message(tenant_name: str, limit: int, model: str | None = None) -> str:
-    """OpenAI's wording for an enqueued-token quota reached (``token_limit_exceeded``)."""
-    return (
-        f"Enqueued token limit reached for {model or 'this model'} in organization {tenant_name}. "
-        f"Limit: {limit:,} enqueued tokens. Please try again once some in_progress batches have "
-        "been completed."
-    )
-
-
 def error_body(error: GatewayError) -> dict[str, Any]:
     """OpenAI's error envelope of ``error`` as a dict."""
     return error_envelope(error.message, error.type, error.param, error.code)

@@ -33,10 +33,10 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 from sqlalchemy.orm import Session
 
-from batch_gateway import queries
 from batch_gateway.errors import AuthenticationError
-from batch_gateway.models import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
 from batch_gateway.schemas import UPLOAD_PURPOSES
+from batch_gateway.store import queries
+from batch_gateway.store.models import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
 
 BATCH_COUNT_TTL_SECONDS = 5.0
 """How long one grouped count of batches by status is reused (a scrape every 15 s, Prometheus's

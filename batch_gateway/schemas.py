@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from batch_gateway.models import Batch, File
+from batch_gateway.store.models import Batch, File
 
 BATCH_ENDPOINTS = (
     "/v1/chat/completions",

@@ -8,8 +8,8 @@ import os
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from batch_gateway.models import Base
-from batch_gateway.settings import sqlalchemy_url
+from batch_gateway.store.models import Base
+from batch_gateway.store.settings import sqlalchemy_url
 
 config = context.config
 target_metadata = Base.metadata

@@ -59,7 +59,7 @@ def _admin_url(database_url: str) -> str:
 @pytest.fixture(scope="session")
 def template_database(stores) -> str:
     """Name of a database migrated to head, used as the template of every test's database."""
-    from batch_gateway.settings import sqlalchemy_url
+    from batch_gateway.store.settings import sqlalchemy_url
     from migrations.config import upgrade
 
     name = f"bf_template_{os.getpid()}"
@@ -96,8 +96,8 @@ class Gateway:
     def key(self, tenant: str) -> str:
         """An API key of ``tenant`` (created on first use)."""
         if tenant not in self.keys:
-            from batch_gateway import queries
-            from batch_gateway.db import make_engine, make_sessionmaker
+            from batch_gateway.store import queries
+            from batch_gateway.store.db import make_engine, make_sessionmaker
 
             engine = make_engine(self.settings.database_url, pool_size=1)
             with make_sessionmaker(engine)() as session:
@@ -123,7 +123,7 @@ class Gateway:
 
     def session(self):
         """A database session on the test's database (commit yourself)."""
-        from batch_gateway.db import make_engine, make_sessionmaker
+        from batch_gateway.store.db import make_engine, make_sessionmaker
 
         return make_sessionmaker(make_engine(self.settings.database_url, pool_size=1))()
 

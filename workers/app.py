@@ -16,9 +16,9 @@ from celery import Celery
 from celery.signals import worker_ready
 from sqlalchemy.orm import Session, sessionmaker
 
-from batch_gateway.db import make_engine, make_sessionmaker
-from batch_gateway.outbox import TaskPublisher, celery_broker_url
-from batch_gateway.storage import FileStore, build_file_store
+from batch_gateway.store.db import make_engine, make_sessionmaker
+from batch_gateway.store.outbox import TaskPublisher, celery_broker_url
+from batch_gateway.store.storage import FileStore, build_file_store
 from workers.metrics import WorkerMetrics, install_task_hooks
 from workers.queue import BatchQueue
 from workers.settings import WorkerSettings

@@ -29,13 +29,12 @@ from collections import Counter
 import orjson
 from sqlalchemy import func, select
 
-from common.contracts.queue import ErrorCode, RequestMessage, ResultMessage
-from batch_gateway import queries
-from batch_gateway.models import TERMINAL_BATCH_STATUSES, Batch
-from batch_gateway.storage import storage_key
+from batch_gateway.store import queries
+from batch_gateway.store.models import TERMINAL_BATCH_STATUSES, Batch
+from batch_gateway.store.storage import storage_key
+from common.contracts.queue import BATCH_LANE, ErrorCode, RequestMessage, ResultMessage
 from workers.app import WorkerContext
 from workers.output import RequestOutcome, json_body, render_line
-from common.contracts.queue import BATCH_LANE
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from batch_gateway.settings import SharedSettings
-from common.contracts.queue import BATCH_RESULT_STREAM
 from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
+
+from batch_gateway.store.settings import SharedSettings
+from common.contracts.queue import BATCH_RESULT_STREAM
 
 
 class WorkerSettings(SharedSettings):

@@ -23,9 +23,9 @@ import logging
 from celery import Celery
 from sqlalchemy import delete, select
 
-from batch_gateway import queries
-from batch_gateway.errors import token_limit_message
-from batch_gateway.models import Batch, BatchRequest, File
+from batch_gateway.store import queries
+from batch_gateway.store.models import Batch, BatchRequest, File
+from batch_gateway.store.quota import token_limit_message
 from workers import lifecycle, webhooks
 from workers.app import WorkerContext
 from workers.validation import LineError, ValidationReport, validate_batch_file

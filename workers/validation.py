@@ -28,7 +28,6 @@ Model Studio's error-code page); the other messages are ours.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any

@@ -25,7 +25,7 @@ import time
 import httpx
 import orjson
 
-from batch_gateway import queries
+from batch_gateway.store import queries
 from workers.app import WorkerContext
 
 log = logging.getLogger(__name__)

@@ -89,7 +89,7 @@ def _finalize(stack, batch_id: str) -> tuple[float, int]:
     finalisation in this process; returns ``(seconds, output file bytes)``."""
     from sqlalchemy import text
 
-    from batch_gateway.models import Batch
+    from batch_gateway.store.models import Batch
     from workers import lifecycle
     from workers.app import create_celery
     from workers.settings import load_settings

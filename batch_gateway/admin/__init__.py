@@ -4,7 +4,7 @@ the admin key (``BACKFILL_ADMIN_KEY``; see :mod:`.auth`).
 Server-rendered Jinja2 pages with one small script (``static/admin.js``) that re-reads the live part
 of a page every 2 s and asks before a cancel; charts are inline SVG drawn on the server
 (:mod:`.charts`) from the router's state, sampled into a ring buffer (:mod:`.router_sampler`). Lists
-are keyset-paginated; every query lives in :mod:`batch_gateway.queries`.
+are keyset-paginated; every query lives in :mod:`batch_gateway.store.queries`.
 
 :func:`install` adds the routes (whose lifespan starts the sampler) and the handler that answers the
 dashboard's errors: JSON in OpenAI's envelope under ``/admin/api`` and ``/admin/fragments``, an HTML

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from batch_gateway import queries
 from batch_gateway.errors import GatewayError
 from batch_gateway.settings import GatewaySettings
+from batch_gateway.store import queries
 
 COOKIE = "backfill_admin"
 CSRF_FIELD = "csrf_token"

@@ -20,16 +20,16 @@ from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.templating import Jinja2Templates
 
-from common.contracts.queue import LANE_PRIORITIES, dead_letter_stream, request_stream
-from batch_gateway import queries
 from batch_gateway.admin import auth
 from batch_gateway.admin.auth import Admin, AdminError, require_admin
 from batch_gateway.admin.charts import line_chart
 from batch_gateway.admin.router_sampler import RouterSampler, rates
-from common.contracts.router_state import SATURATION_THRESHOLD
 from batch_gateway.api.files import content_disposition
 from batch_gateway.deps import SessionDep
-from batch_gateway.models import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
+from batch_gateway.store import queries
+from batch_gateway.store.models import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
+from common.contracts.queue import LANE_PRIORITIES, dead_letter_stream, request_stream
+from common.contracts.router_state import SATURATION_THRESHOLD
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -38,7 +38,7 @@ STATIC = {"admin.css": "text/css", "admin.js": "text/javascript"}
 
 BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL_BATCH_STATUSES)
 REQUEST_STATES = ("pending", "queued", *queries.TERMINAL_REQUEST_STATES)
-"""A batch request's states (``batch_gateway.models.BatchRequest``): ``pending`` (in Postgres, not
+"""A batch request's states (``batch_gateway.store.models.BatchRequest``): ``pending`` (in Postgres, not
 yet fed), ``queued`` (handed to the processors' queue, no result yet), then a terminal one."""
 ENDED_AT = {"completed": "completed_at", "failed": "failed_at", "expired": "expired_at",
             "cancelled": "cancelled_at"}

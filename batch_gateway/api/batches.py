@@ -19,8 +19,6 @@ from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from common.tracing import current_traceparent
-from batch_gateway import queries
 from batch_gateway.api import list_page
 from batch_gateway.deps import SessionDep, SettingsDep, TenantDep
 from batch_gateway.errors import (
@@ -30,9 +28,11 @@ from batch_gateway.errors import (
     PayloadTooLargeError,
     RateLimitError,
     UnsupportedMediaTypeError,
-    token_limit_message,
 )
 from batch_gateway.schemas import CreateBatch, batch_object, window_seconds
+from batch_gateway.store import queries
+from batch_gateway.store.quota import token_limit_message
+from common.tracing import current_traceparent
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches", tags=["batches"])

@@ -12,7 +12,6 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from batch_gateway import queries
 from batch_gateway.api import list_page
 from batch_gateway.deps import SessionDep, SettingsDep, StoreDep, TenantDep
 from batch_gateway.errors import (
@@ -29,7 +28,8 @@ from batch_gateway.schemas import (
     UPLOAD_PURPOSES,
     file_object,
 )
-from batch_gateway.storage import storage_key
+from batch_gateway.store import queries
+from batch_gateway.store.storage import storage_key
 from batch_gateway.uploads import UploadParser, multipart_boundary
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ async def _body_chunks(request: Request, idle_timeout: float):
             chunk = await asyncio.wait_for(stream.__anext__(), idle_timeout)
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RequestTimeoutError("The request body was not received in time.") from None
         except ClientDisconnect:  # nobody reads the answer; a clean 4xx keeps it out of the 500 path
             raise InvalidRequestError("The client closed the connection before the body was complete.") from None

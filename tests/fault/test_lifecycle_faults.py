@@ -9,9 +9,9 @@ import datetime as dt
 import pytest
 from sqlalchemy import select, update
 
+from batch_gateway.store import queries
+from batch_gateway.store.models import BatchRequest, File
 from common.contracts.queue import ErrorCode, error_result
-from batch_gateway import queries
-from batch_gateway.models import BatchRequest, File
 from tests.integration.test_lifecycle import StandInProcessor, _line, _lines, _submit
 from workers import lifecycle
 from workers.lifecycle import output_file_id

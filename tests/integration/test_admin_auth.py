@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from batch_gateway import queries
 from batch_gateway.admin import auth
 from batch_gateway.app import create_app
-from batch_gateway.db import make_engine, make_sessionmaker
+from batch_gateway.store import queries
+from batch_gateway.store.db import make_engine, make_sessionmaker
 
 ADMIN_KEY = "admin-" + "k" * 32
 

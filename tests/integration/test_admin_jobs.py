@@ -14,9 +14,9 @@ import orjson
 import pytest
 from sqlalchemy import event, insert, text
 
+from batch_gateway.store import queries
+from batch_gateway.store.models import Batch, BatchRequest, File
 from common.contracts.queue import ErrorCode, error_result
-from batch_gateway import queries
-from batch_gateway.models import Batch, BatchRequest, File
 from tests.integration.test_lifecycle import StandInProcessor, _line, _submit
 from workers import lifecycle
 

@@ -332,7 +332,7 @@ def test_malformed_multipart(gateway):
 
 
 def test_hostile_filenames_are_sanitised_and_never_touch_the_disk(gateway):
-    from batch_gateway.storage import storage_key
+    from batch_gateway.store.storage import storage_key
 
     http, client = gateway.http(), gateway.client()
     cases = [
@@ -657,7 +657,7 @@ def test_client_that_hangs_up_mid_upload_leaves_nothing(gateway):
 
 
 def test_auth_refusals(gateway):
-    from batch_gateway import queries
+    from batch_gateway.store import queries
 
     revoked = gateway.key("revoked-tenant")
     assert gateway.http("revoked-tenant").get("/v1/files").status_code == 200

@@ -13,9 +13,9 @@ def test_keys_list_never_shows_a_whole_key(database_url, monkeypatch, tmp_path) 
     created = runner.invoke(main, ["keys", "create", "--tenant", "acme", "--data-dir", str(tmp_path)])
     assert created.exit_code == 0, created.output
     long_key = created.output.strip().split()[-1]
-    from batch_gateway import queries
-    from batch_gateway.db import make_engine, make_sessionmaker
-    from batch_gateway.settings import sqlalchemy_url
+    from batch_gateway.store import queries
+    from batch_gateway.store.db import make_engine, make_sessionmaker
+    from batch_gateway.store.settings import sqlalchemy_url
 
     engine = make_engine(sqlalchemy_url(database_url), pool_size=1)
     with make_sessionmaker(engine)() as session:

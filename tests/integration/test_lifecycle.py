@@ -12,6 +12,7 @@ from openai.types import Batch as SdkBatch
 from openai.types.chat import ChatCompletion
 from sqlalchemy import select, update
 
+from batch_gateway.store.models import Batch, BatchRequest
 from common.contracts.queue import (
     REQUEST_FIELD,
     ErrorCode,
@@ -20,7 +21,6 @@ from common.contracts.queue import (
     error_result,
     http_result,
 )
-from batch_gateway.models import Batch, BatchRequest
 from workers import lifecycle
 
 

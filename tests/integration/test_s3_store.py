@@ -12,9 +12,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from common.contracts.queue import http_result
 from batch_gateway.settings import load_settings
-from batch_gateway.storage_s3 import MIN_PART_BYTES, S3FileStore
+from batch_gateway.store.storage_s3 import MIN_PART_BYTES, S3FileStore
+from common.contracts.queue import http_result
 from tests.integration.test_lifecycle import StandInProcessor, _line
 from tests.moto_s3 import aws_test_env, moto_s3_server, multipart_uploads, new_bucket, s3_client
 from workers import lifecycle

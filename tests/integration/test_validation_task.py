@@ -7,7 +7,7 @@ import openai
 import pytest
 from sqlalchemy import select, update
 
-from batch_gateway.models import Batch, BatchRequest, Event, Tenant
+from batch_gateway.store.models import Batch, BatchRequest, Event, Tenant
 from tests.conftest import SHARED_BATCHES
 
 

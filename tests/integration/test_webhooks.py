@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sqlalchemy import update
 
-from batch_gateway import queries
-from batch_gateway.models import Event
+from batch_gateway.store import queries
+from batch_gateway.store.models import Event
 from tests.conftest import SHARED_BATCHES, free_port, serve
 from workers.webhooks import deliver_webhooks, new_secret
 

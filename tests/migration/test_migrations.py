@@ -11,8 +11,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-from batch_gateway.models import Base
-from batch_gateway.settings import sqlalchemy_url
+from batch_gateway.store.models import Base
+from batch_gateway.store.settings import sqlalchemy_url
 from migrations.config import downgrade, upgrade
 from tests.conftest import _admin_url, with_database
 

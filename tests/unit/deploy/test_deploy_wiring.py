@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import DEPLOY, OVERLAYS, REPO, STORE_FALLBACK, settings_from, settings_under_env
 
-from common.contracts.queue import LANE_PRIORITIES, pubsub_request_topic, request_stream
 from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
-from batch_gateway.storage import build_file_store, storage_key
-from conftest import DEPLOY, OVERLAYS, REPO, STORE_FALLBACK, settings_from, settings_under_env
+from batch_gateway.store.storage import build_file_store, storage_key
+from common.contracts.queue import LANE_PRIORITIES, pubsub_request_topic, request_stream
 from router.fleet.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
 from router.scheduling.config import parse_config
 from router.scheduling.plugins.prefix import PRECISE_PRODUCER_TYPE

@@ -111,7 +111,7 @@ class File(Base):
 class Batch(Base):
     """A batch: OpenAI's 22 fields plus tenant, deadline, idempotency key, enqueued tokens, usage.
 
-    Every status change is one guarded UPDATE in ``batch_gateway.queries``; each ``*_at`` is set
+    Every status change is one guarded UPDATE in ``batch_gateway.store.queries``; each ``*_at`` is set
     once. ``request_total/completed/failed`` are ``request_counts``; the ``usage_*`` columns are
     ``usage``.
     """

@@ -16,7 +16,7 @@ from sqlalchemy import Select, and_, case, func, or_, select, text, tuple_, upda
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from batch_gateway.models import (
+from batch_gateway.store.models import (
     ACTIVE_BATCH_STATUSES,
     EPOCH_NOW,
     ApiKey,

@@ -2,7 +2,7 @@
 
 One small interface, :class:`FileStore`, with two implementations: a local directory,
 :class:`LocalFileStore` (the default), and any S3-compatible bucket,
-:class:`~batch_gateway.storage_s3.S3FileStore`; :func:`build_file_store` picks one from the settings.
+:class:`~batch_gateway.store.storage_s3.S3FileStore`; :func:`build_file_store` picks one from the settings.
 Keys are derived from object ids only (``files/ab/file-ab…``), never from
 user file names. An object becomes visible only when its upload is committed, at once and whole (the
 local store renames a temporary file; S3 completes an upload), so a crash or a rejected upload leaves
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from batch_gateway.settings import SharedSettings
+    from batch_gateway.store.settings import SharedSettings
 
 CHUNK_BYTES = 1024 * 1024
 
@@ -49,7 +49,7 @@ class Upload(Protocol):
 
 class FileStore(Protocol):
     """Bytes by key. Implementations: :class:`LocalFileStore`,
-    :class:`~batch_gateway.storage_s3.S3FileStore`. Every method raises ``ValueError`` for an
+    :class:`~batch_gateway.store.storage_s3.S3FileStore`. Every method raises ``ValueError`` for an
     unsafe key and ``OSError`` when the store fails."""
 
     def begin(self, key: str) -> Upload:
@@ -148,10 +148,10 @@ class LocalFileStore:
 
 def build_file_store(settings: SharedSettings) -> FileStore:
     """The store ``settings.file_store`` names: ``local`` (default) → :class:`LocalFileStore` under
-    ``DATA_DIR/files``; ``s3`` → :class:`~batch_gateway.storage_s3.S3FileStore` on
+    ``DATA_DIR/files``; ``s3`` → :class:`~batch_gateway.store.storage_s3.S3FileStore` on
     ``settings.s3_bucket`` (boto3 is imported only then)."""
     if settings.file_store == "s3":
-        from batch_gateway.storage_s3 import S3FileStore
+        from batch_gateway.store.storage_s3 import S3FileStore
 
         return S3FileStore(settings.s3_bucket, prefix=settings.s3_prefix, part_bytes=settings.s3_part_bytes,
                            endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region,

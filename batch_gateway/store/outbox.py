@@ -14,7 +14,7 @@ import logging
 from celery import Celery
 from sqlalchemy.orm import Session
 
-from batch_gateway import queries
+from batch_gateway.store import queries
 
 log = logging.getLogger(__name__)
 
