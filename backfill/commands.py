@@ -242,12 +242,8 @@ def tenants_webhook(tenant: str, url: str | None, disable: bool, data_dir: Path)
 @DATA_DIR_OPTION
 def tenants_quota(tenant: str, enqueued_tokens: int | None, data_dir: Path) -> None:
     """Set TENANT's enqueued-token quota (token_limit_exceeded past it)."""
-    from sqlalchemy import update
-
     from batch_gateway.store import queries
-    from batch_gateway.store.models import Tenant
 
     with _session(data_dir) as session:
-        row = queries.ensure_tenant(session, tenant)
-        session.execute(update(Tenant).where(Tenant.id == row.id).values(enqueued_token_limit=enqueued_tokens))
+        queries.set_enqueued_token_limit(session, tenant, enqueued_tokens)
     click.echo(f"{tenant}: enqueued token limit {enqueued_tokens or 'default'}")

@@ -27,7 +27,6 @@ import logging
 from collections import Counter
 
 import orjson
-from sqlalchemy import func, select
 
 from batch_gateway.store import queries
 from batch_gateway.store.models import TERMINAL_BATCH_STATUSES, Batch
@@ -168,7 +167,7 @@ def sweep(ctx: WorkerContext) -> int:
     batches for the processors. Returns how many requests were handed back or ended."""
     with ctx.session() as session:
         lapsed = queries.lapsed_leases(session)
-        cancelling = set(session.execute(select(Batch.id).where(Batch.status == "cancelling")).scalars())
+        cancelling = queries.cancelling_batch_ids(session)
         for row in lapsed:
             if row.batch_id in cancelling:
                 change = {"state": "cancelled", "error_code": "batch_cancelled"}
@@ -232,12 +231,12 @@ def _write_files(ctx: WorkerContext, batch: Batch) -> dict:
 def finalize(ctx: WorkerContext, batch_id: str) -> str:
     """End the batch if it is due (see the module docstring); returns its status afterwards."""
     with ctx.session() as session:
-        batch = session.get(Batch, batch_id, with_for_update=True)
+        batch = queries.lock_batch(session, batch_id)
         if batch is None:
             return "missing"
         if batch.status in TERMINAL_BATCH_STATUSES:
             return batch.status
-        past_deadline = session.execute(select(batch.deadline <= func.now())).scalar_one()
+        past_deadline = queries.past_deadline(session, batch)
         if past_deadline and batch.status != "finalizing":
             target = "expired"
             queries.end_open_requests(session, batch_id, ("pending", "queued"), "expired", "batch_expired")

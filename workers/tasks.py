@@ -21,11 +21,22 @@ from __future__ import annotations
 import logging
 
 from celery import Celery
-from sqlalchemy import delete, select
 
 from batch_gateway.store import queries
-from batch_gateway.store.models import Batch, BatchRequest, File
+from batch_gateway.store.models import Batch, File
 from batch_gateway.store.quota import token_limit_message
+from batch_gateway.store.task_names import (
+    CANCEL_BATCH_TASK,
+    COLLECT_TASK,
+    DELIVER_WEBHOOKS_TASK,
+    FEED_TASK,
+    FINALIZE_DUE_TASK,
+    PURGE_FILES_TASK,
+    RELAY_OUTBOX_TASK,
+    RESEND_STALE_VALIDATIONS_TASK,
+    SWEEP_TASK,
+    VALIDATE_BATCH_TASK,
+)
 from workers import lifecycle, webhooks
 from workers.app import WorkerContext
 from workers.validation import LineError, ValidationReport, validate_batch_file
@@ -34,11 +45,6 @@ log = logging.getLogger(__name__)
 
 VALIDATE_RETRIES = 3
 """Retries (1 s, 2 s, 4 s apart) of a validation that raised before the batch is failed."""
-
-COPY_REQUESTS = (
-    "COPY batch_requests (batch_id, custom_id, line, byte_offset, byte_length, prefix_key, est_tokens) "
-    "FROM STDIN"
-)
 
 
 def _error_rows(errors: list[LineError]) -> list[dict]:
@@ -78,11 +84,8 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
             error = LineError("token_limit_exceeded", token_limit_message(tenant.name, limit, report.model), None, None)
             return _fail(ctx, session, batch_id, [error])
 
-        session.execute(delete(BatchRequest).where(BatchRequest.batch_id == batch_id))
-        raw = session.connection().connection.driver_connection
-        with raw.cursor() as cursor, cursor.copy(COPY_REQUESTS) as copy:
-            for r in report.requests:
-                copy.write_row((batch_id, r.custom_id, r.line, r.offset, r.length, r.prefix_key, r.est_tokens))
+        queries.replace_requests(session, batch_id, (
+            (r.custom_id, r.line, r.offset, r.length, r.prefix_key, r.est_tokens) for r in report.requests))
         moved = queries.transition(
             session, batch_id, ("validating",), "in_progress",
             model=report.model, request_total=len(report.requests), enqueued_tokens=report.est_tokens,
@@ -124,12 +127,12 @@ def resend_stale_validations(ctx: WorkerContext, older_than_seconds: float | Non
     with ctx.session() as session:
         stale = queries.stale_validating_batches(session, age)
     for batch_id in stale:
-        ctx.celery.send_task(queries.VALIDATE_BATCH_TASK, args=[batch_id], queue=ctx.settings.task_queue)
+        ctx.celery.send_task(VALIDATE_BATCH_TASK, args=[batch_id], queue=ctx.settings.task_queue)
     return len(stale)
 
 
 def _status(session, batch_id: str) -> str:
-    return session.execute(select(Batch.status).where(Batch.id == batch_id)).scalar_one_or_none() or "missing"
+    return queries.batch_status(session, batch_id) or "missing"
 
 
 def relay_outbox(ctx: WorkerContext) -> int:
@@ -154,7 +157,7 @@ def register(app: Celery) -> None:
     """Register the lifecycle tasks on ``app`` (names are the wire contract with the gateway)."""
     ctx: WorkerContext = app.backfill
 
-    @app.task(name=queries.VALIDATE_BATCH_TASK, shared=False, bind=True, max_retries=VALIDATE_RETRIES)
+    @app.task(name=VALIDATE_BATCH_TASK, shared=False, bind=True, max_retries=VALIDATE_RETRIES)
     def validate_batch_task(self, batch_id: str) -> str:
         try:
             return validate_batch(ctx, batch_id)
@@ -164,38 +167,38 @@ def register(app: Celery) -> None:
             log.exception("validation kept failing", extra={"action": "validation_gave_up", "batch_id": batch_id})
             return give_up_validation(ctx, batch_id)
 
-    @app.task(name="backfill.resend_stale_validations", shared=False)
+    @app.task(name=RESEND_STALE_VALIDATIONS_TASK, shared=False)
     def resend_stale_validations_task() -> int:
         return resend_stale_validations(ctx)
 
-    @app.task(name="backfill.relay_outbox", shared=False)
+    @app.task(name=RELAY_OUTBOX_TASK, shared=False)
     def relay_outbox_task() -> int:
         return relay_outbox(ctx)
 
-    @app.task(name=queries.CANCEL_BATCH_TASK, shared=False)
+    @app.task(name=CANCEL_BATCH_TASK, shared=False)
     def cancel_batch_task(batch_id: str) -> str:
         return lifecycle.cancel(ctx, batch_id)
 
-    @app.task(name="backfill.feed", shared=False)
+    @app.task(name=FEED_TASK, shared=False)
     def feed_task() -> int:
         return lifecycle.feed(ctx)
 
-    @app.task(name="backfill.collect", shared=False)
+    @app.task(name=COLLECT_TASK, shared=False)
     def collect_task() -> int:
         return lifecycle.collect(ctx)
 
-    @app.task(name="backfill.sweep", shared=False)
+    @app.task(name=SWEEP_TASK, shared=False)
     def sweep_task() -> int:
         return lifecycle.sweep(ctx)
 
-    @app.task(name="backfill.finalize_due", shared=False)
+    @app.task(name=FINALIZE_DUE_TASK, shared=False)
     def finalize_due_task() -> list[str]:
         return lifecycle.finalize_due(ctx)
 
-    @app.task(name="backfill.deliver_webhooks", shared=False)
+    @app.task(name=DELIVER_WEBHOOKS_TASK, shared=False)
     def deliver_webhooks_task() -> int:
         return webhooks.deliver_webhooks(ctx)
 
-    @app.task(name="backfill.purge_files", shared=False)
+    @app.task(name=PURGE_FILES_TASK, shared=False)
     def purge_files_task() -> int:
         return purge_files(ctx)

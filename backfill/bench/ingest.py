@@ -87,8 +87,7 @@ RESPONSE_BYTES = 4000
 def _finalize(stack, batch_id: str) -> tuple[float, int]:
     """Give every request of the batch a ~4 KB 200 response (as collect would), then time the
     finalisation in this process; returns ``(seconds, output file bytes)``."""
-    from sqlalchemy import text
-
+    from batch_gateway.store import queries
     from batch_gateway.store.models import Batch
     from workers import lifecycle
     from workers.app import create_celery
@@ -101,9 +100,7 @@ def _finalize(stack, batch_id: str) -> tuple[float, int]:
                              "role": "assistant", "content": "x" * RESPONSE_BYTES, "refusal": None}}],
                          "usage": {"prompt_tokens": 1000, "completion_tokens": 1000, "total_tokens": 2000}})
     with ctx.session() as session:
-        session.execute(text("UPDATE batch_requests SET state = 'succeeded', status_code = 200, request_id = 'r', "
-                             "response_body = :body WHERE batch_id = :id"), {"body": body, "id": batch_id})
-        session.execute(text("UPDATE batches SET request_completed = request_total WHERE id = :id"), {"id": batch_id})
+        queries.succeed_all_requests(session, batch_id, body)
         session.commit()
     start = time.perf_counter()
     status = lifecycle.finalize(ctx, batch_id)

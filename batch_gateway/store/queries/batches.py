@@ -1,0 +1,217 @@
+"""Queries on ``batches``: create, read, list, quota sums, the guarded status change
+(:func:`transition`), cancel, and the candidates of the lifecycle steps.
+
+None commits: the caller owns the transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import func, or_, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session
+
+from batch_gateway.store.models import (
+    ACTIVE_BATCH_STATUSES,
+    EPOCH_NOW,
+    Batch,
+    BatchRequest,
+    File,
+)
+from batch_gateway.store.queries._shared import can_exist, new_id, page
+from batch_gateway.store.queries.events import add_event
+from batch_gateway.store.queries.requests import TERMINAL_REQUEST_STATES
+from batch_gateway.store.task_names import CANCEL_BATCH_TASK, VALIDATE_BATCH_TASK
+
+
+def insert_batch(session: Session, *, tenant_id: str, endpoint: str, input_file_id: str,
+                 completion_window: str, window_seconds: int, metadata: dict | None,
+                 output_expires_after: dict | None, idempotency_key: str | None,
+                 request_hash: str | None, reserved_tokens: int = 0, traceparent: str | None = None) -> Batch:
+    """Insert a batch in ``validating`` with its outbox event (validate task) in the same
+    transaction. ``expires_at``/``deadline`` = database now + ``window_seconds``;
+    ``reserved_tokens`` hold the tenant's quota until validation counts the real estimate.
+    ``traceparent`` (W3C trace context of the create request) is kept in the ``batch.created``
+    event's payload; :func:`batch_traceparents` reads it back.
+
+    Raises ``sqlalchemy.exc.IntegrityError`` when the tenant already used ``idempotency_key``.
+    """
+    batch = session.execute(
+        pg_insert(Batch)
+        .values(
+            id=new_id("batch_"), tenant_id=tenant_id, endpoint=endpoint,
+            input_file_id=input_file_id, completion_window=completion_window,
+            window_seconds=window_seconds,
+            expires_at=text(f"extract(epoch from now())::bigint + {int(window_seconds)}"),
+            deadline=text(f"now() + interval '{int(window_seconds)} seconds'"),
+            metadata_=metadata, output_expires_after=output_expires_after,
+            idempotency_key=idempotency_key, request_hash=request_hash, enqueued_tokens=reserved_tokens,
+        )
+        .returning(Batch)
+    ).scalar_one()
+    add_event(session, batch, "batch.created",
+              {"task": VALIDATE_BATCH_TASK, **({"traceparent": traceparent} if traceparent else {})}, publish=True)
+    return batch
+
+
+def get_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
+    """The tenant's batch ``batch_id``, or None (another tenant's batch is None too)."""
+    if not can_exist(batch_id):
+        return None
+    return session.execute(
+        select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id)
+    ).scalar_one_or_none()
+
+
+def get_batch_by_idempotency_key(session: Session, tenant_id: str, key: str) -> Batch | None:
+    """The tenant's batch created with ``Idempotency-Key: key``, or None."""
+    return session.execute(
+        select(Batch).where(Batch.tenant_id == tenant_id, Batch.idempotency_key == key)
+    ).scalar_one_or_none()
+
+
+def list_batches(session: Session, tenant_id: str, *, limit: int,
+                 after: str | None) -> tuple[list[Batch], bool] | None:
+    """A page of the tenant's batches, newest first; None for an unknown cursor."""
+    stmt = select(Batch).where(Batch.tenant_id == tenant_id)
+    return page(session, stmt, Batch, tenant_id, after, limit, True)
+
+
+def enqueued_tokens(session: Session, tenant_id: str, exclude: str | None = None) -> int:
+    """Estimated prompt tokens of the tenant's batches that have not ended (other than
+    ``exclude``)."""
+    stmt = select(func.coalesce(func.sum(Batch.enqueued_tokens), 0)).where(
+        Batch.tenant_id == tenant_id, Batch.status.in_(ACTIVE_BATCH_STATUSES))
+    if exclude is not None:
+        stmt = stmt.where(Batch.id != exclude)
+    return session.execute(stmt).scalar_one()
+
+
+def transition(session: Session, batch_id: str, from_: Sequence[str], to: str,
+               event_payload: dict | None = None, **values) -> Batch | None:
+    """Move the batch from one of ``from_`` to ``to`` in one guarded UPDATE, setting ``{to}_at``
+    to the database's now and any extra column ``values``; returns the updated batch, or None when
+    the batch was not in ``from_`` (someone else moved it first). Writes a ``batch.{to}`` event.
+    """
+    batch = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status.in_(tuple(from_)))
+        .values(status=to, **{f"{to}_at": EPOCH_NOW}, **values)
+        .returning(Batch)
+        .execution_options(synchronize_session=False, populate_existing=True)
+    ).scalar_one_or_none()
+    if batch is not None:
+        add_event(session, batch, f"batch.{to}", event_payload)
+    return batch
+
+
+def cancel_refusal(status: str) -> str | None:
+    """Why a batch whose :func:`cancel_batch` left it in ``status`` was not cancellable (the
+    message ``POST /v1/batches/{id}/cancel`` answers with 409, and the dashboard shows), or None
+    when it is cancelling or cancelled."""
+    if status in ("cancelling", "cancelled"):
+        return None
+    return f"Cannot cancel a batch with status '{status}'."
+
+
+def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
+    """Cancel the tenant's batch. Returns the batch after the change, or None when not found.
+
+    A batch still ``validating``, or ``in_progress`` with no request handed out yet, goes straight
+    to ``cancelled`` (``cancelling_at`` and ``cancelled_at`` both set, its requests marked
+    ``cancelled``); one with work in flight goes to ``cancelling``. A batch already ``cancelling``
+    or ``cancelled`` is returned unchanged; for other ended batches the caller answers an error.
+    """
+    if not can_exist(batch_id):
+        return None
+    batch = session.execute(
+        select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id).with_for_update()
+    ).scalar_one_or_none()
+    if batch is None or batch.status not in ("validating", "in_progress"):
+        return batch
+    started = session.execute(
+        select(func.count()).select_from(BatchRequest).where(
+            BatchRequest.batch_id == batch_id, BatchRequest.state != "pending"
+        )
+    ).scalar_one()
+    if started:
+        moved = transition(session, batch_id, ("in_progress",), "cancelling")
+        if moved is not None:
+            add_event(session, moved, "batch.cancel_requested", {"task": CANCEL_BATCH_TASK}, publish=True)
+        return moved
+    session.execute(
+        update(BatchRequest)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == "pending")
+        .values(state="cancelled", finished_at=func.now())
+    )
+    return transition(session, batch_id, ("validating", "in_progress"), "cancelled",
+                      cancelling_at=EPOCH_NOW)
+
+
+def stale_validating_batches(session: Session, older_than_seconds: float, limit: int = 100) -> list[str]:
+    """Ids of batches still ``validating`` more than ``older_than_seconds`` after creation."""
+    return list(session.execute(
+        select(Batch.id)
+        .where(Batch.status == "validating",
+               Batch.created_at <= text(f"extract(epoch from now())::bigint - {int(older_than_seconds)}"))
+        .order_by(Batch.seq)
+        .limit(limit)
+    ).scalars())
+
+
+def feedable_batches(session: Session, limit: int = 100) -> list:
+    """``in_progress`` batches, earliest deadline first, with how many of their requests are queued:
+    rows ``(id, tenant_id, endpoint, model, expires_at, storage_key, queued)``."""
+    queued = (select(func.count()).select_from(BatchRequest)
+              .where(BatchRequest.batch_id == Batch.id, BatchRequest.state == "queued")
+              .scalar_subquery())
+    return list(session.execute(
+        select(Batch.id, Batch.tenant_id, Batch.endpoint, Batch.model, Batch.expires_at,
+               File.storage_key, queued.label("queued"))
+        .join(File, File.id == Batch.input_file_id)
+        .where(Batch.status == "in_progress", Batch.deadline > func.now())
+        .order_by(Batch.deadline, Batch.seq)
+        .limit(limit)
+    ).all())
+
+
+def batches_to_finalize(session: Session, limit: int = 100) -> list[str]:
+    """Ids of batches with work left to end: ``in_progress`` with every request terminal,
+    ``cancelling`` with nothing queued any more, ``finalizing`` (a finalisation that died), or any
+    of these past their deadline (to expire)."""
+    open_requests = (select(func.count()).select_from(BatchRequest)
+                     .where(BatchRequest.batch_id == Batch.id,
+                            BatchRequest.state.not_in(TERMINAL_REQUEST_STATES))
+                     .scalar_subquery())
+    queued = (select(func.count()).select_from(BatchRequest)
+              .where(BatchRequest.batch_id == Batch.id, BatchRequest.state == "queued")
+              .scalar_subquery())
+    return list(session.execute(
+        select(Batch.id).where(or_(
+            (Batch.status == "in_progress") & (Batch.request_completed + Batch.request_failed >= Batch.request_total)
+            & (open_requests == 0),
+            (Batch.status == "cancelling") & (queued == 0),
+            Batch.status == "finalizing",
+            Batch.status.in_(("in_progress", "cancelling", "validating")) & (Batch.deadline <= func.now()),
+        )).order_by(Batch.seq).limit(limit)
+    ).scalars())
+
+
+def lock_batch(session: Session, batch_id: str) -> Batch | None:
+    """Any tenant's batch ``batch_id``, locked until the transaction ends, or None."""
+    return session.get(Batch, batch_id, with_for_update=True)
+
+
+def past_deadline(session: Session, batch: Batch) -> bool:
+    """Whether the database's now is at or past the batch's ``deadline``."""
+    return bool(session.execute(select(batch.deadline <= func.now())).scalar_one())
+
+
+def batch_status(session: Session, batch_id: str) -> str | None:
+    """The status of any tenant's batch ``batch_id``, or None when there is none."""
+    return session.execute(select(Batch.status).where(Batch.id == batch_id)).scalar_one_or_none()
+
+
+def cancelling_batch_ids(session: Session) -> set[str]:
+    """Ids of every batch in ``cancelling``."""
+    return set(session.execute(select(Batch.id).where(Batch.status == "cancelling")).scalars())
