@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,8 +23,8 @@ from batch_gateway.metrics import install_metrics
 from batch_gateway.settings import GatewaySettings
 from batch_gateway.store import queries
 from batch_gateway.store.db import make_engine, make_sessionmaker
+from batch_gateway.store.files import build_file_store
 from batch_gateway.store.outbox import TaskPublisher
-from batch_gateway.store.storage import build_file_store
 from common.contracts.errors import ErrorType, error_envelope, openai_type_for_status
 from common.tracing import instrument_fastapi
 
@@ -69,7 +70,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "Invalid request."}
+        first: dict[str, Any] = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "Invalid request."}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "header", "body")]
         param = ".".join(loc) or None
         message = f"Invalid value for '{param}': {first.get('msg', '')}." if param else first.get("msg", "")

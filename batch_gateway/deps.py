@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 from batch_gateway.errors import AuthenticationError, InvalidRequestError
 from batch_gateway.settings import GatewaySettings
 from batch_gateway.store import queries
+from batch_gateway.store.files import FileStore
 from batch_gateway.store.models import Tenant
-from batch_gateway.store.storage import FileStore
 
 NO_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header "

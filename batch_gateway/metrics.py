@@ -23,6 +23,7 @@ import hmac
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -36,7 +37,7 @@ from sqlalchemy.orm import Session
 from batch_gateway.errors import AuthenticationError
 from batch_gateway.schemas import UPLOAD_PURPOSES
 from batch_gateway.store import queries
-from batch_gateway.store.models import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
+from batch_gateway.store.states import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
 
 BATCH_COUNT_TTL_SECONDS = 5.0
 """How long one grouped count of batches by status is reused (a scrape every 15 s, Prometheus's
@@ -124,7 +125,7 @@ def install_metrics(app: FastAPI, admin_key: str | None = None) -> GatewayMetric
     when given. Puts the :class:`GatewayMetrics` on ``app.state.metrics`` and returns it. Call
     before the app starts (middleware cannot be added later)."""
     metrics = GatewayMetrics()
-    labels = {"metric_namespace": "backfill", "metric_subsystem": "gateway", "registry": metrics.registry}
+    labels: dict[str, Any] = {"metric_namespace": "backfill", "metric_subsystem": "gateway", "registry": metrics.registry}
     Instrumentator(should_group_status_codes=True, should_ignore_untemplated=False, should_group_untemplated=True,
                    excluded_handlers=["^/metrics$"], registry=metrics.registry).add(
         http_metrics.requests(**labels),

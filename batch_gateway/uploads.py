@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from batch_gateway.errors import InvalidRequestError, PayloadTooLargeError
-from batch_gateway.store.storage import Upload
+from batch_gateway.store.files import Upload
 
 MAX_PARTS = 16
 MAX_FIELD_BYTES = 4096

@@ -26,6 +26,8 @@ from celery import Celery
 from celery.signals import task_postrun, task_prerun
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app, multiprocess
 
+from batch_gateway.store.states import BatchStatus, RequestState
+
 TASK_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Prometheus' default buckets (5 ms to 10 s) plus 30, 60 and 300 s: validating a 200 MB input file
 or finalizing 50,000 requests takes tens of seconds."""
@@ -34,11 +36,12 @@ TASK_OUTCOMES = {"SUCCESS": "success", "RETRY": "retry", "FAILURE": "failure"}
 """Celery's end state of a task run -> the ``outcome`` label."""
 
 KNOWN_LABELS = {
-    "collected": ("succeeded", "failed", "expired", "cancelled", "pending", "stale"),
-    "swept": ("pending", "failed", "cancelled"),
+    "collected": (RequestState.SUCCEEDED, RequestState.FAILED, RequestState.EXPIRED, RequestState.CANCELLED,
+                  RequestState.PENDING, "stale"),
+    "swept": (RequestState.PENDING, RequestState.FAILED, RequestState.CANCELLED),
     "finalized_requests": ("output", "errors"),
-    "validated": ("in_progress", "failed"),
-    "finalized": ("completed", "expired", "cancelled"),
+    "validated": (BatchStatus.IN_PROGRESS, BatchStatus.FAILED),
+    "finalized": (BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED),
     "webhooks": ("delivered", "failed"),
 }
 """Label values each counter starts with at 0 (so every series exists before its first event)."""

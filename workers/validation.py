@@ -356,7 +356,7 @@ class _Checker:
             self.error("invalid_json_line", _MSG_INVALID_JSON, line_no, None)
             return
 
-        custom_id = obj.get("custom_id")
+        custom_id: Any = obj.get("custom_id")  # JSON values stay untyped until checked
         if problem := _wrong_type(custom_id, str, "custom_id"):
             self.error("invalid_request", problem, line_no, "custom_id")
             return
@@ -395,7 +395,7 @@ class _Checker:
             )
             return
 
-        body = obj.get("body")
+        body: Any = obj.get("body")
         if problem := _wrong_type(body, dict, "body"):
             self.error("invalid_request", problem, line_no, "body")
             return
@@ -437,7 +437,7 @@ def _wrong_type(value: Any, expected: type, param: str) -> str | None:
     """Say what is wrong with a required field (missing, not of JSON type ``expected``, or a string
     holding NUL, which PostgreSQL text cannot store), or None."""
     if type(value) is expected:
-        if expected is str and "\x00" in value:
+        if isinstance(value, str) and "\x00" in value:
             return f"Invalid value for '{param}': NUL characters are not allowed."
         return None
     if value is None:
@@ -490,7 +490,7 @@ def validate_batch_file(
     counter = [0]
     request_lines = 0
     for line_no, offset, data, length in _lines(chunks, max_line_bytes, counter):
-        if data is _TOO_LONG:
+        if isinstance(data, _TooLong):
             is_request = True
         else:
             # A request line starts with '{' in practice; anything else may be blank.

@@ -26,7 +26,7 @@ import httpx
 import orjson
 
 from batch_gateway.store import queries
-from workers.app import WorkerContext
+from workers.context import WorkerContext
 
 log = logging.getLogger(__name__)
 

@@ -44,4 +44,4 @@ def install(app: FastAPI) -> None:
     from batch_gateway.admin.views import build_router
 
     app.include_router(build_router())
-    app.add_exception_handler(AdminError, _admin_error)
+    app.add_exception_handler(AdminError, _admin_error)  # type: ignore[arg-type]  # Starlette types handlers as taking any Exception

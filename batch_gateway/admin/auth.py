@@ -113,7 +113,7 @@ class Admin:
 def check_key(settings: GatewaySettings, key: str, session_factory) -> None:
     """Accept ``key`` if it is the admin key; raise :class:`AdminForbiddenError` for a tenant's key
     and :class:`AdminLoginRequired` for anything else."""
-    if _same(key, settings.admin_key):
+    if settings.admin_key is not None and _same(key, settings.admin_key):
         return
     with session_factory() as session:
         if queries.tenant_for_key(session, key) is not None:

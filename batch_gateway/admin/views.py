@@ -27,7 +27,14 @@ from batch_gateway.admin.router_sampler import RouterSampler, rates
 from batch_gateway.api.files import content_disposition
 from batch_gateway.deps import SessionDep
 from batch_gateway.store import queries
-from batch_gateway.store.models import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
+from batch_gateway.store.states import (
+    ACTIVE_BATCH_STATUSES,
+    CANCELLABLE_STATUSES,
+    OPEN_REQUEST_STATES,
+    TERMINAL_BATCH_STATUSES,
+    TERMINAL_REQUEST_STATES,
+    BatchStatus,
+)
 from common.contracts.queue import LANE_PRIORITIES, dead_letter_stream, request_stream
 from common.contracts.router_state import SATURATION_THRESHOLD
 
@@ -36,12 +43,11 @@ HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
 STATIC = {"admin.css": "text/css", "admin.js": "text/javascript"}
 
-BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL_BATCH_STATUSES)
-REQUEST_STATES = ("pending", "queued", *queries.TERMINAL_REQUEST_STATES)
+BATCH_STATUSES = (*ACTIVE_BATCH_STATUSES, *TERMINAL_BATCH_STATUSES)
+REQUEST_STATES = (*OPEN_REQUEST_STATES, *TERMINAL_REQUEST_STATES)
 """A batch request's states (``batch_gateway.store.models.BatchRequest``): ``pending`` (in Postgres, not
 yet fed), ``queued`` (handed to the processors' queue, no result yet), then a terminal one."""
-ENDED_AT = {"completed": "completed_at", "failed": "failed_at", "expired": "expired_at",
-            "cancelled": "cancelled_at"}
+ENDED_AT = {status: f"{status}_at" for status in TERMINAL_BATCH_STATUSES}
 """The ``*_at`` column holding when a batch in each terminal status ended."""
 MAX_BIGINT = 2**63 - 1
 MAX_INTEGER = 2**31 - 1
@@ -92,7 +98,8 @@ def _body_error(body: bytes | None) -> tuple[str | None, str | None]:
         return None, None
     if not isinstance(parsed, dict):
         return None, None
-    error = parsed.get("error") if isinstance(parsed.get("error"), dict) else parsed
+    inner = parsed.get("error")
+    error: dict[Any, Any] = inner if isinstance(inner, dict) else parsed
     code, message = error.get("code"), error.get("message")
     return (str(code) if code not in (None, "") else None,
             message if isinstance(message, str) else None)
@@ -156,8 +163,8 @@ def job_view(batch, tenant: str, now: float) -> dict[str, Any]:
     """What the job list and the job page show of one batch (counts from the batch row);
     ``ended`` says it is in a terminal status and ``ended_at`` (Unix s) when it got there."""
     total, done = batch.request_total, batch.request_completed + batch.request_failed
-    percent = 100 if batch.status == "completed" else (100 * done // total if total else 0)
-    eta = estimated_finish(total, done, batch.in_progress_at, now) if batch.status == "in_progress" else None
+    percent = 100 if batch.status == BatchStatus.COMPLETED else (100 * done // total if total else 0)
+    eta = estimated_finish(total, done, batch.in_progress_at, now) if batch.status == BatchStatus.IN_PROGRESS else None
     return {"id": batch.id, "tenant": tenant, "model": batch.model, "endpoint": batch.endpoint,
             "status": batch.status, "total": total, "completed": batch.request_completed,
             "failed": batch.request_failed, "done": done, "percent": percent,
@@ -165,7 +172,7 @@ def job_view(batch, tenant: str, now: float) -> dict[str, Any]:
             "expires_at": batch.expires_at, "eta": eta, "active": batch.status in ACTIVE_BATCH_STATUSES,
             "ended": batch.status in ENDED_AT,
             "ended_at": getattr(batch, ENDED_AT[batch.status]) if batch.status in ENDED_AT else None,
-            "cancellable": batch.status in ("validating", "in_progress")}
+            "cancellable": batch.status in CANCELLABLE_STATUSES}
 
 
 def _render(request: Request, name: str, admin: Admin | None, status_code: int = 200,
@@ -223,7 +230,7 @@ def _jobs(session, status: str | None, tenant: str | None, after: str | None, li
         raise AdminBadRequest(f"Unknown status '{status[:40]}'; one of: {', '.join(BATCH_STATUSES)}.",
                               param="status")
     tenant_id = None
-    if _text_param(tenant, "tenant"):
+    if tenant is not None and _text_param(tenant, "tenant"):
         found = queries.tenant_by_name(session, tenant)
         if found is None:
             return {"jobs": [], "next": None, "status": status, "tenant": tenant}
@@ -387,6 +394,7 @@ def build_router() -> APIRouter:
         if row is None:
             raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
         moved = queries.cancel_batch(session, row[0].tenant_id, batch_id)
+        assert moved is not None  # the batch was just read
         session.commit()
         request.app.state.tasks.publish_pending(session)
         refusal = queries.cancel_refusal(moved.status)
@@ -399,11 +407,13 @@ def build_router() -> APIRouter:
     @router.get("/files/{file_id}")
     def file_download(request: Request, file_id: str, admin: AdminDep, session: SessionDep) -> StreamingResponse:
         row = queries.get_any_file(session, file_id)
-        try:
-            chunks = request.app.state.store.read(row.storage_key) if row is not None else None
-        except FileNotFoundError:
-            chunks = None
-        if chunks is None:
+        chunks = None
+        if row is not None:
+            try:
+                chunks = request.app.state.store.read(row.storage_key)
+            except FileNotFoundError:
+                chunks = None
+        if row is None or chunks is None:
             raise AdminNotFound(f"No such File object: {file_id[:100]}", param="file_id")
         return StreamingResponse(chunks, media_type="application/octet-stream",
                                  headers={"content-disposition": content_disposition(row.filename)})
@@ -447,7 +457,7 @@ def build_router() -> APIRouter:
         settings = request.app.state.settings
         rows, more = queries.tenant_usage(session, limit=PAGE_SIZE, after=_text_param(after, "after"))
         open_requests = queries.open_requests_by_tenant(session, [row.id for row in rows])
-        tenants = []
+        tenants: list[dict[str, Any]] = []
         for row in rows:
             limit = row.enqueued_token_limit or settings.default_enqueued_token_limit
             tenants.append({"name": row.name, "reserved": int(row.reserved_tokens), "limit": limit,

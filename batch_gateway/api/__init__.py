@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from batch_gateway.errors import InvalidRequestError
 from batch_gateway.schemas import list_object
 
 
 def list_page(page: tuple[list, bool] | None, after: str | None, kind: str,
-              render: Callable[[object], dict]) -> dict:
+              render: Callable[[Any], dict]) -> dict:
     """OpenAI's list envelope for a page from ``queries``; raises 400 (``param: after``) when the
     cursor named no object of the caller (a missing and a foreign id answer the same)."""
     if page is None:

@@ -134,6 +134,7 @@ async def create_batch(request: Request, tenant: TenantDep, session: SessionDep,
                 )
         except IntegrityError:  # a concurrent create with the same Idempotency-Key won
             session.rollback()
+            assert idempotency_key is not None  # only a keyed create can collide
             existing = queries.get_batch_by_idempotency_key(session, tenant.id, idempotency_key)
             return _replay(existing, request_hash)
         session.commit()

@@ -29,7 +29,7 @@ from batch_gateway.schemas import (
     file_object,
 )
 from batch_gateway.store import queries
-from batch_gateway.store.storage import storage_key
+from batch_gateway.store.files import storage_key
 from batch_gateway.uploads import UploadParser, multipart_boundary
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from batch_gateway.store.states import BatchStatus, RequestState
+
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -38,10 +40,6 @@ NAMING = {
 
 EPOCH_NOW = text("extract(epoch from now())::bigint")
 
-ACTIVE_BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
-"""Batches in these states hold their enqueued tokens against the tenant's quota."""
-
-TERMINAL_BATCH_STATUSES = ("failed", "completed", "expired", "cancelled")
 
 
 class Base(DeclarativeBase):
@@ -111,7 +109,8 @@ class File(Base):
 class Batch(Base):
     """A batch: OpenAI's 22 fields plus tenant, deadline, idempotency key, enqueued tokens, usage.
 
-    Every status change is one guarded UPDATE in ``batch_gateway.store.queries``; each ``*_at`` is set
+    Every status change (``batch_gateway.store.states``) is one guarded UPDATE in
+    ``batch_gateway.store.queries``; each ``*_at`` is set
     once. ``request_total/completed/failed`` are ``request_counts``; the ``usage_*`` columns are
     ``usage``.
     """
@@ -127,7 +126,7 @@ class Batch(Base):
     input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
     completion_window: Mapped[str] = mapped_column(String(16))
     window_seconds: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), server_default="validating")
+    status: Mapped[str] = mapped_column(String(16), server_default=BatchStatus.VALIDATING.value)
     output_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
     error_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
     created_at: Mapped[int] = mapped_column(BigInteger, server_default=EPOCH_NOW)
@@ -185,7 +184,7 @@ class BatchRequest(Base):
     byte_length: Mapped[int] = mapped_column(Integer)
     prefix_key: Mapped[bytes] = mapped_column(LargeBinary)
     est_tokens: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16), server_default="pending")
+    state: Mapped[str] = mapped_column(String(16), server_default=RequestState.PENDING.value)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     lease_token: Mapped[str | None] = mapped_column(UUID(as_uuid=False))
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))

@@ -17,8 +17,8 @@ import threading
 import pytest
 from botocore.exceptions import EndpointConnectionError
 
-from batch_gateway.store.storage import LocalFileStore
-from batch_gateway.store.storage_s3 import MIN_PART_BYTES, S3FileStore
+from batch_gateway.store.files import LocalFileStore
+from batch_gateway.store.files.s3 import MIN_PART_BYTES, S3FileStore
 from tests.moto_s3 import aws_test_env, moto_s3_server, multipart_uploads, new_bucket, s3_client
 
 PART = MIN_PART_BYTES  # S3's (and moto's) smallest part: the fastest multipart the service accepts

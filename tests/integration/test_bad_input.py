@@ -332,7 +332,7 @@ def test_malformed_multipart(gateway):
 
 
 def test_hostile_filenames_are_sanitised_and_never_touch_the_disk(gateway):
-    from batch_gateway.store.storage import storage_key
+    from batch_gateway.store.files import storage_key
 
     http, client = gateway.http(), gateway.client()
     cases = [

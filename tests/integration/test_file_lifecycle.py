@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import func, select, update
 
 from batch_gateway.app import create_app
+from batch_gateway.store.files import LocalFileStore
 from batch_gateway.store.models import File
-from batch_gateway.store.storage import LocalFileStore
 from tests.conftest import SHARED_BATCHES, free_port, serve
 
 

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from batch_gateway.settings import load_settings
-from batch_gateway.store.storage_s3 import MIN_PART_BYTES, S3FileStore
+from batch_gateway.store.files.s3 import MIN_PART_BYTES, S3FileStore
 from common.contracts.queue import http_result
 from tests.integration.test_lifecycle import StandInProcessor, _line
 from tests.moto_s3 import aws_test_env, moto_s3_server, multipart_uploads, new_bucket, s3_client

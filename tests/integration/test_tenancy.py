@@ -33,7 +33,7 @@ def _shape(response, object_id: str) -> tuple:
 
 
 def _snapshot(gateway, client, file_id: str, batch_id: str) -> dict:
-    from batch_gateway.store.storage import storage_key
+    from batch_gateway.store.files import storage_key
 
     with gateway.session() as session:
         rows = session.execute(text("SELECT count(*) FROM batch_requests WHERE batch_id = :b"),

@@ -5,9 +5,16 @@ None commits: the caller owns the transaction."""
 from __future__ import annotations
 
 import secrets
+from typing import Any, cast
 
-from sqlalchemy import Select, select
+from sqlalchemy import CursorResult, Result, Select, select
 from sqlalchemy.orm import Session
+
+
+def rowcount(result: Result[Any]) -> int:
+    """Rows an ``UPDATE`` or ``DELETE`` touched (``session.execute`` types every result as a plain
+    ``Result``; a DML statement's is a ``CursorResult``)."""
+    return cast(CursorResult[Any], result).rowcount
 
 
 def new_id(prefix: str) -> str:

@@ -11,13 +11,13 @@ from sqlalchemy import and_, case, func, select, tuple_
 from sqlalchemy.orm import Session
 
 from batch_gateway.store.models import (
-    ACTIVE_BATCH_STATUSES,
     Batch,
     BatchRequest,
     Event,
     Tenant,
 )
 from batch_gateway.store.queries._shared import can_exist
+from batch_gateway.store.states import ACTIVE_BATCH_STATUSES, OPEN_REQUEST_STATES, BatchStatus
 
 BatchCursor = tuple[int, str]
 """A keyset position in the admin job list: ``(created_at, id)`` of the last batch shown."""
@@ -110,11 +110,6 @@ def tenant_usage(session: Session, *, limit: int, after: str | None = None) -> t
     return rows[:limit], len(rows) > limit
 
 
-OPEN_REQUEST_STATES = ("pending", "queued")
-"""Requests not yet ended: ``pending`` (in Postgres, not yet fed to the queue) and ``queued``
-(handed to the processors, no result yet). No other non-terminal state exists."""
-
-
 def open_requests_by_tenant(session: Session, tenant_ids: Sequence[str]) -> dict[str, dict[str, int]]:
     """``{tenant_id: {"pending" | "queued": requests}}`` of requests not yet ended. Only batches
     ``in_progress`` or ``cancelling`` can hold such requests, so the count starts from those
@@ -125,7 +120,7 @@ def open_requests_by_tenant(session: Session, tenant_ids: Sequence[str]) -> dict
     rows = session.execute(
         select(Batch.tenant_id, BatchRequest.state, func.count())
         .join(BatchRequest, BatchRequest.batch_id == Batch.id)
-        .where(Batch.status.in_(("in_progress", "cancelling")), Batch.tenant_id.in_(list(tenant_ids)),
+        .where(Batch.status.in_((BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING)), Batch.tenant_id.in_(list(tenant_ids)),
                BatchRequest.state.in_(OPEN_REQUEST_STATES))
         .group_by(Batch.tenant_id, BatchRequest.state)
     ).all()

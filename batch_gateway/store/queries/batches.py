@@ -12,7 +12,6 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from batch_gateway.store.models import (
-    ACTIVE_BATCH_STATUSES,
     EPOCH_NOW,
     Batch,
     BatchRequest,
@@ -20,7 +19,14 @@ from batch_gateway.store.models import (
 )
 from batch_gateway.store.queries._shared import can_exist, new_id, page
 from batch_gateway.store.queries.events import add_event
-from batch_gateway.store.queries.requests import TERMINAL_REQUEST_STATES
+from batch_gateway.store.states import (
+    ACTIVE_BATCH_STATUSES,
+    CANCELLABLE_STATUSES,
+    EXPIRABLE_STATUSES,
+    TERMINAL_REQUEST_STATES,
+    BatchStatus,
+    RequestState,
+)
 from batch_gateway.store.task_names import CANCEL_BATCH_TASK, VALIDATE_BATCH_TASK
 
 
@@ -109,7 +115,7 @@ def cancel_refusal(status: str) -> str | None:
     """Why a batch whose :func:`cancel_batch` left it in ``status`` was not cancellable (the
     message ``POST /v1/batches/{id}/cancel`` answers with 409, and the dashboard shows), or None
     when it is cancelling or cancelled."""
-    if status in ("cancelling", "cancelled"):
+    if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return None
     return f"Cannot cancel a batch with status '{status}'."
 
@@ -127,24 +133,24 @@ def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | Non
     batch = session.execute(
         select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id).with_for_update()
     ).scalar_one_or_none()
-    if batch is None or batch.status not in ("validating", "in_progress"):
+    if batch is None or batch.status not in CANCELLABLE_STATUSES:
         return batch
     started = session.execute(
         select(func.count()).select_from(BatchRequest).where(
-            BatchRequest.batch_id == batch_id, BatchRequest.state != "pending"
+            BatchRequest.batch_id == batch_id, BatchRequest.state != RequestState.PENDING
         )
     ).scalar_one()
     if started:
-        moved = transition(session, batch_id, ("in_progress",), "cancelling")
+        moved = transition(session, batch_id, (BatchStatus.IN_PROGRESS,), BatchStatus.CANCELLING)
         if moved is not None:
             add_event(session, moved, "batch.cancel_requested", {"task": CANCEL_BATCH_TASK}, publish=True)
         return moved
     session.execute(
         update(BatchRequest)
-        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == "pending")
-        .values(state="cancelled", finished_at=func.now())
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.PENDING)
+        .values(state=RequestState.CANCELLED, finished_at=func.now())
     )
-    return transition(session, batch_id, ("validating", "in_progress"), "cancelled",
+    return transition(session, batch_id, CANCELLABLE_STATUSES, BatchStatus.CANCELLED,
                       cancelling_at=EPOCH_NOW)
 
 
@@ -152,7 +158,7 @@ def stale_validating_batches(session: Session, older_than_seconds: float, limit:
     """Ids of batches still ``validating`` more than ``older_than_seconds`` after creation."""
     return list(session.execute(
         select(Batch.id)
-        .where(Batch.status == "validating",
+        .where(Batch.status == BatchStatus.VALIDATING,
                Batch.created_at <= text(f"extract(epoch from now())::bigint - {int(older_than_seconds)}"))
         .order_by(Batch.seq)
         .limit(limit)
@@ -163,36 +169,37 @@ def feedable_batches(session: Session, limit: int = 100) -> list:
     """``in_progress`` batches, earliest deadline first, with how many of their requests are queued:
     rows ``(id, tenant_id, endpoint, model, expires_at, storage_key, queued)``."""
     queued = (select(func.count()).select_from(BatchRequest)
-              .where(BatchRequest.batch_id == Batch.id, BatchRequest.state == "queued")
+              .where(BatchRequest.batch_id == Batch.id, BatchRequest.state == RequestState.QUEUED)
               .scalar_subquery())
     return list(session.execute(
         select(Batch.id, Batch.tenant_id, Batch.endpoint, Batch.model, Batch.expires_at,
                File.storage_key, queued.label("queued"))
         .join(File, File.id == Batch.input_file_id)
-        .where(Batch.status == "in_progress", Batch.deadline > func.now())
+        .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.deadline > func.now())
         .order_by(Batch.deadline, Batch.seq)
         .limit(limit)
     ).all())
 
 
 def batches_to_finalize(session: Session, limit: int = 100) -> list[str]:
-    """Ids of batches with work left to end: ``in_progress`` with every request terminal,
-    ``cancelling`` with nothing queued any more, ``finalizing`` (a finalisation that died), or any
-    of these past their deadline (to expire)."""
+    """Ids of batches with work left to end, oldest first: the candidates of
+    :func:`batch_gateway.store.states.finalize_target`, selected with its sets: an expirable batch
+    past its deadline, ``in_progress`` with every request terminal, ``cancelling`` with nothing
+    queued any more, ``finalizing`` (a finalisation that died)."""
     open_requests = (select(func.count()).select_from(BatchRequest)
                      .where(BatchRequest.batch_id == Batch.id,
                             BatchRequest.state.not_in(TERMINAL_REQUEST_STATES))
                      .scalar_subquery())
     queued = (select(func.count()).select_from(BatchRequest)
-              .where(BatchRequest.batch_id == Batch.id, BatchRequest.state == "queued")
+              .where(BatchRequest.batch_id == Batch.id, BatchRequest.state == RequestState.QUEUED)
               .scalar_subquery())
     return list(session.execute(
         select(Batch.id).where(or_(
-            (Batch.status == "in_progress") & (Batch.request_completed + Batch.request_failed >= Batch.request_total)
-            & (open_requests == 0),
-            (Batch.status == "cancelling") & (queued == 0),
-            Batch.status == "finalizing",
-            Batch.status.in_(("in_progress", "cancelling", "validating")) & (Batch.deadline <= func.now()),
+            Batch.status.in_(EXPIRABLE_STATUSES) & (Batch.deadline <= func.now()),
+            (Batch.status == BatchStatus.IN_PROGRESS)
+            & (Batch.request_completed + Batch.request_failed >= Batch.request_total) & (open_requests == 0),
+            (Batch.status == BatchStatus.CANCELLING) & (queued == 0),
+            Batch.status == BatchStatus.FINALIZING,
         )).order_by(Batch.seq).limit(limit)
     ).scalars())
 
@@ -214,4 +221,4 @@ def batch_status(session: Session, batch_id: str) -> str | None:
 
 def cancelling_batch_ids(session: Session) -> set[str]:
     """Ids of every batch in ``cancelling``."""
-    return set(session.execute(select(Batch.id).where(Batch.status == "cancelling")).scalars())
+    return set(session.execute(select(Batch.id).where(Batch.status == BatchStatus.CANCELLING)).scalars())

@@ -11,12 +11,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from batch_gateway.store.models import (
-    ACTIVE_BATCH_STATUSES,
     EPOCH_NOW,
     Batch,
     File,
 )
 from batch_gateway.store.queries._shared import can_exist, page
+from batch_gateway.store.states import ACTIVE_BATCH_STATUSES
 
 
 def insert_file(session: Session, *, file_id: str, tenant_id: str, size: int, filename: str,

@@ -15,12 +15,11 @@ from batch_gateway.store.models import (
     Batch,
     BatchRequest,
 )
+from batch_gateway.store.queries._shared import rowcount
+from batch_gateway.store.states import TERMINAL_REQUEST_STATES, RequestState
 
 RequestRow = tuple[str, int, int, int, bytes, int]
 """A validated request as written: ``(custom_id, line, byte_offset, byte_length, prefix_key, est_tokens)``."""
-
-
-TERMINAL_REQUEST_STATES = ("succeeded", "failed", "cancelled", "expired")
 
 
 def claim_pending(session: Session, batch_id: str, count: int, lease_seconds: float) -> list:
@@ -30,7 +29,7 @@ def claim_pending(session: Session, batch_id: str, count: int, lease_seconds: fl
     # A MATERIALIZED CTE runs the LIMIT … SKIP LOCKED once; as an IN (subquery) Postgres may run it
     # again per row and, skipping the rows it just locked, claim more than ``count``.
     picked = (select(BatchRequest.custom_id)
-              .where(BatchRequest.batch_id == batch_id, BatchRequest.state == "pending")
+              .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.PENDING)
               .order_by(BatchRequest.prefix_key, BatchRequest.line)
               .limit(count)
               .with_for_update(skip_locked=True)
@@ -38,7 +37,7 @@ def claim_pending(session: Session, batch_id: str, count: int, lease_seconds: fl
     rows = session.execute(
         update(BatchRequest)
         .where(BatchRequest.batch_id == batch_id, BatchRequest.custom_id == picked.c.custom_id)
-        .values(state="queued", attempts=BatchRequest.attempts + 1,
+        .values(state=RequestState.QUEUED, attempts=BatchRequest.attempts + 1,
                 lease_token=func.gen_random_uuid(),
                 lease_expires_at=func.now() + text(f"interval '{float(lease_seconds)} seconds'"))
         .returning(BatchRequest.custom_id, BatchRequest.line, BatchRequest.byte_offset,
@@ -64,15 +63,15 @@ def record_outcome(session: Session, batch_id: str, custom_id: str, lease_token:
                       error_code=error_code, error_message=error_message, prompt_tokens=prompt_tokens,
                       cached_tokens=cached_tokens, completion_tokens=completion_tokens,
                       finished_at=func.now())
-    won = session.execute(
+    won = rowcount(session.execute(
         update(BatchRequest)
         .where(BatchRequest.batch_id == batch_id, BatchRequest.custom_id == custom_id,
-               BatchRequest.state == "queued", BatchRequest.lease_token == lease_token)
+               BatchRequest.state == RequestState.QUEUED, BatchRequest.lease_token == lease_token)
         .values(**values)
         .execution_options(synchronize_session=False)
-    ).rowcount == 1
+    )) == 1
     if won and state in TERMINAL_REQUEST_STATES:
-        succeeded = state == "succeeded"
+        succeeded = state == RequestState.SUCCEEDED
         session.execute(
             update(Batch).where(Batch.id == batch_id).values(
                 request_completed=Batch.request_completed + int(succeeded),
@@ -99,7 +98,7 @@ def lapsed_leases(session: Session, limit: int = 1000) -> list:
     rows ``(batch_id, custom_id, lease_token, attempts)``."""
     return list(session.execute(
         select(BatchRequest.batch_id, BatchRequest.custom_id, BatchRequest.lease_token, BatchRequest.attempts)
-        .where(BatchRequest.state == "queued", BatchRequest.lease_expires_at < func.now())
+        .where(BatchRequest.state == RequestState.QUEUED, BatchRequest.lease_expires_at < func.now())
         .limit(limit)
         .with_for_update(skip_locked=True)
     ).all())
@@ -109,13 +108,13 @@ def end_open_requests(session: Session, batch_id: str, states: Sequence[str], to
     """Give every request of the batch in ``states`` the terminal state ``to`` with a top-level
     ``error_code`` (``batch_expired``, ``batch_cancelled``), counting them as failed; returns how
     many."""
-    ended = session.execute(
+    ended = rowcount(session.execute(
         update(BatchRequest)
         .where(BatchRequest.batch_id == batch_id, BatchRequest.state.in_(tuple(states)))
         .values(state=to, error_code=error_code, lease_token=None, lease_expires_at=None,
                 finished_at=func.now())
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
     if ended:
         session.execute(update(Batch).where(Batch.id == batch_id)
                         .values(request_failed=Batch.request_failed + ended)
@@ -135,6 +134,7 @@ def replace_requests(session: Session, batch_id: str, rows: Iterable[RequestRow]
     byte_length, prefix_key, est_tokens)`` in input order (bytes, tokens)."""
     session.execute(delete(BatchRequest).where(BatchRequest.batch_id == batch_id))
     raw = session.connection().connection.driver_connection
+    assert raw is not None  # a checked-out connection has its psycopg connection
     with raw.cursor() as cursor, cursor.copy(COPY_REQUESTS) as copy:
         for row in rows:
             copy.write_row((batch_id, *row))
@@ -148,6 +148,7 @@ def request_outcomes(session: Session, batch_id: str, chunk: int = 1000):
     binary protocol (``bytea`` bodies arrive as raw bytes, not hex text: half the bytes on the wire):
     tuples ``(custom_id, state, status_code, request_id, response_body, error_code, error_message)``."""
     raw = session.connection().connection.driver_connection
+    assert raw is not None  # a checked-out connection has its psycopg connection
     with raw.cursor(name=f"outcomes_{secrets.token_hex(4)}", binary=True) as cursor:
         cursor.itersize = chunk
         cursor.execute(f"SELECT {OUTCOME_COLUMNS} FROM batch_requests WHERE batch_id = %s ORDER BY line",

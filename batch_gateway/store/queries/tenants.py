@@ -16,7 +16,7 @@ from batch_gateway.store.models import (
     ApiKey,
     Tenant,
 )
-from batch_gateway.store.queries._shared import new_id
+from batch_gateway.store.queries._shared import new_id, rowcount
 
 KEY_PREFIX = "sk-bf-"
 
@@ -81,7 +81,7 @@ def revoke_api_key(session: Session, key: str) -> bool:
         .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
         .values(revoked_at=EPOCH_NOW)
     )
-    return result.rowcount > 0
+    return rowcount(result) > 0
 
 
 def lock_tenant(session: Session, tenant_id: str) -> Tenant:

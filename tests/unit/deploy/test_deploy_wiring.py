@@ -15,7 +15,7 @@ from conftest import DEPLOY, OVERLAYS, REPO, STORE_FALLBACK, settings_from, sett
 
 from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
-from batch_gateway.store.storage import build_file_store, storage_key
+from batch_gateway.store.files import build_file_store, storage_key
 from common.contracts.queue import LANE_PRIORITIES, pubsub_request_topic, request_stream
 from router.fleet.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
 from router.scheduling.config import parse_config

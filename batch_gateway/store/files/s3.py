@@ -1,6 +1,6 @@
 """The S3-compatible file store: :class:`S3FileStore` (AWS S3, MinIO, Cloudflare R2, Ceph RGW, moto).
 
-The same port as :class:`~batch_gateway.store.storage.LocalFileStore`, with the same promises:
+The same port as :class:`~batch_gateway.store.files.LocalFileStore`, with the same promises:
 
 - **Streamed writes.** An upload keeps at most one part in memory (``part_bytes``, default 8 MiB).
   An object that ends within its first part is sent with one ``PutObject``; a larger one becomes a
@@ -31,7 +31,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from batch_gateway.store.storage import CHUNK_BYTES
+from batch_gateway.store.files.port import CHUNK_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _os_error(exc: Exception, key: str) -> OSError:
 
 
 class _S3Upload:
-    """One object being written (see :class:`~batch_gateway.store.storage.Upload`).
+    """One object being written (see :class:`~batch_gateway.store.files.Upload`).
 
     A full part is handed to the store's sender threads (the first one also starts the multipart
     upload) and ``write`` returns at once, so the gateway's event loop is not held for S3 calls; it
@@ -172,7 +172,7 @@ class _S3Upload:
 
 
 class S3FileStore:
-    """A :class:`~batch_gateway.store.storage.FileStore` in bucket ``bucket`` under ``prefix``.
+    """A :class:`~batch_gateway.store.files.FileStore` in bucket ``bucket`` under ``prefix``.
 
     ``part_bytes``: bytes per multipart part and the most an upload buffers (default 8 MiB, at
     least 1; S3 itself refuses parts under 5 MiB but the last). ``endpoint_url`` selects an
@@ -222,6 +222,7 @@ class S3FileStore:
     def sender(self) -> ThreadPoolExecutor:
         """This process's threads that send multipart parts."""
         self._per_process()
+        assert self._sender is not None  # set by _per_process
         return self._sender
 
     def object_key(self, key: str) -> str:

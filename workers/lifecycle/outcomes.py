@@ -1,0 +1,108 @@
+"""How a processor's result changes its request row (pure: a result in, a change out).
+
+:func:`outcome_of` maps a :class:`~common.contracts.queue.ResultMessage` to a
+:class:`RequestChange`, the columns :func:`batch_gateway.store.queries.record_outcome` writes;
+:func:`usage_of` reads the token counts of an upstream body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import orjson
+
+from batch_gateway.store.states import RequestState
+from common.contracts.queue import ErrorCode, ResultMessage
+from workers.output import json_body
+
+RETRYABLE = {ErrorCode.GATE_DROPPED, ErrorCode.GATE_ERROR, ErrorCode.INFERENCE_ERROR}
+"""Result codes after which the request is fed again (up to ``max_attempts``)."""
+
+
+class Usage(NamedTuple):
+    """Token counts of one response (tokens; zero when the body gives none)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestChange:
+    """A request row's new ``state`` and, for a terminal state, what it records. ``pending`` hands
+    the request back to the feeder."""
+
+    state: RequestState
+    status_code: int | None = None
+    request_id: str | None = None
+    response_body: bytes | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    usage: Usage = Usage()
+
+    def columns(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`batch_gateway.store.queries.record_outcome`."""
+        return {"state": self.state, "status_code": self.status_code, "request_id": self.request_id,
+                "response_body": self.response_body, "error_code": self.error_code,
+                "error_message": self.error_message, **self.usage._asdict()}
+
+
+HANDED_BACK = RequestChange(RequestState.PENDING)
+"""A retryable failure or a lapsed lease: fed again."""
+CANCELLED = RequestChange(RequestState.CANCELLED, error_code="batch_cancelled")
+EXPIRED = RequestChange(RequestState.EXPIRED, error_code="batch_expired")
+TIMED_OUT = RequestChange(RequestState.FAILED, error_code="request_timeout")
+
+
+def usage_of(body: bytes) -> Usage:
+    """The ``usage`` of a Chat Completions or Responses body (``prompt_tokens`` / ``input_tokens``,
+    their ``cached_tokens``, ``completion_tokens`` / ``output_tokens``, their ``reasoning_tokens``);
+    all zero when the body is not JSON or has no usage object."""
+    try:
+        usage = orjson.loads(body).get("usage") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return Usage()
+    if not isinstance(usage, dict):
+        return Usage()
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    out_details = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
+    return Usage(
+        prompt_tokens=int(prompt),
+        cached_tokens=int(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0,
+        completion_tokens=int(usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0),
+        reasoning_tokens=int(out_details.get("reasoning_tokens", 0) or 0) if isinstance(out_details, dict) else 0,
+    )
+
+
+def outcome_of(result: ResultMessage, attempt: int, max_attempts: int) -> RequestChange:
+    """How ``result`` (of delivery ``attempt``, 1-based) changes its request row.
+
+    An HTTP answer → ``succeeded`` (2xx, with its usage) or ``failed`` (its body kept, as JSON);
+    ``request_id`` is the body's ``id`` when a string, else the result's id. No answer: past the
+    deadline → ``expired`` / ``batch_expired``; cancelled → ``cancelled`` / ``batch_cancelled``; a
+    retryable code before ``max_attempts`` → back to ``pending``; else ``failed`` with
+    ``request_timeout`` (retryable codes) or ``batch_failed`` and the result's message.
+    """
+    if not result.error_code and result.status_code:
+        body = json_body(result.payload, result.status_code)
+        ok = 200 <= result.status_code < 300
+        try:
+            request_id = orjson.loads(body).get("id")
+        except (orjson.JSONDecodeError, AttributeError):
+            request_id = None
+        return RequestChange(RequestState.SUCCEEDED if ok else RequestState.FAILED,
+                             status_code=result.status_code,
+                             request_id=request_id if isinstance(request_id, str) else result.id,
+                             response_body=body, usage=usage_of(body) if ok else Usage())
+    if result.error_code == ErrorCode.DEADLINE_EXCEEDED:
+        return EXPIRED
+    if result.error_code == ErrorCode.CANCELLED:
+        return CANCELLED
+    if result.error_code in RETRYABLE and attempt < max_attempts:
+        return HANDED_BACK
+    return RequestChange(RequestState.FAILED,
+                         error_code="request_timeout" if result.error_code in RETRYABLE else "batch_failed",
+                         error_message=result.error_message or None)
