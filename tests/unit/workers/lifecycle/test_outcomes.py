@@ -1,0 +1,89 @@
+"""How a processor's result changes its request row (``workers.lifecycle.outcomes``), no database."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from batch_gateway.store.states import RequestState
+from common.contracts.queue import ErrorCode, ResultMessage
+from workers.lifecycle.outcomes import RequestChange, Usage, outcome_of, usage_of
+
+CHAT = {"id": "chatcmpl-1", "object": "chat.completion",
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
+                  "prompt_tokens_details": {"cached_tokens": 3},
+                  "completion_tokens_details": {"reasoning_tokens": 2}}}
+
+
+def _result(**fields) -> ResultMessage:
+    return ResultMessage(id="res-1", **fields)
+
+
+def test_usage_of_chat_completions_and_responses_bodies():
+    assert usage_of(orjson.dumps(CHAT)) == Usage(prompt_tokens=10, cached_tokens=3, completion_tokens=5,
+                                                 reasoning_tokens=2)
+    responses = {"usage": {"input_tokens": 7, "output_tokens": 4, "input_tokens_details": {"cached_tokens": 1},
+                           "output_tokens_details": {"reasoning_tokens": 2}}}
+    assert usage_of(orjson.dumps(responses)) == Usage(7, 1, 4, 2)
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"usage": [1]}', b'{"usage": null}', b"{}",
+                                  b'{"usage": {"prompt_tokens": null, "completion_tokens": null}}'])
+def test_usage_of_without_usable_counts_is_zero(body):
+    assert usage_of(body) == Usage(0, 0, 0, 0)
+
+
+def test_usage_details_that_are_not_objects_count_zero():
+    body = orjson.dumps({"usage": {"prompt_tokens": 4, "completion_tokens": 1, "prompt_tokens_details": 9,
+                                   "completion_tokens_details": "x"}})
+    assert usage_of(body) == Usage(4, 0, 1, 0)
+
+
+def test_a_2xx_answer_succeeds_with_its_usage_and_the_body_id():
+    change = outcome_of(_result(status_code=200, payload=orjson.dumps(CHAT).decode()), 1, 3)
+    assert change == RequestChange(RequestState.SUCCEEDED, status_code=200, request_id="chatcmpl-1",
+                                   response_body=orjson.dumps(CHAT), usage=Usage(10, 3, 5, 2))
+    assert change.columns() == {"state": "succeeded", "status_code": 200, "request_id": "chatcmpl-1",
+                                "response_body": orjson.dumps(CHAT), "error_code": None, "error_message": None,
+                                "prompt_tokens": 10, "cached_tokens": 3, "completion_tokens": 5,
+                                "reasoning_tokens": 2}
+
+
+def test_an_http_error_fails_keeping_its_body_and_counting_no_usage():
+    body = {"error": {"message": "no such model", "type": "invalid_request_error"}, "usage": {"prompt_tokens": 9}}
+    change = outcome_of(_result(status_code=404, payload=orjson.dumps(body).decode()), 1, 3)
+    assert change.state == RequestState.FAILED
+    assert (change.status_code, change.request_id, change.error_code) == (404, "res-1", None)  # no body id
+    assert orjson.loads(change.response_body) == body
+    assert change.usage == Usage()
+
+
+def test_a_non_json_answer_is_wrapped_and_a_non_string_id_is_not_used():
+    change = outcome_of(_result(status_code=502, payload="<html>bad gateway</html>"), 1, 3)
+    assert change.state == RequestState.FAILED and change.request_id == "res-1"
+    assert orjson.loads(change.response_body)["error"]["type"] == "server_error"
+    change = outcome_of(_result(status_code=200, payload='{"id": 7}'), 1, 3)
+    assert change.state == RequestState.SUCCEEDED and change.request_id == "res-1"
+
+
+def test_deadline_and_cancel_end_the_request_whatever_the_attempt():
+    for attempt in (1, 3):
+        expired = outcome_of(_result(error_code=ErrorCode.DEADLINE_EXCEEDED), attempt, 3)
+        assert (expired.state, expired.error_code) == (RequestState.EXPIRED, "batch_expired")
+        cancelled = outcome_of(_result(error_code=ErrorCode.CANCELLED), attempt, 3)
+        assert (cancelled.state, cancelled.error_code) == (RequestState.CANCELLED, "batch_cancelled")
+
+
+@pytest.mark.parametrize("code", [ErrorCode.GATE_DROPPED, ErrorCode.GATE_ERROR, ErrorCode.INFERENCE_ERROR])
+def test_retryable_codes_hand_back_until_the_last_attempt(code):
+    assert outcome_of(_result(error_code=code), 1, 3) == RequestChange(RequestState.PENDING)
+    assert outcome_of(_result(error_code=code), 2, 3).state == RequestState.PENDING
+    last = outcome_of(_result(error_code=code, error_message="engine gone"), 3, 3)
+    assert (last.state, last.error_code, last.error_message) == (RequestState.FAILED, "request_timeout",
+                                                                 "engine gone")
+
+
+def test_other_codes_fail_the_request_at_once():
+    change = outcome_of(_result(error_code=ErrorCode.INVALID_REQUEST, error_message=""), 1, 3)
+    assert (change.state, change.error_code, change.error_message) == (RequestState.FAILED, "batch_failed", None)
+    assert change.columns()["prompt_tokens"] == 0
