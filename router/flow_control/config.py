@@ -109,8 +109,8 @@ class FlowControlConfig(BaseModel):
     bands: list[BandConfig] = Field(default_factory=default_bands, min_length=1)
     default_objective: str = "interactive"
     eviction: bool = False
-    eviction_interval_s: float = Field(1.0, ge=0)
-    poll_interval_s: float = Field(0.01, gt=0)
+    eviction_interval_s: float = Field(default=1.0, ge=0)
+    poll_interval_s: float = Field(default=0.01, gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> FlowControlConfig:
