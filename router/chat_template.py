@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -123,7 +123,7 @@ class JinjaChatTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-                   separators: Sequence[str] | None = None, sort_keys: bool = False) -> str:
+                   separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
             return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 

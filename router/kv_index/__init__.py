@@ -1,4 +1,4 @@
-"""The router's precise prefix index, fed by the engines' KV events (ROUTING.md, issue 4).
+"""The router's precise prefix index, fed by the engines' KV events (ROUTING.md).
 
 * :mod:`router.kv_index.events` — decode one ZMQ message of vLLM's KV events (both layouts).
 * :mod:`router.kv_index.index` — :class:`KVBlockIndex`: our block keys → endpoints and tiers

@@ -97,7 +97,7 @@ class ResponseComplete(Protocol):
 
 
 class PrefixIndex(Protocol):
-    """The precise prefix index (fed by the engines' KV events; built by issue 4, not here).
+    """The precise prefix index (fed by the engines' KV events; built by :mod:`router.kv_index`, not here).
 
     Keys are :mod:`router.scheduling.hashing` block keys of the prompt, block 0 first.
     """
