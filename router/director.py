@@ -38,6 +38,7 @@ from router.pool import EndpointPool, InFlight
 from router.scheduling.errors import NoCandidatesError
 from router.scheduling.scheduler import Scheduler, SchedulingResult
 from router.scheduling.types import Endpoint, LLMRequest, PrefixMatchInfo
+from router.tokenizers import Prompt, to_llm_request
 
 #: Drop reason header (shared/contracts/queue-and-headers.md).
 DROPPED_REASON = "x-llm-d-request-dropped-reason"
@@ -112,11 +113,11 @@ class Attempt:
 
     __slots__ = ("task", "pool", "endpoint", "share", "reason", "sent", "cached_tokens")
 
-    def __init__(self, task: asyncio.Task[object], pool: EndpointPool, endpoint: Endpoint, uncached_tokens: int) -> None:
+    def __init__(self, task: asyncio.Task[object], pool: EndpointPool, share: InFlight) -> None:
         self.task = task
         self.pool = pool
-        self.endpoint = endpoint
-        self.share: InFlight = pool.started(endpoint, uncached_tokens)
+        self.endpoint: Endpoint = share.endpoint
+        self.share = share
         self.reason: str | None = None
         self.sent = False
         self.cached_tokens: int | None = None
@@ -126,6 +127,10 @@ class Attempt:
         if not self.sent:
             self.sent = True
             self.pool.first_chunk(self.share)
+
+    def engine_failed(self, error: str) -> None:
+        """Talking to the endpoint failed: the pool checks its health now."""
+        self.pool.report_failure(self.endpoint.name, error)
 
     def interrupt(self, reason: str) -> None:
         """Cancel the request's task, remembering why (first reason wins)."""
@@ -208,6 +213,12 @@ class Director:
         name = parsed.objective or self.default_objective
         return name if name in self.objective_priority else self.default_objective
 
+    def llm_request(self, parsed: ParsedRequest, prompt: Prompt, objective: str) -> LLMRequest:
+        """What the scheduler reads of the request, with its objective's priority."""
+        llm_request = to_llm_request(parsed, prompt, self.objective_priority[objective])
+        llm_request.objective = objective
+        return llm_request
+
     def precheck(self, parsed: ParsedRequest) -> Rejected | None:
         """Refuse at once what no endpoint could serve."""
         if not self.pool.candidates():
@@ -280,7 +291,8 @@ class Director:
             if result is None:
                 return forwarder.rejected(NO_ENDPOINT)
             tried.add(result.endpoint.name)
-            attempt = Attempt(task, self.pool, result.endpoint, _uncached_tokens(result, llm_request))
+            share = self.pool.started(result.endpoint, _uncached_tokens(result, llm_request))
+            attempt = Attempt(task, self.pool, share)
             self._attempts.setdefault(result.endpoint.name, set()).add(attempt)
             retry = number == 0
             try:

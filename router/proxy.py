@@ -32,7 +32,7 @@ from router.director import DROPPED_REASON, NO_ENDPOINT, Attempt, Director, Inte
 from router.observer import RouterObserver
 from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
 from router.scheduling.types import LLMRequest
-from router.tokenizers import PromptTokenizer, to_llm_request
+from router.tokenizers import PromptTokenizer
 from router.usage import SSE_TAIL_BYTES, cached_tokens_from_json, cached_tokens_from_sse_tail
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,7 @@ class Proxy:
         if refused is not None:
             return rejected_response(refused)
         prompt = await self.tokenizer.prompt(parsed)
-        llm_request = to_llm_request(parsed, prompt, director.objective_priority[objective])
-        llm_request.objective = objective
+        llm_request = director.llm_request(parsed, prompt, objective)
         admitted = await director.admit(parsed, objective, received)
         if isinstance(admitted, Rejected):
             return rejected_response(admitted)
@@ -170,7 +169,7 @@ class _Exchange:
                                                 timeout=proxy.timeout)
         except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
             observer.upstream_error("connect")
-            proxy.director.pool.report_failure(name, f"{type(exc).__name__}: {exc}")
+            attempt.engine_failed(f"{type(exc).__name__}: {exc}")
             return None if retry else rejected_response(NO_ENDPOINT)  # refused: nothing ran, may be retried
         complete = False
         try:
@@ -181,7 +180,7 @@ class _Exchange:
             return self.response  # the client closed its connection: not the engine's fault
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             observer.upstream_error("stream")
-            proxy.director.pool.report_failure(name, f"{type(exc).__name__}: {exc}")
+            attempt.engine_failed(f"{type(exc).__name__}: {exc}")
             return await self._end(502, f"the inference endpoint failed mid-response: {type(exc).__name__}",
                                    "upstream_failed")
         finally:
