@@ -155,7 +155,7 @@ def ingest_command(lines: int, megabytes: int, json_path: Path | None, data_dir:
                 time.sleep(0.02)
             validate_s = time.perf_counter() - start
             gateway_growth, worker_growth = gateway_mem.growth_mb(), worker_mem.growth_mb()
-            if batch.status != "in_progress" or batch.request_counts.total != lines:
+            if batch.status != "in_progress" or batch.request_counts is None or batch.request_counts.total != lines:
                 raise click.ClickException(f"validation ended {batch.status}: {batch.errors}")
             finalize_s, output_bytes = _finalize(stack, batch.id)
 
