@@ -36,8 +36,8 @@ from router.observer import RouterObserver
 from router.parsing import ParsedRequest
 from router.pool import EndpointPool, InFlight
 from router.scheduling.errors import NoCandidatesError
-from router.scheduling.scheduler import Scheduler, SchedulingResult
-from router.scheduling.types import Endpoint, LLMRequest, PrefixMatchInfo
+from router.scheduling.scheduler import Scheduler
+from router.scheduling.types import Endpoint, LLMRequest, PrefixMatchInfo, SchedulingResult
 from router.tokenizers import Prompt, to_llm_request
 
 #: Drop reason header (shared/contracts/queue-and-headers.md).

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from router.scheduling.types import CycleState, Endpoint, LLMRequest
 
 if TYPE_CHECKING:
-    from router.scheduling.scheduler import SchedulingResult
+    from router.scheduling.types import SchedulingResult
 
 #: Cache tier names as in vLLM's KV events ``medium`` field, lower-cased.
 TIER_GPU = "gpu"
