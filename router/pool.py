@@ -8,9 +8,14 @@ selector (:class:`KubernetesSource`). For each endpoint the pool runs
   use, ``cache_config_info``) and stamps ``metrics_updated_at``; a failed scrape leaves the stamp
   alone, so the metrics go stale and the saturation detector counts the endpoint as saturated;
 * a **health check** every ``health_interval_s`` (``GET /health``): ``unhealthy_after`` failures in
-  a row (or one failed connection reported by the proxy and confirmed by a check) take it out of
-  the candidate set and call the ``on_down`` hooks, which drop its in-flight counters and its
-  prefix-index entries (RELIABILITY.md F9). A healthy answer brings it back (F10).
+  a row (or one failed connection reported by the request path and confirmed by a check) take it
+  out of the candidate set, reset its in-flight counters and call the ``on_down`` hooks, which drop
+  its prefix-index entries and interrupt its requests (RELIABILITY.md F9). A healthy answer brings
+  it back (F10).
+
+The in-flight counters on each :class:`~router.scheduling.types.Endpoint` (requests forwarded,
+uncached prompt tokens still to prefill) change only through :meth:`EndpointPool.started`,
+:meth:`EndpointPool.first_chunk` and :meth:`EndpointPool.finished`.
 
 Endpoints are named by their base URL, the key of every per-endpoint index.
 """
@@ -280,9 +285,9 @@ class EndpointPool:
             share.counted = False  # the counters were reset since: this share is gone
         return share.counted
 
-    # ---- reports from the proxy -----------------------------------------------------------------
+    # ---- reports from the request path ---------------------------------------------------------
     def report_failure(self, name: str, error: str) -> None:
-        """The proxy could not reach ``name``: check its health now (a failed check takes it out)."""
+        """A request could not reach ``name``: check its health now (a failed check takes it out)."""
         state = self.states.get(name)
         if state is None:
             return

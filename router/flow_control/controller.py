@@ -1,4 +1,4 @@
-"""The asyncio facade the router's proxy uses: admit a request, wait for dispatch, release it.
+"""The asyncio facade the router's director uses: admit a request, wait for dispatch, release it.
 
 ::
 

@@ -6,7 +6,7 @@
     ├── ConfigError                  invalid flow-control config (also a ValueError); start-up only
     └── RequestDropped               the router will not run this request now: 429 (or 503) with a reason
 
-``RequestDropped`` carries what the proxy answers (contracts/queue-and-headers.md): the HTTP status,
+``RequestDropped`` carries what the router answers (contracts/queue-and-headers.md): the HTTP status,
 ``Retry-After`` and ``x-llm-d-request-dropped-reason`` headers, and OpenAI's error envelope.
 """
 
