@@ -21,6 +21,9 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
 
 On stop (SIGTERM in the CLI): the reader stops, held work not started is handed back at once, work
 in flight may finish within ``grace_s`` and is then cancelled and handed back.
+
+Every count, series and per-request log line goes through the observer
+(:class:`~async_processor.observer.ProcessorObserver`); the control flow here keeps no books.
 """
 
 from __future__ import annotations
@@ -405,7 +408,6 @@ class Processor:
             self._wake.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closed.wait(), self.settings.saturation_poll_s)
-
 
     async def _cancel_watcher(self) -> None:
         """Drop held work of batches cancelled after it was admitted (answered ``CANCELLED``)."""

@@ -67,10 +67,6 @@ class MemoryBackend:
         """Set the cancel marker of ``batch_id``."""
         self.claims.cancelled.add(batch_id)
 
-    def pending(self, lane: str) -> int:
-        """Messages of ``lane`` not yet acknowledged (held or waiting)."""
-        return len(self.lanes.get(lane, {}))
-
     async def receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
         """Oldest deliverable entries first (new ones and lapsed leases alike)."""
         now = self.clock()
