@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -42,13 +42,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from async_processor.gates import AllGates
-from async_processor.observer import Shed, outcome_of
+from async_processor.lanes import Work
+from async_processor.observer import Observed, Shed, outcome_of
 from async_processor.retry import RETRYABLE_STATUSES
 from common.contracts.queue import ErrorCode, RequestMessage, ResultMessage
-
-if TYPE_CHECKING:
-    from async_processor.lanes import Work
-    from async_processor.processor import Processor
 
 log = logging.getLogger("async_processor.processor")
 """The per-request lines keep the logger name they always had (the pump's)."""
@@ -69,7 +66,7 @@ def status_class(status: int) -> str:
 class _ProcessorCollector(Collector):
     """Reads the lane buffer, in-flight attempts and gate counts of one processor at scrape time."""
 
-    def __init__(self, processor: Processor):
+    def __init__(self, processor: Observed):
         self.processor = processor
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -135,7 +132,7 @@ class ProcessorMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def watch(self, processor: Processor) -> None:
+    def watch(self, processor: Observed) -> None:
         """Export ``processor``'s held and in-flight requests and gate decisions (replacing a
         processor watched before)."""
         if self._watched is not None:

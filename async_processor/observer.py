@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
+from async_processor.gates import Gate
+from async_processor.lanes import LaneBuffer, Work
 from common.contracts.queue import ResultMessage
-
-if TYPE_CHECKING:
-    from async_processor.lanes import Work
-    from async_processor.processor import Processor
 
 
 class Shed(enum.StrEnum):
@@ -38,6 +37,25 @@ def outcome_of(status: int) -> str:
     return "success" if status < 400 else "http_error"
 
 
+class Observed(Protocol):
+    """What an observer reads of the processor it watches (at scrape time)."""
+
+    @property
+    def buffer(self) -> LaneBuffer:
+        """The lane buffer: held work per lane."""
+        ...
+
+    @property
+    def in_flight(self) -> Mapping[Work, Any]:
+        """Work whose HTTP attempt runs now."""
+        ...
+
+    @property
+    def gate(self) -> Gate:
+        """The gate work passes before dispatch."""
+        ...
+
+
 class ProcessorObserver(Protocol):
     """What a :class:`~async_processor.processor.Processor` reports, as it happens. ``lane`` is
     the lane the message came from; statuses are HTTP statuses, 0 for no answer."""
@@ -45,7 +63,7 @@ class ProcessorObserver(Protocol):
     counts: Counter[str]
     """The tally of outcomes (see the module docstring)."""
 
-    def watch(self, processor: Processor) -> None:
+    def watch(self, processor: Observed) -> None:
         """``processor`` reports here from now on (scrape-time readings of its buffer and gates)."""
         ...
 
