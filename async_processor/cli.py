@@ -14,8 +14,8 @@ import time
 import click
 import orjson
 
-from common.contracts.queue import LANE_PRIORITIES, RequestMessage, encode_result
 from async_processor.settings import build_settings
+from common.contracts.queue import LANE_PRIORITIES, RequestMessage, encode_result
 
 _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
 
@@ -145,7 +145,10 @@ def enqueue_command(lane: str, payload: str, endpoint: str, request_id: str | No
             finally:
                 await reader.close()
                 if private:
-                    await backend.client.delete(result_queue)
+                    from async_processor.backends.redis_streams import RedisStreamsBackend
+
+                    if isinstance(backend, RedisStreamsBackend):
+                        await backend.client.delete(result_queue)
         finally:
             await backend.close()
 

@@ -1,5 +1,7 @@
-"""Prometheus metrics of the processor, served at ``/metrics`` (and ``/health``) on
-``BACKFILL_PROCESSOR_METRICS_PORT`` / ``BACKFILL_METRICS_PORT`` by :func:`start_metrics_server`.
+"""The processor's observer (:class:`~async_processor.observer.ProcessorObserver`): Prometheus
+metrics, served at ``/metrics`` (and ``/health``) on ``BACKFILL_PROCESSOR_METRICS_PORT`` /
+``BACKFILL_METRICS_PORT`` by :func:`start_metrics_server`, the outcome tally ``counts`` and the
+per-request debug lines (``dispatch``, ``result``; logger ``async_processor.processor``).
 
 Series (docs/observability.md has the full list; tenant ids are never labels):
 
@@ -28,8 +30,10 @@ exists before its first event.
 
 from __future__ import annotations
 
+import collections
+import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -37,16 +41,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from common.contracts.queue import ErrorCode, ResultMessage
+from async_processor.gates import AllGates
+from async_processor.lanes import Work
+from async_processor.observer import Observed, Shed, outcome_of
 from async_processor.retry import RETRYABLE_STATUSES
+from common.contracts.queue import ErrorCode, RequestMessage, ResultMessage
 
-if TYPE_CHECKING:
-    from async_processor.processor import Processor
+log = logging.getLogger("async_processor.processor")
+"""The per-request lines keep the logger name they always had (the pump's)."""
 
 ROUTER_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 """10 ms (a quick 429) to 600 s (``request_timeout_s``' default): a long generation takes minutes."""
 
-SHED_REASONS = ("deadline_exceeded", "cancelled", "dead_lettered", "invalid")
+SHED_REASONS = tuple(str(reason) for reason in Shed)
 RETRY_REASONS = (*(str(s) for s in sorted(RETRYABLE_STATUSES)), "no_answer")
 RESULT_CODES = ("none", *(str(code) for code in ErrorCode))
 
@@ -59,7 +66,7 @@ def status_class(status: int) -> str:
 class _ProcessorCollector(Collector):
     """Reads the lane buffer, in-flight attempts and gate counts of one processor at scrape time."""
 
-    def __init__(self, processor: Processor):
+    def __init__(self, processor: Observed):
         self.processor = processor
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -75,7 +82,7 @@ class _ProcessorCollector(Collector):
         yield held
         yield in_flight
         gate = p.gate
-        if hasattr(gate, "denied"):
+        if isinstance(gate, AllGates):
             decisions = CounterMetricFamily("backfill_processor_gate_decisions", "Gate decisions: deny when a "
                                             "gate starts holding a request back, admit when every gate let it "
                                             "through.", labels=["gate", "decision"])
@@ -88,9 +95,18 @@ class _ProcessorCollector(Collector):
         return []
 
 
+def log_fields(action: str, message: RequestMessage | ResultMessage, **fields: Any) -> dict[str, Any]:
+    """``extra`` of a per-request log record: the action, the request id and the ids in metadata."""
+    meta = message.metadata
+    return {"action": action, "request_id": message.id, "batch_id": meta.get("batch_id"),
+            "custom_id": meta.get("custom_id"), "tenant": meta.get("tenant"),
+            "traceparent": meta.get("traceparent"), **fields}
+
+
 class ProcessorMetrics:
-    """The processor's series on ``registry`` (a new one by default); :meth:`watch` adds the
-    scrape-time series of one :class:`~async_processor.processor.Processor`."""
+    """The processor's observer: its series on ``registry`` (a new one by default), the tally
+    ``counts`` and the debug lines; :meth:`watch` adds the scrape-time series of one
+    :class:`~async_processor.processor.Processor`."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
@@ -105,17 +121,18 @@ class ProcessorMetrics:
                                 "retryable answer.", ["lane", "reason"], registry=r)
         self._shed = Counter("backfill_processor_shed", "Requests ended without (another) dispatch.",
                              ["lane", "reason"], registry=r)
-        self._children: dict[tuple, object] = {}
+        self._children: dict[tuple, Any] = {}
         self._watched: _ProcessorCollector | None = None
+        self.counts: collections.Counter[str] = collections.Counter()
 
-    def _child(self, metric, *labels: str):
+    def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def watch(self, processor: Processor) -> None:
+    def watch(self, processor: Observed) -> None:
         """Export ``processor``'s held and in-flight requests and gate decisions (replacing a
         processor watched before)."""
         if self._watched is not None:
@@ -129,25 +146,46 @@ class ProcessorMetrics:
                 for value in values:
                     self._child(metric, lane, value)
 
-    def dispatched(self, lane: str) -> None:
+    def dispatched(self, work: Work) -> None:
         """An HTTP attempt started."""
-        self._child(self._dispatched, lane).inc()
+        self._child(self._dispatched, work.lane).inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("dispatch", extra=log_fields("dispatch", work.request, lane=work.lane,
+                                                   attempt=work.attempts + 1))
 
-    def answered(self, lane: str, status: int, seconds: float) -> None:
+    def attempt_finished(self, lane: str, status: int, seconds: float) -> None:
         """An attempt ended after ``seconds`` with HTTP ``status`` (0: no answer)."""
         self._child(self._latency, lane, status_class(status)).observe(seconds)
 
+    def answered(self, lane: str, status: int) -> None:
+        """A request ends with its last answer: tallied as ``success``, ``http_error`` or
+        ``inference_error``."""
+        self.counts[outcome_of(status)] += 1
+
     def retried(self, lane: str, status: int) -> None:
         """An attempt answered ``status`` (0: none) goes back with a backoff."""
+        self.counts["retried"] += 1
         self._child(self._retries, lane, str(status) if status else "no_answer").inc()
 
-    def shed(self, lane: str, reason: str, count: int = 1) -> None:
-        """``count`` requests end without (another) dispatch for ``reason``."""
-        self._child(self._shed, lane, reason).inc(count)
+    def shed(self, lane: str, reason: Shed) -> None:
+        """A request ends without (another) dispatch for ``reason``."""
+        self.counts[str(reason)] += 1
+        self._child(self._shed, lane, str(reason)).inc()
+
+    def duplicate(self, lane: str) -> None:
+        """A duplicate of a finished id is acknowledged (tallied only)."""
+        self.counts["duplicate"] += 1
+
+    def handed_back(self, count: int) -> None:
+        """``count`` messages go back to the queue (tallied only)."""
+        self.counts["handed_back"] += count
 
     def result(self, lane: str, result: ResultMessage) -> None:
         """A terminal result is handed to the settler."""
         self._child(self._results, lane, result.error_code or "none").inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("result", extra=log_fields("result", result, lane=lane, status=result.status_code,
+                                                 error_code=result.error_code or None))
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""

@@ -21,6 +21,9 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
 
 On stop (SIGTERM in the CLI): the reader stops, held work not started is handed back at once, work
 in flight may finish within ``grace_s`` and is then cancelled and handed back.
+
+Every count, series and per-request log line goes through the observer
+(:class:`~async_processor.observer.ProcessorObserver`); the control flow here keeps no books.
 """
 
 from __future__ import annotations
@@ -38,11 +41,16 @@ import orjson
 
 from async_processor.backends.base import Admission, Delivery, QueueBackend
 from async_processor.errors import ProcessorError
-from common.contracts.queue import InvalidMessage
 from async_processor.gates import AllGates, ConcurrencyGate, Gate, SaturationGate, TenantQuotaGate
 from async_processor.lanes import LaneBuffer, Work
+from async_processor.metrics import ProcessorMetrics
+from async_processor.observer import ProcessorObserver, Shed
+from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
+from async_processor.router_client import NoAnswer, RouterClient, make_router_client
+from async_processor.settings import ProcessorSettings
 from common.contracts.queue import (
     ErrorCode,
+    InvalidMessage,
     RequestMessage,
     ResultMessage,
     decode_request,
@@ -50,16 +58,12 @@ from common.contracts.queue import (
     http_result,
     invalid_request_result,
 )
-from async_processor.metrics import ProcessorMetrics
-from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
-from async_processor.router_client import NoAnswer, RouterClient, make_router_client
+
+log = logging.getLogger(__name__)
 
 NOT_NOW = frozenset({429, 503})
 """The router's "not now" answers: retried until the deadline, never counted against
 ``max_error_attempts``."""
-from async_processor.settings import ProcessorSettings
-
-log = logging.getLogger(__name__)
 
 #: Header names sent to the router (llm-d names; shared/contracts/queue-and-headers.md).
 OBJECTIVE_HEADER = "x-llm-d-inference-objective"
@@ -101,14 +105,6 @@ def request_headers(request: RequestMessage, lane: str, time_left_s: float) -> d
     return headers
 
 
-def _log_fields(action: str, message: RequestMessage | ResultMessage, **fields) -> dict:
-    """``extra`` of a per-request log record: the action, the request id and the ids in metadata."""
-    meta = message.metadata
-    return {"action": action, "request_id": message.id, "batch_id": meta.get("batch_id"),
-            "custom_id": meta.get("custom_id"), "tenant": meta.get("tenant"),
-            "traceparent": meta.get("traceparent"), **fields}
-
-
 def build_gates(settings: ProcessorSettings, client: RouterClient) -> AllGates:
     """The gates the settings ask for: always the fixed concurrency; a tenant quota when
     ``tenant_limit`` > 0; the router saturation gate when ``saturation_gate``."""
@@ -122,13 +118,13 @@ def build_gates(settings: ProcessorSettings, client: RouterClient) -> AllGates:
 
 class Processor:
     """See the module docstring. ``backend`` must be started; ``http`` (the router client, see
-    :mod:`async_processor.router_client`) and ``backend`` belong to the caller. ``counts``: outcome label -> number (``success``, ``http_error``, ``retried``,
-    ``deadline_exceeded``, ``invalid``, ``dead_lettered``, ``duplicate``, ``handed_back``,
-    ``cancelled``). ``metrics``: where the Prometheus series go (a private registry by default)."""
+    :mod:`async_processor.router_client`) and ``backend`` belong to the caller. ``metrics``: the
+    observer every count, series and per-request log line goes to
+    (:class:`~async_processor.metrics.ProcessorMetrics` on a private registry by default)."""
 
     def __init__(self, settings: ProcessorSettings, backend: QueueBackend, http: RouterClient,
                  gate: Gate | None = None, *, rng: random.Random | None = None,
-                 metrics: ProcessorMetrics | None = None):
+                 metrics: ProcessorObserver | None = None):
         self.settings = settings
         self.backend = backend
         self.http = http
@@ -137,14 +133,19 @@ class Processor:
         self.buffer = LaneBuffer(settings.lanes, settings.buffer_size)
         self.router_url = settings.router_url.rstrip("/")
         self.in_flight: dict[Work, asyncio.Task] = {}
-        self.counts: Counter[str] = Counter()
         self._settle: list[_Settle] = []
         self._settle_event = asyncio.Event()
         self._wake = asyncio.Event()
         self._stopping = False
         self._closed = asyncio.Event()
-        self.metrics = metrics or ProcessorMetrics()
+        self.metrics: ProcessorObserver = metrics or ProcessorMetrics()
         self.metrics.watch(self)
+
+    @property
+    def counts(self) -> Counter[str]:
+        """The observer's tally of outcomes (``success``, ``http_error``, ``retried``, ``duplicate``, …;
+        see :mod:`async_processor.observer`)."""
+        return self.metrics.counts
 
     # ---------------------------------------------------------------- run
 
@@ -179,7 +180,7 @@ class Processor:
     async def _hand_back(self, works: Sequence[Work]) -> None:
         if not works:
             return
-        self.counts["handed_back"] += len(works)
+        self.metrics.handed_back(len(works))
         try:
             await self.backend.release([w.request.id for w in works])
             await self.backend.nack([w.delivery for w in works])
@@ -216,15 +217,13 @@ class Processor:
             try:
                 request = decode_request(d.body)
             except InvalidMessage as exc:
-                self.counts["invalid"] += 1
-                self.metrics.shed(d.lane, "invalid")
+                self.metrics.shed(d.lane, Shed.INVALID)
                 self._add_settle(_Settle(d, invalid_request_result(exc), exc.result_queue_name, "",
                                          dead_reason=ErrorCode.INVALID_REQUEST))
                 continue
             d.request_id = request.id
             if d.delivery_count > settings.max_deliveries:
-                self.counts["dead_lettered"] += 1
-                self.metrics.shed(d.lane, "dead_lettered")
+                self.metrics.shed(d.lane, Shed.DEAD_LETTERED)
                 message = f"dead-lettered after {d.delivery_count - 1} deliveries"
                 self._add_settle(_Settle(d, error_result(request.id, ErrorCode.INFERENCE_ERROR, message,
                                                          request.metadata),
@@ -239,18 +238,17 @@ class Processor:
             if admission is Admission.NEW:
                 self.buffer.push(Work(request, d, d.lane))
             elif admission is Admission.DONE:
-                self.counts["duplicate"] += 1
+                self.metrics.duplicate(d.lane)
                 self._add_settle(_Settle(d, None))
             elif admission is Admission.CANCELLED:
-                self.counts["cancelled"] += 1
-                self.metrics.shed(d.lane, "cancelled")
+                self.metrics.shed(d.lane, Shed.CANCELLED)
                 self._add_settle(_Settle(d, error_result(request.id, ErrorCode.CANCELLED, "batch cancelled",
                                                          request.metadata), request.result_queue_name,
                                          request.id))
             else:
                 running.append(d)
         if running:
-            self.counts["handed_back"] += len(running)
+            self.metrics.handed_back(len(running))
             await self.backend.nack(running, delay_s=settings.lease_s / 2)
         self._wake.set()
 
@@ -261,16 +259,10 @@ class Processor:
             for work in self.buffer.expired(time.time()):
                 self._finish(work, self._deadline_result(work))
             now = time.monotonic()
-            while True:
-                work = self.buffer.pop(now, self.gate.admits)
-                if work is None:
-                    break
-                self.gate.acquire(work)
-                self.metrics.dispatched(work.lane)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("dispatch", extra=_log_fields("dispatch", work.request, lane=work.lane,
-                                                            attempt=work.attempts + 1))
-                self.in_flight[work] = asyncio.create_task(self._attempt(work))
+            while (ready := self.buffer.pop(now, self.gate.admits)) is not None:
+                self.gate.acquire(ready)
+                self.metrics.dispatched(ready)
+                self.in_flight[ready] = asyncio.create_task(self._attempt(ready))
             next_at = self.buffer.next_ready_at(now)
             timeout = 0.1 if next_at is None else max(0.001, min(0.1, next_at - now))
             self._wake.clear()
@@ -280,8 +272,7 @@ class Processor:
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
     def _deadline_result(self, work: Work) -> ResultMessage:
-        self.counts["deadline_exceeded"] += 1
-        self.metrics.shed(work.lane, "deadline_exceeded")
+        self.metrics.shed(work.lane, Shed.DEADLINE_EXCEEDED)
         if work.last_status:  # retries ran out: the last answer is the most useful result
             return http_result(work.request, work.last_status, work.last_body)
         return error_result(work.request.id, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded",
@@ -311,14 +302,14 @@ class Processor:
                 retry_after = parse_retry_after(answer.retry_after)
             except NoAnswer as exc:
                 body = str(exc).encode()
-            self.metrics.answered(work.lane, status, time.monotonic() - started)
+            self.metrics.attempt_finished(work.lane, status, time.monotonic() - started)
             if not is_retryable(status):
-                self.counts["success" if status < 400 else "http_error"] += 1
+                self.metrics.answered(work.lane, status)
                 self._finish(work, http_result(request, status, body))
                 return
             if status not in NOT_NOW and work.attempts >= self.settings.max_error_attempts:
                 # a poison request: end it with its last answer instead of retrying to the deadline
-                self.counts["http_error" if status else "inference_error"] += 1
+                self.metrics.answered(work.lane, status)
                 self._finish(work, http_result(request, status, body) if status else error_result(
                     request.id, ErrorCode.INFERENCE_ERROR, f"no answer after {work.attempts} attempts: "
                     f"{body.decode(errors='replace')}", request.metadata))
@@ -330,15 +321,13 @@ class Processor:
                                   rng=self.rng)
             if delay is None:
                 if not status:
-                    self.counts["deadline_exceeded"] += 1
-                    self.metrics.shed(work.lane, "deadline_exceeded")
+                    self.metrics.shed(work.lane, Shed.DEADLINE_EXCEEDED)
                     self._finish(work, error_result(request.id, ErrorCode.INFERENCE_ERROR,
                                                     f"no answer before the deadline: {body.decode()}",
                                                     request.metadata))
                 else:
                     self._finish(work, self._deadline_result(work))
                 return
-            self.counts["retried"] += 1
             self.metrics.retried(work.lane, status)
             self.gate.release(work)
             released = True
@@ -357,10 +346,6 @@ class Processor:
     def _add_settle(self, item: _Settle) -> None:
         if item.result is not None:
             self.metrics.result(item.delivery.lane, item.result)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("result", extra=_log_fields("result", item.result, lane=item.delivery.lane,
-                                                      status=item.result.status_code,
-                                                      error_code=item.result.error_code or None))
         self._settle.append(item)
         self._settle_event.set()
 
@@ -424,7 +409,6 @@ class Processor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closed.wait(), self.settings.saturation_poll_s)
 
-
     async def _cancel_watcher(self) -> None:
         """Drop held work of batches cancelled after it was admitted (answered ``CANCELLED``)."""
         while not self._closed.is_set():
@@ -441,8 +425,7 @@ class Processor:
                 continue
             for work in self.buffer.remove_batches(cancelled):
                 request = work.request
-                self.counts["cancelled"] += 1
-                self.metrics.shed(work.lane, "cancelled")
+                self.metrics.shed(work.lane, Shed.CANCELLED)
                 self._add_settle(_Settle(work.delivery, error_result(request.id, ErrorCode.CANCELLED, "batch cancelled",
                                                                      request.metadata),
                                          request.result_queue_name, request.id))
@@ -464,7 +447,7 @@ async def _finish_tasks(tasks: Sequence[asyncio.Task], patience_s: float = 1.0) 
 
 
 async def run_processor(settings: ProcessorSettings, stop: asyncio.Event, backend: QueueBackend | None = None,
-                        http: RouterClient | None = None, metrics: ProcessorMetrics | None = None) -> Processor:
+                        http: RouterClient | None = None, metrics: ProcessorObserver | None = None) -> Processor:
     """Build the backend and the router client (:func:`~async_processor.router_client.make_router_client`)
     unless given, and the gates, from ``settings``; pump until ``stop`` (series into ``metrics``);
     close what was built here; return the processor (for its ``counts``)."""

@@ -48,8 +48,8 @@ def backoff_delay(attempt: int, time_left_s: float, retry_after_s: float | None 
     """
     if time_left_s <= 0:
         return None
-    rng = rng or random
-    delay = min(base_s * 2 ** (attempt - 1), cap_s, time_left_s) * rng.uniform(0.5, 1.0)
+    uniform = rng.uniform if rng is not None else random.uniform
+    delay = min(base_s * 2 ** (attempt - 1), cap_s, time_left_s) * uniform(0.5, 1.0)
     if retry_after_s is not None and retry_after_s > delay:
         delay = max(delay, min(retry_after_s, time_left_s / 2))
     return min(delay, time_left_s * 0.999)

@@ -15,7 +15,6 @@ timed out) raises :class:`NoAnswer`; any HTTP status, 5xx included, is an :class
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
@@ -80,7 +79,7 @@ class AiohttpRouterClient:
                                                    timeout=aiohttp.ClientTimeout(total=timeout_s),
                                                    allow_redirects=False) as resp:
                 return Answer(resp.status, await resp.read(), resp.headers.get("Retry-After"))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise _no_answer(exc) from exc
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float) -> Answer:

@@ -7,15 +7,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import httpx
 
 from async_processor.backends.base import Delivery, QueueBackend
-from common.contracts.queue import ResultMessage
 from async_processor.processor import Processor
 from async_processor.router_client import HttpxRouterClient, RouterClient
 from async_processor.settings import ProcessorSettings
+from common.contracts.queue import ResultMessage
 
 
 async def eventually(fn: Callable[[], Awaitable], timeout_s: float = 10.0, interval_s: float = 0.05):
@@ -32,10 +33,10 @@ async def eventually(fn: Callable[[], Awaitable], timeout_s: float = 10.0, inter
 
 
 class OrderCheckingBackend:
-    """Wraps a backend; records published result ids and raises ``AssertionError`` (in the caller of
-    ``ack``/``dead_letter``) when a request id is acknowledged before a result for it was published.
-    Deliveries without ``request_id`` (undecodable) and duplicates of finished ids are exempt when
-    ``allow_unpublished`` holds their transport ids."""
+    """Wraps a backend; records published result ids, the request ids acknowledged (``acked``, by
+    ``ack`` or ``dead_letter``, in order) and in ``violations`` those acknowledged before a result for
+    them was published through this wrapper. Deliveries without ``request_id`` (undecodable
+    messages) are exempt."""
 
     def __init__(self, inner: QueueBackend):
         self.inner = inner
@@ -80,7 +81,8 @@ async def running(settings: ProcessorSettings, backend: QueueBackend, http: Rout
         await task
 
 
-def mock_target(handler: Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]) -> HttpxRouterClient:
+def mock_target(handler: Callable[[httpx.Request], httpx.Response]
+                | Callable[[httpx.Request], Coroutine[Any, Any, httpx.Response]]) -> HttpxRouterClient:
     """A router client whose requests go to ``handler`` (``httpx.MockTransport``); an exception
     ``handler`` raises that is an ``httpx.HTTPError`` (``httpx.ConnectError``, ...) is "no answer"."""
     return HttpxRouterClient(httpx.AsyncClient(transport=httpx.MockTransport(handler)))

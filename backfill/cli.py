@@ -33,8 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("backfill.submit:demo_command", "Start the stack, run an example batch, stop."),
     "bench": ("backfill.bench:bench_group", "Run a benchmark."),
     "router": ("router.cli:router_command", "Serve the router (flow control + prefix-aware scheduling)."),
-    "engine-sim": ("router.fleet.cli:engine_sim_command", "Serve one simulated vLLM engine."),
-    "engine": ("router.fleet.cli:engine_command", "Run a real vLLM engine for the fleet."),
+    "engine-sim": ("engine_twin.cli:engine_sim_command", "Serve one simulated vLLM engine."),
+    "engine": ("engine_twin.cli:engine_command", "Run a real vLLM engine for the fleet."),
     "processor": ("async_processor.cli:processor_command", "Pump queued requests to the router, publish results."),
     "enqueue": ("async_processor.cli:enqueue_command", "Put one request on a queue lane (--wait: print its result)."),
 }

@@ -154,7 +154,7 @@ def start_engines(stack: Stack, count: int, served_model_names: list[str],
                   engine_urls: list[str]) -> None:
     """Use ``engine_urls`` (real vLLM servers) when given; otherwise start ``count`` simulated
     engines serving ``served_model_names`` on free ports and wait until each answers ``/health``."""
-    from router.fleet.launch import sim_engine_argv, wait_ready
+    from engine_twin.launch import sim_engine_argv, wait_ready
 
     if engine_urls:
         stack.engine_urls = [url.rstrip("/") for url in engine_urls]
@@ -280,6 +280,7 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
             start_engines(stack, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [])
             if stack.engine_urls:
                 start_router(stack, host, simulated=not engine_urls)
+                assert stack.router_url is not None  # start_router set it
                 stack.start("processor", _backfill("processor", "--backend", "redis", "--router-url",
                                                    stack.router_url, "--saturation-gate", "--log-level", "INFO"))
             stack.start("worker", _backfill("worker", "--log-level", "INFO"))

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 EXPORTER_ENV = "BACKFILL_TRACE_EXPORTER"
 TRACEPARENT = "traceparent"
@@ -62,7 +66,7 @@ def trace_id_of(traceparent: str | None) -> str | None:
     return match.group(1) if match else None
 
 
-def instrument_fastapi(app, service_name: str, exporter: str | None = None) -> TracerProvider:
+def instrument_fastapi(app: FastAPI, service_name: str, exporter: str | None = None) -> TracerProvider:
     """Give every request of the FastAPI ``app`` a server span (opentelemetry-instrumentation-fastapi)
     that continues the caller's ``traceparent``; ``/health`` and ``/metrics`` are left out, and
     no per-message ``receive``/``send`` spans are made. Returns the provider

@@ -1,4 +1,5 @@
 """OpenAI-compatible inference router in front of vLLM engines.
 
-``router.fleet`` holds the vLLM engine simulator and the launch settings of real vLLM engines.
+The vLLM engine simulator the tests and benchmarks put behind it is a separate package,
+``engine_twin``; the router imports nothing from it.
 """

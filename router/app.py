@@ -3,8 +3,8 @@
 Routes:
 
 ==============================  ==============================================================
-``POST /v1/chat/completions``,  inference: flow control → scheduling → forward (:mod:`router.proxy`)
-``/v1/completions``,
+``POST /v1/chat/completions``,  inference: :mod:`router.proxy` (transport) and :mod:`router.director`
+``/v1/completions``,            (flow control → scheduling → forward)
 ``/v1/embeddings``,
 ``/v1/responses``
 ``GET /v1/models``              models served by healthy endpoints (OpenAI list shape)
@@ -30,20 +30,24 @@ import orjson
 from aiohttp import web
 
 from common.contracts.router_state import BandState, CacheBlocks, EndpointState, RouterState
+from router.director import Director
+from router.flow_control import FlowControlConfig, FlowController
+from router.kv_index.index import KVBlockIndex
+from router.kv_index.subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
 from router.pool import EndpointPool, KubernetesSource
-from router.proxy import Router, error_response
+from router.proxy import Proxy, error_response
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
 from router.scheduling.saturation import SaturationThresholds, endpoint_saturation, pool_saturation
 from router.scheduling.scheduler import Scheduler
 from router.settings import RouterSettings
-from router.tokenizers import EngineTokenizer, build_tokenizer
+from router.tokenizers import EngineTokenizer, PromptTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
-ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
+PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy", Proxy)
 
 
 class RouterRuntime:
@@ -56,10 +60,12 @@ class RouterRuntime:
             max_metrics_age_s=settings.max_metrics_age_s)
         self.pool: EndpointPool | None = None
         self.scheduler: Scheduler | None = None
-        self.flow: Any | None = None
-        self.index: Any | None = None
-        self.subscriber: Any | None = None
-        self.router: Router | None = None
+        self.flow: FlowController | None = None
+        self.index: KVBlockIndex | None = None
+        self.subscriber: KVEventSubscriber | None = None
+        self.metrics: RouterMetrics | None = None
+        self.director: Director | None = None
+        self.proxy: Proxy | None = None
 
     def saturation(self) -> float:
         """Pool saturation now: the detector's value from the last scrapes, plus credit for the
@@ -100,7 +106,7 @@ class RouterRuntime:
 
 def admin_state(rt: RouterRuntime) -> RouterState:
     """``GET /admin/state``: the contract :class:`common.contracts.router_state.RouterState`."""
-    assert rt.pool is not None and rt.router is not None
+    assert rt.pool is not None and rt.scheduler is not None and rt.director is not None
     now = time.monotonic()
     per_endpoint_blocks, index_info = _index_view(rt)
     endpoints = []
@@ -123,7 +129,7 @@ def admin_state(rt: RouterRuntime) -> RouterState:
     bands = [BandState(**band) for band in rt.flow.stats()["bands"]] if rt.flow is not None else []
     return RouterState(
         pool_saturation=rt.saturation(), time=time.time(),
-        decisions_per_s=rt.router.decisions.rate(), profile=rt.router.profile or rt.scheduler.default_profile,
+        decisions_per_s=rt.director.decisions.rate(), profile=rt.director.profile or rt.scheduler.default_profile,
         tokenizer=rt.settings.tokenizer, endpoints=endpoints, bands=bands, index=index_info,
     )
 
@@ -156,7 +162,7 @@ def _plugins(scheduler: Scheduler | None) -> list[object]:
     return list(seen.values())
 
 
-def _approx_producer(scheduler: Scheduler | None) -> Any:
+def _approx_producer(scheduler: Scheduler | None) -> Any:  # a plugin with blocks_held (no shared type)
     for plugin in _plugins(scheduler):
         if hasattr(plugin, "blocks_held"):
             return plugin
@@ -175,9 +181,10 @@ def create_app(settings: RouterSettings) -> web.Application:
     app.cleanup_ctx.append(lambda a: _lifespan(a, rt))
 
     async def inference(request: web.Request) -> web.StreamResponse:
-        return await request.app[ROUTER_KEY].handle(request)
+        return await request.app[PROXY_KEY].handle(request)
 
     async def models(request: web.Request) -> web.Response:
+        assert rt.pool is not None
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "backfill"} for m in rt.pool.models()]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
@@ -191,7 +198,8 @@ def create_app(settings: RouterSettings) -> web.Application:
         return web.Response(body=rt.state().model_dump_json(), content_type="application/json")
 
     async def metrics(request: web.Request) -> web.Response:
-        body = request.app[ROUTER_KEY].metrics.render()
+        assert rt.metrics is not None
+        body = rt.metrics.render()
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def not_found(request: web.Request) -> web.Response:
@@ -217,62 +225,61 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
     forward = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                                     auto_decompress=False)
     discovery = None
-    tokenizer = None
+    tokenizer: PromptTokenizer | None = None
+
+    def kick() -> None:
+        if rt.flow is not None:
+            rt.flow.kick()
+
     try:
-        kick = lambda: rt.flow.kick() if rt.flow is not None else None  # noqa: E731
-        rt.pool = EndpointPool(control, scrape_interval_s=settings.scrape_interval_s,
-                               health_interval_s=settings.health_interval_s,
-                               unhealthy_after=settings.unhealthy_after, on_change=kick)
+        pool = rt.pool = EndpointPool(control, scrape_interval_s=settings.scrape_interval_s,
+                                      health_interval_s=settings.health_interval_s,
+                                      unhealthy_after=settings.unhealthy_after, on_change=kick)
         handle = PluginHandle()
         if settings.kv_events_bind:
-            from router.kv_index.index import KVBlockIndex
-            from router.kv_index.subscriber import KVEventSubscriber
-
             rt.index = KVBlockIndex(block_size_tokens=64, max_blocks=settings.index_max_blocks)
             rt.subscriber = KVEventSubscriber(rt.index, bind=settings.kv_events_bind)
             handle.prefix_index = rt.index
-        rt.scheduler = build_scheduler(load_config(settings.scheduling_config), handle)
-        if settings.profile is not None and settings.profile not in rt.scheduler.profiles:
+        scheduler = rt.scheduler = build_scheduler(load_config(settings.scheduling_config), handle)
+        if settings.profile is not None and settings.profile not in scheduler.profiles:
             raise ValueError(f"profile {settings.profile!r} is not in {settings.scheduling_config} "
-                             f"(profiles: {', '.join(rt.scheduler.profiles)})")
-        for plugin in _plugins(rt.scheduler):
+                             f"(profiles: {', '.join(scheduler.profiles)})")
+        for plugin in _plugins(scheduler):
             forget = getattr(plugin, "forget_endpoint", None)
             if forget is not None:
-                rt.pool.add_on_down(forget)
+                pool.add_on_down(forget)
         if rt.index is not None:
-            rt.pool.add_on_down(rt.index.remove_endpoint)
-
-        from router.flow_control import FlowControlConfig, FlowController
-
+            pool.add_on_down(rt.index.remove_endpoint)
         flow_config = FlowControlConfig.from_file(settings.flow_control) if settings.flow_control \
             else FlowControlConfig()
         if settings.flow_control_enabled:
             rt.flow = FlowController(flow_config, saturation=rt.saturation,
-                                     has_endpoints=lambda: bool(rt.pool.candidates()))
+                                     has_endpoints=lambda: bool(pool.candidates()))
         objective_priority = {band.objective: band.priority for band in flow_config.bands}
         tokenizer_path = str(settings.tokenizer_path) if settings.tokenizer_path else None
         if settings.tokenizer == "engine":  # ask any healthy engine, whichever source found it
-            tokenizer = EngineTokenizer(lambda: next((ep.name for ep in rt.pool.candidates()), None))
+            tokenizer = EngineTokenizer(lambda: next((ep.name for ep in pool.candidates()), None))
         else:
             tokenizer = build_tokenizer(settings.tokenizer, tokenizer_path=tokenizer_path)
-        router = Router(pool=rt.pool, scheduler=rt.scheduler, profile=settings.profile, tokenizer=tokenizer,
-                        flow=rt.flow, session=forward, metrics=RouterMetrics(rt.state),
-                        objective_priority=objective_priority, default_objective=flow_config.default_objective,
-                        engine_priority=settings.engine_priority, max_body_bytes=settings.max_body_bytes,
-                        request_timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
-        rt.router = router
-        rt.pool.add_on_down(router.endpoint_down)
-        observe = router.metrics.observe_plugin
-        for profile in rt.scheduler.profiles.values():
-            profile.plugin_timer = observe
-        app[ROUTER_KEY] = router
+        metrics = rt.metrics = RouterMetrics(rt.state)
+        director = rt.director = Director(pool=pool, scheduler=scheduler, profile=settings.profile, flow=rt.flow,
+                                          observer=metrics, objective_priority=objective_priority,
+                                          default_objective=flow_config.default_objective)
+        rt.proxy = app[PROXY_KEY] = Proxy(director=director, tokenizer=tokenizer, session=forward, observer=metrics,
+                                          engine_priority=settings.engine_priority,
+                                          max_body_bytes=settings.max_body_bytes,
+                                          request_timeout_s=settings.request_timeout_s,
+                                          connect_timeout_s=settings.connect_timeout_s)
+        pool.add_on_down(director.endpoint_down)
+        for profile in scheduler.profiles.values():
+            profile.plugin_timer = metrics.plugin_timing
         if rt.subscriber is not None:
             rt.subscriber.start()
         if rt.flow is not None:
             await rt.flow.start()
-        rt.pool.set_endpoints(settings.engines)
+        pool.set_endpoints(settings.engines)
         if settings.engine_selector:
-            discovery = KubernetesSource(rt.pool, settings.engine_selector, settings.engine_port,
+            discovery = KubernetesSource(pool, settings.engine_selector, settings.engine_port,
                                          settings.engine_namespace, static=settings.engines)
             discovery.start()
         yield

@@ -1,9 +1,9 @@
-"""Chat prompt rendering shared by the engine simulator and the router.
+"""Chat prompt rendering for the router.
 
-* :func:`render_chat` — the ONE ChatML rendering. The simulator (``router.fleet``) renders chat and
-  responses prompts with it, and the router's ``estimate`` tokenizer backend renders with it too, so
-  with the simulator's built-in 4-byte tokenizer the router's estimate bytes ARE the engine's tokens
-  (packed as uint32), and both hash to the same prefix blocks.
+* :func:`render_chat` — the ONE ChatML rendering, from :mod:`common.chatml` (shared with the engine
+  twin, ``engine_twin``): the router's ``estimate`` tokenizer backend renders with it, so with the
+  simulator's built-in 4-byte tokenizer the router's estimate bytes ARE the engine's tokens (packed
+  as uint32), and both hash to the same prefix blocks.
 * :class:`JinjaChatTemplate` — a tokenizer's own chat template (``chat_template`` in
   ``tokenizer_config.json``, or a ``chat_template.jinja`` file), rendered with jinja2 the way
   Hugging Face ``transformers`` ``apply_chat_template`` does (sandboxed environment, ``trim_blocks``
@@ -15,54 +15,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-#: Name of the built-in template, as the simulator reports it.
-CHAT_TEMPLATE_NAME = "chatml"
+from common.chatml import CHAT_TEMPLATE_NAME, TEXT_PART_TYPES, content_text, render_chat
 
-#: Content-part types whose ``text`` counts as prompt text (chat ``text``, responses ``input_text``).
-TEXT_PART_TYPES = ("text", "input_text")
+__all__ = ["CHAT_TEMPLATE_NAME", "SPECIAL_TOKEN_KEYS", "TEXT_PART_TYPES", "ChatTemplateError", "JinjaChatTemplate",
+           "content_text", "render_chat"]
 
 #: Special-token keys of ``tokenizer_config.json`` passed to templates as variables (transformers'
 #: ``SPECIAL_TOKENS_ATTRIBUTES``).
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-def content_text(content: Any, separator: str = "") -> str:
-    """The text of one message's ``content``: a string as is, a list of parts as their text parts
-    (``type`` ``text`` / ``input_text``) joined with ``separator``, anything else (None) as ``""``."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return separator.join(
-            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES
-        )
-    return ""
-
-
-def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Render OpenAI chat messages with a ChatML template; list contents keep their text parts.
-
-    ``[{"role": "user", "content": "hi"}]`` → ``"<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>
-    assistant\\n"``. A message without ``role`` renders as ``user``.
-
-    Raises:
-        TypeError: a message is not an object.
-    """
-    parts: list[str] = []
-    for message in messages:
-        if not isinstance(message, dict):
-            raise TypeError("each message must be an object")
-        content = message.get("content")
-        if isinstance(content, list):
-            content = content_text(content)
-        parts.append(f"<|im_start|>{message.get('role', 'user')}\n{content or ''}<|im_end|>\n")
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
 
 
 class ChatTemplateError(ValueError):
@@ -123,7 +88,7 @@ class JinjaChatTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-                   separators: Sequence[str] | None = None, sort_keys: bool = False) -> str:
+                   separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
             return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 

@@ -73,7 +73,7 @@ def router_argv(port: int, engines: list[str], *, host: str = "127.0.0.1", confi
     Raises:
         ValueError: no engine URL.
     """
-    from router.fleet.launch import backfill_executable
+    from common.executable import backfill_executable
 
     if not engines:
         raise ValueError("router_argv needs at least one engine URL")

@@ -31,12 +31,12 @@ series                                                 type       labels
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
-from common.contracts.router_state import RouterState
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from common.contracts.router_state import RouterState
 
 #: Decision-time buckets, seconds: 10 µs … 50 ms (llm-d's scheduler runs at 0.1–0.2 ms p50).
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
@@ -45,7 +45,8 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 
 
 class RouterMetrics:
-    """Counters and histograms updated by the proxy, plus a collector of live gauges.
+    """The :class:`router.observer.RouterObserver` of the request path as Prometheus series,
+    plus a collector of live gauges read from the admin state.
 
     Args:
         state: a callable returning the admin state (:class:`common.contracts.router_state.RouterState`);
@@ -63,11 +64,11 @@ class RouterMetrics:
         self.decision_total = self.decision.labels("total")
         self.dispatched = Counter("backfill_router_dispatched", "Requests released by flow control, by band.",
                                   ["band"], registry=reg)
-        self.shed = Counter("backfill_router_shed", "Requests refused or dropped by flow control.",
+        self.shed_total = Counter("backfill_router_shed", "Requests refused or dropped by flow control.",
                             ["band", "reason"], registry=reg)
         self.flow_wait = Histogram("backfill_router_flow_wait_seconds", "Time waiting in flow control.",
                                    ["band"], buckets=WAIT_BUCKETS, registry=reg)
-        self.first_byte = Histogram("backfill_router_time_to_first_byte_seconds",
+        self.first_byte_seconds = Histogram("backfill_router_time_to_first_byte_seconds",
                                     "From request received to the first response byte from the engine.",
                                     ["band"], buckets=WAIT_BUCKETS, registry=reg)
         self.prefix_lookups = Counter("backfill_router_prefix_lookups", "Prefix lookups (one per decision).",
@@ -77,14 +78,45 @@ class RouterMetrics:
         self.upstream_errors = Counter("backfill_router_upstream_errors", "Failures talking to an engine.",
                                        ["kind"], registry=reg)
         reg.register(_LiveCollector(state))
-        self._per_plugin: dict[str, Any] = {}
+        self._per_plugin: dict[str, Histogram] = {}
 
-    def observe_plugin(self, plugin: str, seconds: float) -> None:
+    # ---- RouterObserver ------------------------------------------------------------------------
+    def answered(self, objective: str, status: int) -> None:
+        """One request answered with HTTP ``status``."""
+        self.requests.labels(objective, str(status)).inc()
+
+    def shed(self, objective: str, reason: str) -> None:
+        """One request refused, dropped or evicted by flow control."""
+        self.shed_total.labels(objective, reason).inc()
+
+    def admitted(self, objective: str, waited_s: float) -> None:
+        """One request released by flow control after ``waited_s`` seconds."""
+        self.dispatched.labels(objective).inc()
+        self.flow_wait.labels(objective).observe(waited_s)
+
+    def scheduled(self, seconds: float, prefix_hit: bool) -> None:
+        """One scheduling decision (and its prefix lookup)."""
+        self.decision_total.observe(seconds)
+        self.prefix_lookups.inc()
+        if prefix_hit:
+            self.prefix_hits.inc()
+
+    def plugin_timing(self, plugin: str, seconds: float) -> None:
         """Record one plugin's share of a decision (``plugin`` = its instance name)."""
         child = self._per_plugin.get(plugin)
         if child is None:
             child = self._per_plugin[plugin] = self.decision.labels(plugin)
         child.observe(seconds)
+
+    def first_byte(self, objective: str, seconds: float) -> None:
+        """The engine answered ``seconds`` after the request was received."""
+        self.first_byte_seconds.labels(objective).observe(seconds)
+
+    def upstream_error(self, kind: str) -> None:
+        """One failure talking to an engine."""
+        self.upstream_errors.labels(kind).inc()
+
+    # ---- exposition ----------------------------------------------------------------------------
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -76,7 +76,7 @@ class RequestError(Exception):
     """
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = ErrorType.INVALID_REQUEST):  # noqa: A002 - OpenAI's field name
+                 type: str = ErrorType.INVALID_REQUEST):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -243,6 +243,7 @@ def _response_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     items = body.get("input")
     if items is None:
         raise _missing("input")
+    messages: list[dict[str, Any]]
     if isinstance(items, str):
         messages = [{"role": "user", "content": items}]
     elif isinstance(items, list):

@@ -8,9 +8,14 @@ selector (:class:`KubernetesSource`). For each endpoint the pool runs
   use, ``cache_config_info``) and stamps ``metrics_updated_at``; a failed scrape leaves the stamp
   alone, so the metrics go stale and the saturation detector counts the endpoint as saturated;
 * a **health check** every ``health_interval_s`` (``GET /health``): ``unhealthy_after`` failures in
-  a row (or one failed connection reported by the proxy and confirmed by a check) take it out of
-  the candidate set and call the ``on_down`` hooks, which drop its in-flight counters and its
-  prefix-index entries (RELIABILITY.md F9). A healthy answer brings it back (F10).
+  a row (or one failed connection reported by the request path and confirmed by a check) take it
+  out of the candidate set, reset its in-flight counters and call the ``on_down`` hooks, which drop
+  its prefix-index entries and interrupt its requests (RELIABILITY.md F9). A healthy answer brings
+  it back (F10).
+
+The in-flight counters on each :class:`~router.scheduling.types.Endpoint` (requests forwarded,
+uncached prompt tokens still to prefill) change only through :meth:`EndpointPool.started`,
+:meth:`EndpointPool.first_chunk` and :meth:`EndpointPool.finished`.
 
 Endpoints are named by their base URL, the key of every per-endpoint index.
 """
@@ -134,6 +139,27 @@ class EndpointState:
 OnDown = Callable[[str], None]
 
 
+class InFlight:
+    """One forwarded request's share of its endpoint's in-flight counters (from
+    :meth:`EndpointPool.started`; changed only by the pool).
+
+    The endpoint's ``in_flight_uncached_tokens`` carries the tokens the router expects the engine
+    still has to compute for the request, removed when its first streamed chunk arrives (the
+    prefill is over, :meth:`EndpointPool.first_chunk`) or when it ends (:meth:`EndpointPool.finished`),
+    so the counter is the endpoint's queued prefill work, which the load-aware plugins
+    (``token-load-scorer``, ``prefix-cache-affinity-filter``) turn into a wait estimate. When the
+    endpoint goes down the pool resets its counters; the shares taken before no longer count.
+    """
+
+    __slots__ = ("endpoint", "tokens", "counted", "generation")
+
+    def __init__(self, endpoint: Endpoint, tokens: int, generation: int) -> None:
+        self.endpoint = endpoint
+        self.tokens = tokens
+        self.counted = True
+        self.generation = generation
+
+
 class EndpointPool:
     """Engines, their health and load; :meth:`candidates` is what the scheduler chooses among.
 
@@ -166,6 +192,7 @@ class EndpointPool:
         self._candidates: list[Endpoint] = []
         self._by_model: dict[str, list[Endpoint]] = {}
         self._on_down: list[OnDown] = []
+        self._generation: dict[str, int] = {}  # endpoint name → how many times its counters were reset
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._scrape_timeout = aiohttp.ClientTimeout(total=max(1.0, 10 * scrape_interval_s))
         self._health_timeout = aiohttp.ClientTimeout(total=max(1.0, health_interval_s))
@@ -232,9 +259,35 @@ class EndpointPool:
         """Model names served by healthy endpoints, sorted, each once."""
         return sorted({m for s in self.states.values() if s.healthy for m in s.models})
 
-    # ---- reports from the proxy -----------------------------------------------------------------
+    # ---- in-flight counters ---------------------------------------------------------------------
+    def started(self, endpoint: Endpoint, uncached_tokens: int) -> InFlight:
+        """A request was forwarded to ``endpoint`` with ``uncached_tokens`` of prefill work."""
+        endpoint.in_flight_requests += 1
+        endpoint.in_flight_uncached_tokens += uncached_tokens
+        return InFlight(endpoint, uncached_tokens, self._generation.get(endpoint.name, 0))
+
+    def first_chunk(self, share: InFlight) -> None:
+        """The request's prefill is over: remove its uncached tokens (idempotent)."""
+        if share.tokens and self._counts(share):
+            ep = share.endpoint
+            ep.in_flight_uncached_tokens = max(0, ep.in_flight_uncached_tokens - share.tokens)
+        share.tokens = 0
+
+    def finished(self, share: InFlight) -> None:
+        """The request ended there: remove it from the endpoint's counters (once)."""
+        self.first_chunk(share)
+        if self._counts(share):
+            share.endpoint.in_flight_requests = max(0, share.endpoint.in_flight_requests - 1)
+        share.counted = False
+
+    def _counts(self, share: InFlight) -> bool:
+        if share.counted and share.generation != self._generation.get(share.endpoint.name, 0):
+            share.counted = False  # the counters were reset since: this share is gone
+        return share.counted
+
+    # ---- reports from the request path ---------------------------------------------------------
     def report_failure(self, name: str, error: str) -> None:
-        """The proxy could not reach ``name``: check its health now (a failed check takes it out)."""
+        """A request could not reach ``name``: check its health now (a failed check takes it out)."""
         state = self.states.get(name)
         if state is None:
             return
@@ -261,7 +314,7 @@ class EndpointPool:
             if ok and not state.models:
                 state.models = await self._read_models(name)
                 self._by_model = {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             ok = False
             state.last_error = f"{type(exc).__name__}: {exc}"
         if name not in self.states:
@@ -289,7 +342,7 @@ class EndpointPool:
                     return []
                 body = await resp.json()
             return [m["id"] for m in body.get("data", []) if isinstance(m, dict) and "id" in m]
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, TypeError, KeyError):
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError, KeyError):
             return []
 
     async def _scrape_loop(self, name: str) -> None:
@@ -309,7 +362,7 @@ class EndpointPool:
                     return False
                 text = await resp.read()
             metrics = parse_engine_metrics(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return False
         ep = state.endpoint
         ep.num_requests_waiting = metrics.num_requests_waiting
@@ -335,6 +388,7 @@ class EndpointPool:
 
     def _down(self, name: str) -> None:
         state = self.states.get(name)
+        self._generation[name] = self._generation.get(name, 0) + 1
         if state is not None:
             state.endpoint.in_flight_requests = 0
             state.endpoint.in_flight_uncached_tokens = 0
@@ -404,7 +458,7 @@ class KubernetesSource:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def _loop(self, api) -> None:  # noqa: ANN001 - kubernetes.client.CoreV1Api
+    async def _loop(self, api) -> None:
         while True:
             try:
                 pods = await asyncio.to_thread(api.list_namespaced_pod, self.namespace, label_selector=self.selector)

@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
+from engine_twin.launch import sim_engine_argv, wait_ready
 from router.cli import router_argv
-from router.fleet.launch import sim_engine_argv, wait_ready
-from tests.integration.fleet.conftest import free_port
+from tests.integration.engine_twin.conftest import free_port
 
 
 class RouterStack:
@@ -41,7 +41,7 @@ class RouterStack:
         self.router: subprocess.Popen | None = None
 
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        log = open(self.log_dir / f"{name}.log", "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

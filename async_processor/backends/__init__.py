@@ -1,16 +1,35 @@
-"""Queue backends behind one protocol (:class:`~async_processor.backends.base.QueueBackend`):
-in-memory (:mod:`.memory`), Redis Streams (:mod:`.redis_streams`) and Google Pub/Sub (:mod:`.pubsub`,
-with an in-process gRPC fake of the Pub/Sub API in :mod:`.pubsub_fake` for machines without the
-emulator). :func:`make_backend` builds the one named in the settings."""
+"""Queue backends behind one port (:mod:`.base`): the processor's side
+(:class:`~async_processor.backends.base.QueueBackend`) in-memory (:mod:`.memory`), on Redis Streams
+(:mod:`.redis_streams`) and on Google Pub/Sub (:mod:`.pubsub`, with an in-process gRPC fake of the
+Pub/Sub API in :mod:`.pubsub_fake` for machines without the emulator); the producer side
+(:class:`~async_processor.backends.base.LaneProducer`, :class:`~async_processor.backends.base.ResultQueue`)
+in-memory and on Redis Streams (:mod:`.redis_producer`). :func:`make_backend` builds the processor's
+side named in the settings."""
 
 from __future__ import annotations
 
-from async_processor.backends.base import Admission, ClaimTable, Delivery, QueueBackend, ResultReader
+from typing import TYPE_CHECKING
 
-__all__ = ["Admission", "ClaimTable", "Delivery", "QueueBackend", "ResultReader", "make_backend"]
+from async_processor.backends.base import (
+    Admission,
+    ClaimTable,
+    Delivery,
+    LaneDepth,
+    LaneProducer,
+    QueueBackend,
+    ResultEntry,
+    ResultQueue,
+    ResultReader,
+)
+
+if TYPE_CHECKING:
+    from async_processor.settings import ProcessorSettings
+
+__all__ = ["Admission", "ClaimTable", "Delivery", "LaneDepth", "LaneProducer", "QueueBackend", "ResultEntry",
+           "ResultQueue", "ResultReader", "make_backend"]
 
 
-def make_backend(settings) -> QueueBackend:
+def make_backend(settings: ProcessorSettings) -> QueueBackend:
     """The backend named by ``settings.backend`` (a :class:`~async_processor.settings.ProcessorSettings`),
     not yet started. Imports the client library of that backend only."""
     if settings.backend == "memory":

@@ -1,4 +1,6 @@
-"""The one protocol every queue backend implements, and the small pieces they share.
+"""The queue port: the protocol every queue backend implements for the processor
+(:class:`QueueBackend`, asynchronous), the producer side a synchronous caller (the batch workers,
+the dashboard) uses (:class:`LaneProducer`, :class:`ResultQueue`), and the small pieces they share.
 
 Semantics every backend keeps (the contract suite ``tests/contract/test_queue_backends.py`` checks
 them on memory, Redis Streams, the Pub/Sub emulator and the Pub/Sub fake):
@@ -14,6 +16,15 @@ them on memory, Redis Streams, the Pub/Sub emulator and the Pub/Sub fake):
   just ack), ``CANCELLED`` (its batch carries a cancel marker). :meth:`publish_results` records
   ``DONE`` for the id of each result it publishes; :meth:`release` drops a claim of a message
   handed back.
+
+Producer side (``tests/contract/test_producer_queues.py`` checks it on memory and Redis Streams):
+
+- :meth:`LaneProducer.publish` puts request messages on a lane; :meth:`LaneProducer.mark_cancelled`
+  sets the cancel marker :meth:`QueueBackend.admit` and :meth:`QueueBackend.cancelled_batches` see;
+  :meth:`LaneProducer.lane_depths` reports each lane's backlog for the dashboard.
+- :class:`ResultQueue` reads one result queue through a consumer group: each entry goes to one
+  consumer of the group and stays pending until :meth:`ResultQueue.ack`; an entry left pending longer
+  than ``reclaim_idle_s`` (its consumer died) is handed to the next reader of the group.
 """
 
 from __future__ import annotations
@@ -128,6 +139,55 @@ class QueueBackend(Protocol):
     def result_reader(self, queue_name: str = "") -> ResultReader:
         """A reader of ``queue_name`` ("" = the default result queue). Pub/Sub readers see only
         results published after the reader was made."""
+        ...
+
+
+@dataclass(frozen=True)
+class LaneDepth:
+    """Backlog of one lane: ``queue`` the transport's name for it (a stream, a topic), ``length``
+    messages not yet acknowledged, ``pending`` of those delivered to a processor now, ``dead``
+    messages in its dead-letter queue."""
+
+    lane: str
+    queue: str
+    length: int
+    pending: int
+    dead: int
+
+
+class LaneProducer(Protocol):
+    """The producer side of the request lanes of one pool, synchronous."""
+
+    def publish(self, lane: str, messages: Sequence[RequestMessage]) -> None:
+        """Put ``messages`` on ``lane`` (one round trip where the transport allows)."""
+        ...
+
+    def mark_cancelled(self, batch_id: str, ttl_s: int) -> None:
+        """Set the cancel marker of ``batch_id`` for ``ttl_s`` seconds: processors answer its queued
+        messages ``CANCELLED``."""
+        ...
+
+    def lane_depths(self, lanes: Sequence[str], group: str) -> list[LaneDepth]:
+        """The backlog of each of ``lanes`` as the processors' consumer group ``group`` sees it, in
+        the order given."""
+        ...
+
+
+ResultEntry = tuple[bytes, ResultMessage | None]
+"""One entry of a result queue: its transport id (acknowledge it with :meth:`ResultQueue.ack`) and
+the result, None for an entry that is not a result message or lost its data."""
+
+
+class ResultQueue(Protocol):
+    """One result queue read through a consumer group, synchronous (see the module docstring)."""
+
+    def read(self, count: int) -> list[ResultEntry]:
+        """Up to ``count`` entries: first those another consumer left pending longer than the
+        reclaim idle time, then new ones. Never blocks."""
+        ...
+
+    def ack(self, entry_ids: Sequence[bytes]) -> None:
+        """These entries are handled: never handed out again."""
         ...
 
 

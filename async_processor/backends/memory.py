@@ -1,5 +1,7 @@
 """In-memory queue backend: the same leases, redelivery, delivery counts and dead-lettering as the
-real transports, inside one process (unit tests, single-process mode, ``--backend memory``)."""
+real transports, inside one process (unit tests, single-process mode, ``--backend memory``); and its
+producer side (:class:`MemoryLaneProducer`, :class:`MemoryResultQueue`) over the same lanes and
+results."""
 
 from __future__ import annotations
 
@@ -7,9 +9,9 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from async_processor.backends.base import Admission, ClaimTable, Delivery
+from async_processor.backends.base import Admission, ClaimTable, Delivery, LaneDepth, ResultEntry
 from common.contracts.queue import (
     DEFAULT_RESULT_STREAM,
     RequestMessage,
@@ -24,6 +26,15 @@ class _Entry:
     body: bytes
     deliveries: int = 0
     visible_at: float = 0.0  # deliverable when now >= visible_at
+
+
+@dataclass(eq=False)
+class _Group:
+    """A consumer group on one result list: ``next`` the first index never handed out, ``pending``
+    index -> (consumer, when handed out)."""
+
+    next: int = 0
+    pending: dict[int, tuple[str, float]] = field(default_factory=dict)
 
 
 class MemoryBackend:
@@ -42,6 +53,7 @@ class MemoryBackend:
         self.dead: dict[str, list[tuple[bytes, str]]] = {}
         self.results: dict[str, list[ResultMessage]] = {}
         self.claims = ClaimTable(done_ttl_s, clock)
+        self.groups: dict[tuple[str, str], _Group] = {}
         self._seq = itertools.count(1)
         self._result_event = asyncio.Event()
 
@@ -55,14 +67,10 @@ class MemoryBackend:
         """Set the cancel marker of ``batch_id``."""
         self.claims.cancelled.add(batch_id)
 
-    def pending(self, lane: str) -> int:
-        """Messages of ``lane`` not yet acknowledged (held or waiting)."""
-        return len(self.lanes.get(lane, {}))
-
     async def receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
         """Oldest deliverable entries first (new ones and lapsed leases alike)."""
         now = self.clock()
-        out = []
+        out: list[Delivery] = []
         for entry in self.lanes.get(lane, {}).values():
             if len(out) >= max_messages:
                 break
@@ -123,6 +131,71 @@ class MemoryBackend:
     def result_reader(self, queue_name: str = "") -> _MemoryResultReader:
         """A reader from the start of ``results[queue_name]``."""
         return _MemoryResultReader(self, queue_name or DEFAULT_RESULT_STREAM)
+
+    def lane_producer(self) -> MemoryLaneProducer:
+        """The producer side of these lanes (synchronous)."""
+        return MemoryLaneProducer(self)
+
+    def result_queue(self, queue_name: str, *, group: str, consumer: str,
+                     reclaim_idle_s: float = 60.0) -> MemoryResultQueue:
+        """``results[queue_name]`` read by ``consumer`` of ``group`` (synchronous)."""
+        return MemoryResultQueue(self, queue_name or DEFAULT_RESULT_STREAM, group=group, consumer=consumer,
+                                 reclaim_idle_s=reclaim_idle_s)
+
+
+class MemoryLaneProducer:
+    """:class:`~async_processor.backends.base.LaneProducer` over a :class:`MemoryBackend`'s lanes."""
+
+    def __init__(self, backend: MemoryBackend):
+        self.backend = backend
+
+    def publish(self, lane: str, messages: Sequence[RequestMessage]) -> None:
+        """Append an entry per message."""
+        for message in messages:
+            entry = _Entry(next(self.backend._seq), encode_request(message))
+            self.backend.lanes.setdefault(lane, {})[entry.seq] = entry
+
+    def mark_cancelled(self, batch_id: str, ttl_s: int) -> None:
+        """:meth:`MemoryBackend.cancel` (markers never expire in memory)."""
+        self.backend.cancel(batch_id)
+
+    def lane_depths(self, lanes: Sequence[str], group: str) -> list[LaneDepth]:
+        """Entries not acknowledged, those held under a lease now, dead letters (one group only)."""
+        now = self.backend.clock()
+        out = []
+        for lane in lanes:
+            entries = self.backend.lanes.get(lane, {}).values()
+            out.append(LaneDepth(lane=lane, queue=lane, length=len(entries),
+                                 pending=sum(1 for e in entries if e.deliveries and e.visible_at > now),
+                                 dead=len(self.backend.dead.get(lane, []))))
+        return out
+
+
+class MemoryResultQueue:
+    """:class:`~async_processor.backends.base.ResultQueue` over ``results[queue]`` of a
+    :class:`MemoryBackend`; entry ids are list indexes (as ASCII bytes)."""
+
+    def __init__(self, backend: MemoryBackend, queue: str, *, group: str, consumer: str, reclaim_idle_s: float):
+        self.backend, self.queue, self.consumer, self.reclaim_idle_s = backend, queue, consumer, reclaim_idle_s
+        self.group = backend.groups.setdefault((queue, group), _Group())
+
+    def read(self, count: int) -> list[ResultEntry]:
+        """Entries pending longer than ``reclaim_idle_s`` (any consumer's), then new ones."""
+        now = self.backend.clock()
+        results = self.backend.results.get(self.queue, [])
+        taken = [index for index, (_, at) in sorted(self.group.pending.items())
+                 if now - at >= self.reclaim_idle_s][:count]
+        while len(taken) < count and self.group.next < len(results):
+            taken.append(self.group.next)
+            self.group.next += 1
+        for index in taken:
+            self.group.pending[index] = (self.consumer, now)
+        return [(str(index).encode(), results[index]) for index in taken]
+
+    def ack(self, entry_ids: Sequence[bytes]) -> None:
+        """Drop the entries from the group's pending list."""
+        for entry_id in entry_ids:
+            self.group.pending.pop(int(entry_id), None)
 
 
 class _MemoryResultReader:

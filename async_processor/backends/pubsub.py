@@ -25,7 +25,6 @@ emulator or at :mod:`async_processor.backends.pubsub_fake` with anonymous creden
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import os
 import secrets
@@ -258,7 +257,11 @@ class PubSubBackend:
         if not results:
             return
         topics = {self.topic_path(queue or self.result_topic) for _, queue in results}
-        await self._call(lambda: [self._create_topic(t) for t in topics])
+
+        def create_topics() -> None:
+            for topic in topics:
+                self._create_topic(topic)
+        await self._call(create_topics)
         await self._wait([self.publisher.publish(self.topic_path(queue or self.result_topic), encode_result(r),
                                                  id=r.id) for r, queue in results])
         self.claims.finish([r.id for r, _ in results if r.id])

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 from google.protobuf import empty_pb2, timestamp_pb2
@@ -46,8 +47,9 @@ class _Subscription:
     messages: dict[str, _Pending] = field(default_factory=dict)  # message id -> state, publish order
 
 
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, text: str):
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, text: str) -> NoReturn:
     context.abort(code, text)
+    raise AssertionError("grpc's abort raises")
 
 
 class PubSubFake:
@@ -190,7 +192,7 @@ class PubSubFake:
         """Lease up to ``max_messages`` visible messages (caller holds the lock)."""
         now = time.monotonic()
         policy = sub.proto.dead_letter_policy if "dead_letter_policy" in sub.proto else None
-        out = []
+        out: list[types.ReceivedMessage] = []
         for message_id, pending in list(sub.messages.items()):
             if len(out) >= max_messages:
                 break

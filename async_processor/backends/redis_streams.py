@@ -1,4 +1,6 @@
-"""Redis Streams backend (redis-py asyncio).
+"""Redis Streams backend (redis-py asyncio) and the stream layout it shares with the synchronous
+producer side (:mod:`async_processor.backends.redis_producer`): the entry fields, the consumer-group
+set-up and the parsing of ``XAUTOCLAIM`` replies are written once, here.
 
 Layout (names from :mod:`common.contracts.queue`):
 
@@ -34,10 +36,12 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
+from redis.typing import EncodableT, FieldT
 
 from async_processor.backends.base import Admission, Delivery
 from async_processor.errors import BackendError
@@ -48,6 +52,7 @@ from common.contracts.queue import (
     REQUEST_FIELD,
     REQUEST_STREAM_PREFIX,
     RESULT_FIELD,
+    InvalidMessage,
     RequestMessage,
     ResultMessage,
     cancel_marker_key,
@@ -105,6 +110,60 @@ return #ARGV - 1
 """
 _ADMISSIONS = [Admission.NEW, Admission.RUNNING, Admission.DONE, Admission.CANCELLED]
 
+# ---------------------------------------------------------------- the layout, shared with the sync side
+
+Fields = Mapping[bytes, bytes]
+"""An entry's fields as redis-py returns them (bytes responses)."""
+GROUP_START_ID = "0"
+"""A consumer group is created at the start of its stream (every entry already there is new to it)."""
+CANCEL_MARKER_VALUE = b"1"
+
+
+def request_fields(body: bytes) -> dict[FieldT, EncodableT]:
+    """The fields of a request entry: :data:`~common.contracts.queue.REQUEST_FIELD` = the JSON."""
+    return {REQUEST_FIELD: body}
+
+
+def request_body(fields: Fields | None) -> bytes:
+    """The request JSON of an entry (``b""`` when it has none)."""
+    return (fields or {}).get(REQUEST_FIELD.encode(), b"")
+
+
+def result_of(fields: Fields | None) -> ResultMessage | None:
+    """The result of a result entry; None when it has no result field (trimmed) or is not a result."""
+    raw = (fields or {}).get(RESULT_FIELD.encode())
+    if raw is None:
+        return None
+    try:
+        return decode_result(raw)
+    except InvalidMessage:
+        return None
+
+
+def group_exists(exc: ResponseError) -> bool:
+    """``XGROUP CREATE`` refused because the group is there already (``BUSYGROUP``)."""
+    return "BUSYGROUP" in str(exc)
+
+
+def group_missing(exc: ResponseError) -> bool:
+    """A group command refused because the group (or its stream) is gone (``NOGROUP``)."""
+    return "NOGROUP" in str(exc)
+
+
+def autoclaim_reply(reply: Any) -> tuple[str, list[tuple[bytes, Fields | None]], list[bytes]]:
+    """``XAUTOCLAIM``'s reply as ``(next cursor, entries, deleted ids)``: entries keep their id and
+    fields (None fields: Redis 6.2's nil entry, data trimmed); Redis 7 lists the ids it dropped from
+    the pending list because their data was trimmed, Redis 6.2 has no third part."""
+    cursor = reply[0]
+    entries = [(entry_id, fields) for entry_id, fields in reply[1] if entry_id is not None]
+    deleted = list(reply[2]) if len(reply) > 2 else []
+    return cursor.decode() if isinstance(cursor, bytes) else str(cursor), entries, deleted
+
+
+def stream_entries(reply: Any) -> list[tuple[bytes, Fields | None]]:
+    """The entries of an ``XREADGROUP``/``XREAD`` reply over any number of streams, in order."""
+    return [entry for _stream, entries in reply or [] for entry in entries]
+
 
 def default_consumer_name() -> str:
     """``{host}-{pid}-{4 random hex bytes}``: unique per process start."""
@@ -155,9 +214,9 @@ class RedisStreamsBackend:
         if lane in self._ready:
             return
         try:
-            await self.client.xgroup_create(self.stream(lane), self.group, id="0", mkstream=True)
+            await self.client.xgroup_create(self.stream(lane), self.group, id=GROUP_START_ID, mkstream=True)
         except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
+            if not group_exists(exc):
                 raise BackendError(f"cannot create group on {self.stream(lane)}: {exc}") from exc
         self._ready.add(lane)
 
@@ -186,10 +245,8 @@ class RedisStreamsBackend:
             if len(out) < max_messages:
                 found = await self.client.xreadgroup(self.group, self.consumer, {self.stream(lane): ">"},
                                                      count=max_messages - len(out))
-                for _stream, entries in found or []:
-                    for entry_id, fields in entries:
-                        out.append(Delivery(lane, fields.get(REQUEST_FIELD.encode(), b""), 1,
-                                            entry_id.decode(), handle=entry_id))
+                for entry_id, fields in stream_entries(found):
+                    out.append(Delivery(lane, request_body(fields), 1, entry_id.decode(), handle=entry_id))
             return out
         except RedisError as exc:
             raise BackendError(f"redis receive on {lane}: {exc}") from exc
@@ -198,14 +255,12 @@ class RedisStreamsBackend:
         stream = self.stream(lane)
         reply = await self.client.xautoclaim(stream, self.group, self.consumer, int(lease_s * 1000),
                                              start_id=self._cursor.get(lane, "0-0"), count=count)
-        cursor, entries = reply[0], reply[1]
-        self._cursor[lane] = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        deleted = reply[2] if len(reply) > 2 else []
+        self._cursor[lane], entries, deleted = autoclaim_reply(reply)
         if deleted:  # Redis 7: already removed from the pending list
             log.warning("nil entries dropped from pending list", extra={"action": "nil_entries", "lane": lane,
                                                                          "ids": [i.decode() for i in deleted]})
-        live = [(i, f) for i, f in entries if i is not None and f]
-        if len(live) != len(entries):  # Redis 6.2 nil entries
+        live = [(i, f) for i, f in entries if f]
+        if len(live) != len(reply[1]):  # Redis 6.2 nil entries
             await self._sweep_nil_entries(lane)
         if not live:
             return []
@@ -216,15 +271,14 @@ class RedisStreamsBackend:
         out = []
         for (entry_id, fields), info in zip(live, pending):
             count_seen = info[0]["times_delivered"] if info else 1
-            out.append(Delivery(lane, fields.get(REQUEST_FIELD.encode(), b""), count_seen, entry_id.decode(),
-                                handle=entry_id))
+            out.append(Delivery(lane, request_body(fields), count_seen, entry_id.decode(), handle=entry_id))
         return out
 
     async def _sweep_nil_entries(self, lane: str) -> None:
         """Ack our pending entries whose data was trimmed (Redis 6.2 shows them without fields)."""
         stream = self.stream(lane)
         found = await self.client.xreadgroup(self.group, self.consumer, {stream: "0"}, count=10_000)
-        gone = [entry_id for _s, entries in found or [] for entry_id, fields in entries if not fields]
+        gone = [entry_id for entry_id, fields in stream_entries(found) if not fields]
         if gone:
             await self.client.xack(stream, self.group, *gone)
             log.warning("nil entries dropped from pending list",
@@ -295,7 +349,7 @@ class RedisStreamsBackend:
             async with self.client.pipeline(transaction=False) as pipe:
                 for d in deliveries:
                     pipe.xadd(dead_letter_stream(self.stream(d.lane)),
-                              {REQUEST_FIELD: d.body, "reason": reason, "source_id": d.transport_id,
+                              {**request_fields(d.body), "reason": reason, "source_id": d.transport_id,
                                "deliveries": d.delivery_count})
                 await pipe.execute()
         except RedisError as exc:
@@ -322,10 +376,10 @@ class RedisStreamsBackend:
         """``XADD`` to the lane's stream; returns the entry id."""
         body = message if isinstance(message, bytes) else encode_request(message)
         try:
-            entry_id = await self.client.xadd(self.stream(lane), {REQUEST_FIELD: body})
+            entry_id = await self.client.xadd(self.stream(lane), request_fields(body))
         except RedisError as exc:
             raise BackendError(f"redis publish request: {exc}") from exc
-        return entry_id.decode()
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
         """One script call for the batch (per id: done, cancel and claim checks)."""
@@ -377,10 +431,9 @@ class RedisResultReader:
         found = await self.client.xread({self.stream: self.last_id}, count=1000,
                                         block=max(1, int(timeout_s * 1000)))
         out = []
-        for _s, entries in found or []:
-            for entry_id, fields in entries:
-                self.last_id = entry_id.decode()
-                out.append(decode_result(fields[RESULT_FIELD.encode()]))
+        for entry_id, fields in stream_entries(found):
+            self.last_id = entry_id.decode()
+            out.append(decode_result((fields or {})[RESULT_FIELD.encode()]))
         return out
 
     async def close(self) -> None:

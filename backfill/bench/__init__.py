@@ -1,5 +1,24 @@
 """Benchmarks: ``backfill bench NAME``. Each prints a table and writes the same figures as JSON
-(``--json PATH``); docs/benchmarks.md records the latest results with the exact command."""
+(``--json PATH``); docs/benchmarks.md records the latest results with the exact command.
+
+| module | job |
+|---|---|
+| ``ingest`` | ``backfill bench ingest``: upload + validate a large batch file (``batchfile`` writes it) |
+| ``end_to_end`` | ``backfill bench end-to-end``: a batch through the whole stack vs the fleet's capacity |
+| ``isolation`` | ``backfill bench isolation``: interactive TTFT alone vs beside a batch backlog |
+| ``processor`` | ``backfill bench processor``: messages/s through one async processor |
+| ``engine_sim`` | ``backfill bench engine-sim``: requests/s of one engine simulator (``engine_twin``) |
+| ``prefix`` | ``backfill bench prefix``: captured prefix reuse and TTFT, ours vs other routers |
+| ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
+| ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups) and the oracle-reusable tokens |
+| ``replay`` | async replayer: sessions closed-loop, arrivals open-loop, TTFT, cached tokens, captured reuse |
+| ``launch`` | subprocess fleet of simulated engines and the routers (ours, ``vllm-router``, ``sglang-router``) |
+| ``instant`` | an OpenAI-compatible server that answers at once, and a raw keep-alive load client |
+| ``scheduling`` | ``python -m backfill.bench.scheduling``: the scheduler's decision time in process |
+| ``kv_index`` | ``python -m backfill.bench.kv_index``: the KV block index's bytes per block and lookup time |
+
+Goals and definitions of the router rows: shared/PERFORMANCE.md (``prefix`` and ``router-overhead``).
+"""
 
 from __future__ import annotations
 
@@ -9,15 +28,15 @@ from backfill.cli import LazyGroup
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "ingest": ("backfill.bench.ingest:ingest_command", "Upload + validate a 200 MB batch file."),
-    "engine-sim": ("router.fleet.bench:bench_engine_sim_command", "Requests/s of one simulator."),
-    "processor": ("async_processor.bench:bench_processor_command", "Messages/s through one processor."),
+    "engine-sim": ("backfill.bench.engine_sim:bench_engine_sim_command", "Requests/s of one simulator."),
+    "processor": ("backfill.bench.processor:bench_processor_command", "Messages/s through one processor."),
     "end-to-end": ("backfill.bench.end_to_end:end_to_end_command",
                    "A 50,000-request batch through the stack vs the fleet's capacity."),
-    "prefix": ("router.bench.prefix:prefix_command",
+    "prefix": ("backfill.bench.prefix:prefix_command",
                "Captured prefix reuse and TTFT: ours vs round-robin, vllm-router, sglang-router."),
     "isolation": ("backfill.bench.isolation:isolation_command",
                   "Interactive TTFT alone vs with a 10,000-request batch backlog; batch vs spare capacity."),
-    "router-overhead": ("router.bench.overhead:router_overhead_command",
+    "router-overhead": ("backfill.bench.router_overhead:router_overhead_command",
                         "Decision time, added proxy latency and max requests/s: ours vs vllm-router."),
 }
 

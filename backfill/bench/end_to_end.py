@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import click
 import httpx
@@ -234,7 +235,7 @@ def end_to_end_command(lines: int, time_scale: float, max_num_seqs: int, max_tok
     from backfill.up import free_port, run_stack
 
     console = Console()
-    endpoint = "/v1/chat/completions"
+    endpoint: Literal["/v1/chat/completions"] = "/v1/chat/completions"
     with tempfile.TemporaryDirectory(prefix="backfill-bench-") as tmp:
         tmp_dir = Path(tmp)
         path = tmp_dir / "batch.jsonl"
@@ -298,7 +299,7 @@ def end_to_end_command(lines: int, time_scale: float, max_num_seqs: int, max_tok
     in_progress = seen.get("in_progress", seen["created"])
     run_s = seen["completed"] - in_progress
     processing_s = seen["counted"] - in_progress
-    figures = {
+    figures: dict[str, Any] = {
         "requests": lines,
         "time_scale": time_scale,
         "max_num_seqs": max_num_seqs,

@@ -107,7 +107,7 @@ def _finalize(stack, batch_id: str) -> tuple[float, int]:
     elapsed = time.perf_counter() - start
     with ctx.session() as session:
         batch = session.get(Batch, batch_id)
-        output = (stack.data_dir / "files").rglob(batch.output_file_id or "-")
+        output = (stack.data_dir / "files").rglob((batch.output_file_id if batch else None) or "-")
         size = sum(p.stat().st_size for p in output)
     if status != "completed":
         raise click.ClickException(f"finalisation ended {status}")
@@ -152,7 +152,7 @@ def ingest_command(lines: int, megabytes: int, json_path: Path | None, data_dir:
                 time.sleep(0.02)
             validate_s = time.perf_counter() - start
             gateway_growth, worker_growth = gateway_mem.growth_mb(), worker_mem.growth_mb()
-            if batch.status != "in_progress" or batch.request_counts.total != lines:
+            if batch.status != "in_progress" or batch.request_counts is None or batch.request_counts.total != lines:
                 raise click.ClickException(f"validation ended {batch.status}: {batch.errors}")
             finalize_s, output_bytes = _finalize(stack, batch.id)
 

@@ -29,7 +29,7 @@ Steps, in one run, on the same processes:
    whole path.
 
 Time scaling: every model time in the simulator (30 ms prefill overhead + prompt tokens ÷ 16,000/s,
-12 ms inter-token latency rising to 24 ms at a full batch; :mod:`router.fleet.settings`) is
+12 ms inter-token latency rising to 24 ms at a full batch; :mod:`engine_twin.settings`) is
 multiplied by ``--time-scale``, so the ratios between prefill, decode and arrivals are the model's
 while the wall-clock rates are 1 ÷ ``time_scale`` times its. The default is the model's own time
 (1.0): with 256-token prompts an engine does about 21 requests/s, two 43/s, so phase B serves
@@ -106,7 +106,8 @@ def chat_body(text: str, max_tokens: int, *, stream: bool) -> dict[str, Any]:
 def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
     """Arrival offsets (s, ascending, < ``duration``) of a Poisson process of ``rate`` per second."""
     rng = random.Random(seed)
-    out, t = [], 0.0
+    out: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= duration:
@@ -165,7 +166,7 @@ async def _one_interactive(session, url: str, body: bytes, sample: Sample) -> No
                 if chunk.get("usage"):
                     sample.prompt_tokens = chunk["usage"]["prompt_tokens"]
             sample.done = time.perf_counter()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         sample.status = 0
 
 
@@ -236,7 +237,7 @@ async def measure_fleet_capacity(engine_urls: list[str], bodies: list[bytes], pe
 def model_capacity(engines: int, time_scale: float, prompt_tokens: float) -> float:
     """The simulator's requests/s for this shape: prefills are serialised per engine, each takes
     ``prefill_overhead_ms`` + prompt tokens ÷ ``prefill_tokens_per_s`` (defaults), × time scale."""
-    from router.fleet.settings import build_settings
+    from engine_twin.settings import build_settings
 
     s = build_settings()
     prefill_s = s.prefill_overhead_ms / 1000 + prompt_tokens / s.prefill_tokens_per_s
@@ -270,6 +271,7 @@ def fleet_stack(data_dir: Path, engines: int, redis_url: str | None, processor_g
     try:
         start_engines(stack, engines, [MODEL], [])
         start_router(stack, "127.0.0.1", simulated=engine_priority)
+        assert stack.router_url is not None  # start_router set it
         stack.start("processor", [sys.executable, "-m", "backfill", "processor", "--backend", "redis",
                                   "--router-url", stack.router_url, "--log-level", "WARNING"])
         yield stack
@@ -437,8 +439,8 @@ def svg_line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, 
                f'<text x="14" y="{top + ph / 2}" text-anchor="middle" transform="rotate(-90 14 {top + ph / 2})" '
                f'{font}>{escape(y_label)}</text>')
     for label, value in vlines.items():
-        side = 'x="{:.1f}"'.format(px(value) + 4) if px(value) < left + pw * 0.8 else \
-            'x="{:.1f}" text-anchor="end"'.format(px(value) - 4)
+        side = f'x="{px(value) + 4:.1f}"' if px(value) < left + pw * 0.8 else \
+            f'x="{px(value) - 4:.1f}" text-anchor="end"'
         out.append(f'<line x1="{px(value):.1f}" x2="{px(value):.1f}" y1="{top}" y2="{top + ph}" stroke="#9ca3af" '
                    f'stroke-dasharray="2,3"/><text {side} y="{top + 12}" {font}>{escape(label)}</text>')
     for label, value in hlines.items():

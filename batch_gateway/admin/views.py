@@ -35,7 +35,7 @@ from batch_gateway.store.states import (
     TERMINAL_REQUEST_STATES,
     BatchStatus,
 )
-from common.contracts.queue import LANE_PRIORITIES, dead_letter_stream, request_stream
+from common.contracts.queue import LANE_PRIORITIES
 from common.contracts.router_state import SATURATION_THRESHOLD
 
 log = logging.getLogger(__name__)
@@ -492,29 +492,20 @@ def _safe_next(target: str) -> str:
 
 def queue_depths(client: redis.Redis, pool: str, group: str) -> tuple[list[dict], str | None]:
     """Per lane (highest priority first): ``{"lane", "priority", "stream", "length", "pending",
-    "dead"}`` — ``length`` = ``XLEN`` of the request stream (entries not yet acknowledged, as the
-    processors delete acknowledged ones), ``pending`` = delivered to a processor and not yet
-    acknowledged (``XPENDING``), ``dead`` = ``XLEN`` of its dead-letter stream; and an error text
-    when Redis cannot be read."""
+    "dead"}`` as the queue port reports them
+    (:meth:`~async_processor.backends.redis_producer.RedisLaneProducer.lane_depths`: messages not yet
+    acknowledged, delivered to a processor now, dead-lettered); and an error text when Redis cannot
+    be read."""
+    from async_processor.backends.redis_producer import RedisLaneProducer
+    from async_processor.errors import BackendError
+
     lanes = sorted(LANE_PRIORITIES.items(), key=lambda item: -item[1])
     try:
-        with client.pipeline(transaction=False) as pipe:
-            for lane, _ in lanes:
-                stream = request_stream(lane, pool)
-                pipe.xlen(stream)
-                pipe.xpending(stream, group)
-                pipe.xlen(dead_letter_stream(stream))
-            replies = pipe.execute(raise_on_error=False)
-    except redis.RedisError as exc:
-        return [], f"Redis cannot be read ({type(exc).__name__})"
-    out = []
-    for index, (lane, priority) in enumerate(lanes):
-        length, pending, dead = replies[3 * index: 3 * index + 3]
-        out.append({"lane": lane, "priority": priority, "stream": request_stream(lane, pool),
-                    "length": length if isinstance(length, int) else 0,
-                    "pending": pending["pending"] if isinstance(pending, dict) else 0,  # NOGROUP: none yet
-                    "dead": dead if isinstance(dead, int) else 0})
-    return out, None
+        depths = RedisLaneProducer(client, pool=pool).lane_depths([lane for lane, _ in lanes], group)
+    except BackendError as exc:
+        return [], f"Redis cannot be read ({type(exc.__cause__ or exc).__name__})"
+    return [{"lane": depth.lane, "priority": priority, "stream": depth.queue, "length": depth.length,
+             "pending": depth.pending, "dead": depth.dead} for depth, (_, priority) in zip(depths, lanes)], None
 
 
 def _router_problem(settings, sampler: RouterSampler | None) -> str | None:

@@ -61,13 +61,13 @@ def vllm_type_for_status(status: int) -> ErrorType:
             503: ErrorType.VLLM_SERVICE_UNAVAILABLE}.get(status, ErrorType.VLLM_INTERNAL)
 
 
-def error_envelope(message: str, type: str, param: str | None = None,  # noqa: A002 - OpenAI's field name
+def error_envelope(message: str, type: str, param: str | None = None,
                    code: str | int | None = None) -> dict[str, Any]:
     """The envelope as a dict: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": str(type), "param": param, "code": code}}
 
 
-def error_json(message: str, type: str, param: str | None = None,  # noqa: A002 - OpenAI's field name
+def error_json(message: str, type: str, param: str | None = None,
                code: str | int | None = None) -> bytes:
     """The envelope as JSON bytes (UTF-8)."""
     return orjson.dumps(error_envelope(message, type, param, code))

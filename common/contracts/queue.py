@@ -48,7 +48,6 @@ from typing import Annotated, Any
 import msgspec
 import orjson
 
-
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 DEFAULT_POOL = "default"
 

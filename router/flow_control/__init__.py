@@ -2,7 +2,7 @@
 
 ``FlowControlConfig`` (config.py) → ``FlowControlCore`` (core.py, pure: bands, flows, EDF, limits,
 TTL, quotas, saturation gating, eviction) → ``FlowController`` (controller.py, asyncio facade the
-proxy calls). Drops raise ``RequestDropped`` (errors.py) with the contract's reason, status and
+router's director calls). Drops raise ``RequestDropped`` (errors.py) with the contract's reason, status and
 Retry-After.
 """
 

@@ -70,14 +70,14 @@ class BandConfig(BaseModel):
 
     objective: str = Field(min_length=1)
     priority: int
-    max_queued_requests: int = Field(DEFAULT_MAX_QUEUED_REQUESTS, ge=0)
-    max_queued_bytes: int = Field(DEFAULT_MAX_QUEUED_BYTES, ge=0)
-    ttl_s: float | None = Field(None, ge=0)
+    max_queued_requests: int = Field(default=DEFAULT_MAX_QUEUED_REQUESTS, ge=0)
+    max_queued_bytes: int = Field(default=DEFAULT_MAX_QUEUED_BYTES, ge=0)
+    ttl_s: float | None = Field(default=None, ge=0)
     sheddable: bool = False
     bypass_saturation: bool = False
-    max_in_flight: int | None = Field(None, ge=1)
-    tenant_max_in_flight: int | None = Field(None, ge=1)
-    tenant_max_queued: int | None = Field(None, ge=1)
+    max_in_flight: int | None = Field(default=None, ge=1)
+    tenant_max_in_flight: int | None = Field(default=None, ge=1)
+    tenant_max_queued: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _bypass_needs_bound(self) -> BandConfig:
@@ -88,11 +88,11 @@ class BandConfig(BaseModel):
 
 def default_bands() -> list[BandConfig]:
     """The three default bands (module docstring explains each number)."""
-    gated = {"ttl_s": 600.0, "sheddable": True, "tenant_max_queued": DEFAULT_MAX_QUEUED_REQUESTS // 4}
+    tenant_max_queued = DEFAULT_MAX_QUEUED_REQUESTS // 4
     return [
         BandConfig(objective="interactive", priority=100, ttl_s=30.0, bypass_saturation=True, max_in_flight=64),
-        BandConfig(objective="async", priority=10, **gated),
-        BandConfig(objective="batch", priority=-10, **gated),
+        BandConfig(objective="async", priority=10, ttl_s=600.0, sheddable=True, tenant_max_queued=tenant_max_queued),
+        BandConfig(objective="batch", priority=-10, ttl_s=600.0, sheddable=True, tenant_max_queued=tenant_max_queued),
     ]
 
 
@@ -109,8 +109,8 @@ class FlowControlConfig(BaseModel):
     bands: list[BandConfig] = Field(default_factory=default_bands, min_length=1)
     default_objective: str = "interactive"
     eviction: bool = False
-    eviction_interval_s: float = Field(1.0, ge=0)
-    poll_interval_s: float = Field(0.01, gt=0)
+    eviction_interval_s: float = Field(default=1.0, ge=0)
+    poll_interval_s: float = Field(default=0.01, gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> FlowControlConfig:

@@ -1,4 +1,4 @@
-"""The asyncio facade the router's proxy uses: admit a request, wait for dispatch, release it.
+"""The asyncio facade the router's director uses: admit a request, wait for dispatch, release it.
 
 ::
 
@@ -147,11 +147,6 @@ class FlowController:
         """True between :meth:`start` and :meth:`stop`."""
         return self._task is not None and not self._task.done() and not self._stopping
 
-    @property
-    def in_flight_requests(self) -> int:
-        """Requests dispatched and not yet released or evicted, over all bands."""
-        return self._core.in_flight_requests
-
     async def start(self) -> None:
         """Start the background dispatch/TTL task. Idempotent."""
         if not self.running:
@@ -261,11 +256,11 @@ class FlowController:
             admission = self._admissions[ticket] = Admission(self, ticket)
             future.set_result(admission)
         for ticket in result.evicted:
-            admission = self._admissions.pop(ticket, None)
+            evicted = self._admissions.pop(ticket, None)
             log.info("evicted", extra={"action": "flow_control.evicted", "request_id": ticket.item.request_id,
                                        "band": ticket.band.objective})
-            if admission is not None:
-                admission._evict(RequestDropped(DropReason.EVICTED,
+            if evicted is not None:
+                evicted._evict(RequestDropped(DropReason.EVICTED,
                                                 f"{ticket.band.objective} band: evicted for higher-priority work",
                                                 retry_after_s=1.0))
 

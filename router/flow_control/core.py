@@ -234,13 +234,8 @@ class FlowControlCore:
 
     @property
     def in_flight_requests(self) -> int:
-        """Items dispatched and not yet released, over all bands (up to date inside :meth:`step`,
-        so a saturation callable can count the dispatches of the step that is running)."""
-        return sum(len(b.in_flight) for b in self._bands)
-
-    @property
-    def in_flight_requests(self) -> int:
-        """Items dispatched and not yet released or evicted, over all bands."""
+        """Items dispatched and not yet released or evicted, over all bands (up to date inside
+        :meth:`step`, so a saturation callable can count the dispatches of the step that is running)."""
         return sum(len(b.in_flight) for b in self._bands)
 
     def queued_tickets(self) -> Iterator[Ticket]:

@@ -6,7 +6,7 @@
     ├── ConfigError                  invalid flow-control config (also a ValueError); start-up only
     └── RequestDropped               the router will not run this request now: 429 (or 503) with a reason
 
-``RequestDropped`` carries what the proxy answers (contracts/queue-and-headers.md): the HTTP status,
+``RequestDropped`` carries what the router answers (contracts/queue-and-headers.md): the HTTP status,
 ``Retry-After`` and ``x-llm-d-request-dropped-reason`` headers, and OpenAI's error envelope.
 """
 
@@ -77,10 +77,14 @@ class RequestDropped(FlowControlError):
         """The response headers: ``Retry-After`` and ``x-llm-d-request-dropped-reason``."""
         return {"Retry-After": self.retry_after_header, DROPPED_REASON_HEADER: self.reason.value}
 
+    @property
+    def error_type(self) -> ErrorType:
+        """The envelope's ``type``, as vLLM names it for the status."""
+        return ErrorType.VLLM_SERVICE_UNAVAILABLE if self.status == 503 else ErrorType.VLLM_RATE_LIMIT
+
     def body(self) -> dict[str, Any]:
         """OpenAI's error envelope; ``type`` as vLLM names it for the status, ``code`` the reason::
 
         {"error": {"message": "...", "type": "RateLimitError", "param": null, "code": "rejected-capacity"}}
         """
-        kind = ErrorType.VLLM_SERVICE_UNAVAILABLE if self.status == 503 else ErrorType.VLLM_RATE_LIMIT
-        return error_envelope(self.message, kind, code=self.reason.value)
+        return error_envelope(self.message, self.error_type, code=self.reason.value)

@@ -5,7 +5,7 @@ only for ``*``, ``::``, ``ipc://``, ``inproc://``), so the router BINDS one SUB 
 engine connects to that one address; each engine's topic says who it is. Engines started with a
 bound PUB (``tcp://*:port``) can be read instead by connecting to them (``sources``).
 
-Topic → endpoint: our fleet's topic is ``kv@<host>:<port>@<model>`` (``router.fleet.launch``), which
+Topic → endpoint: our fleet's topic is ``kv@<host>:<port>@<model>`` (``engine_twin.launch``), which
 names the endpoint ``http://<host>:<port>`` (the engine's base URL, as the router's pool names
 endpoints) and the model seeding the key chain. ``endpoint_for_topic`` overrides this, and names
 engines whose topic does not carry their address: ``{topic or topic prefix: endpoint name or

@@ -104,7 +104,8 @@ def load_config(path: str | Path) -> SchedulerConfig:
 def dump_config(config: SchedulerConfig) -> str:
     """The config as YAML with llm-d's camelCase keys; ``parse_config(dump_config(c)) == c``."""
     data = config.model_dump(by_alias=True, exclude_none=True)
-    return yaml.safe_dump(data, sort_keys=False)
+    text: str = yaml.safe_dump(data, sort_keys=False)
+    return text
 
 
 def build_scheduler(
@@ -150,10 +151,10 @@ def build_scheduler(
     if not config.scheduling_profiles:
         raise ConfigError("scheduling config has no schedulingProfiles")
     profiles: dict[str, SchedulerProfile] = {}
-    for spec in config.scheduling_profiles:
-        if spec.name in profiles:
-            raise ConfigError(f"profile name {spec.name!r} is used twice")
-        profiles[spec.name] = _build_profile(spec, plugins, create)
+    for profile_spec in config.scheduling_profiles:
+        if profile_spec.name in profiles:
+            raise ConfigError(f"profile name {profile_spec.name!r} is used twice")
+        profiles[profile_spec.name] = _build_profile(profile_spec, plugins, create)
     return Scheduler(profiles)
 
 

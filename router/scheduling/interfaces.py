@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from router.scheduling.types import CycleState, Endpoint, LLMRequest
 
 if TYPE_CHECKING:
-    from router.scheduling.scheduler import SchedulingResult
+    from router.scheduling.types import SchedulingResult
 
 #: Cache tier names as in vLLM's KV events ``medium`` field, lower-cased.
 TIER_GPU = "gpu"
@@ -97,7 +97,7 @@ class ResponseComplete(Protocol):
 
 
 class PrefixIndex(Protocol):
-    """The precise prefix index (fed by the engines' KV events; built by issue 4, not here).
+    """The precise prefix index (fed by the engines' KV events; built by :mod:`router.kv_index`, not here).
 
     Keys are :mod:`router.scheduling.hashing` block keys of the prompt, block 0 first.
     """

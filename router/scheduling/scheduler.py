@@ -17,39 +17,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from router.scheduling.errors import NoCandidatesError
 from router.scheduling.interfaces import DataProducer, Filter, Picker, PreRequest, ResponseComplete, Scorer
-from router.scheduling.types import CycleState, Endpoint, LLMRequest
+from router.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
-
-@dataclass(slots=True)
-class SchedulingResult:
-    """One decision.
-
-    Attributes:
-        profile: the profile's name.
-        endpoint: the chosen endpoint.
-        candidates: the endpoints left after the filters (scores below are aligned with these).
-        totals: weighted total score per candidate.
-        scores: scorer instance name → its clamped scores (0..1, before weighting) per candidate.
-        state: the decision's CycleState (producers' data, filter outcomes) for hooks and metrics.
-    """
-
-    profile: str
-    endpoint: Endpoint
-    candidates: list[Endpoint]
-    totals: list[float]
-    scores: dict[str, list[float]]
-    state: CycleState
-
-    def breakdown(self) -> dict[str, dict[str, float]]:
-        """Per-scorer scores keyed by endpoint name, plus ``"total"`` (for debug logs and tests)."""
-        names = [ep.name for ep in self.candidates]
-        out = {scorer: dict(zip(names, values)) for scorer, values in self.scores.items()}
-        out["total"] = dict(zip(names, self.totals))
-        return out
+__all__ = ["Scheduler", "SchedulerProfile", "SchedulingResult", "clamp_unit"]
 
 
 def clamp_unit(x: float) -> float:

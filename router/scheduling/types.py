@@ -1,7 +1,7 @@
 """Data the scheduler works on: endpoints, the request being placed, and per-decision state.
 
 * :class:`Endpoint` — one engine (its base URL), its scraped metrics and the router's own in-flight
-  counters. Mutable: the metrics scraper and the proxy update it in place; plugins only read it.
+  counters. Mutable: the pool updates it in place (scrapes, in-flight counters); plugins only read it.
 * :class:`LLMRequest` — what the scheduler knows about one request (model, prompt tokens or bytes,
   session, objective). Carries a memo of its prompt block keys so the prompt is hashed once per
   request, whichever plugins ask (see :mod:`router.scheduling.hashing`).
@@ -9,6 +9,7 @@
   scorers and post-decision hooks read (llm-d's ``CycleState``).
 * :class:`PrefixMatchInfo` — what a prefix producer writes into the cycle state for its consumers
   (llm-d's ``PrefixCacheMatchInfo``).
+* :class:`SchedulingResult` — one decision: the chosen endpoint, the candidates and their scores.
 
 Metric names follow vLLM's ``/metrics`` (``vllm:num_requests_waiting`` → ``num_requests_waiting``),
 see ``shared/contracts/vllm-engine.md``.
@@ -165,3 +166,31 @@ def prefix_match_key(producer_name: str) -> str:
     """The CycleState key under which the producer named ``producer_name`` stores its
     :class:`PrefixMatchInfo`."""
     return f"prefix-match/{producer_name}"
+
+
+@dataclass(slots=True)
+class SchedulingResult:
+    """One decision.
+
+    Attributes:
+        profile: the profile's name.
+        endpoint: the chosen endpoint.
+        candidates: the endpoints left after the filters (scores below are aligned with these).
+        totals: weighted total score per candidate.
+        scores: scorer instance name → its clamped scores (0..1, before weighting) per candidate.
+        state: the decision's CycleState (producers' data, filter outcomes) for hooks and metrics.
+    """
+
+    profile: str
+    endpoint: Endpoint
+    candidates: list[Endpoint]
+    totals: list[float]
+    scores: dict[str, list[float]]
+    state: CycleState
+
+    def breakdown(self) -> dict[str, dict[str, float]]:
+        """Per-scorer scores keyed by endpoint name, plus ``"total"`` (for debug logs and tests)."""
+        names = [ep.name for ep in self.candidates]
+        out = {scorer: dict(zip(names, values)) for scorer, values in self.scores.items()}
+        out["total"] = dict(zip(names, self.totals))
+        return out

@@ -222,7 +222,7 @@ def _events(real: dict[str, Any], sim: dict[str, Any]) -> list[str]:
 
 
 def start_sim(tokenizer: str) -> tuple[subprocess.Popen, str, str]:
-    from router.fleet.launch import sim_engine_argv, wait_ready
+    from engine_twin.launch import sim_engine_argv, wait_ready
 
     port, events = free_port(), free_port()
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}"}

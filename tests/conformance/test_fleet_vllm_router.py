@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.fleet.launch import sim_engine_argv, wait_ready
+from engine_twin.launch import sim_engine_argv, wait_ready
 
 
 def _router_binary() -> str:

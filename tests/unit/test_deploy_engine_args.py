@@ -1,4 +1,4 @@
-"""deploy/ runs real engines with exactly the command line router/fleet/launch.py builds."""
+"""deploy/ runs real engines with exactly the command line engine_twin/launch.py builds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from router.fleet.launch import vllm_engine_argv
+from engine_twin.launch import vllm_engine_argv
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "vllm" / "engine-args.yaml"
 

@@ -24,7 +24,7 @@ from router.scheduling.plugins.prefix import APPROX_PRODUCER_TYPE
 from router.scheduling.types import CycleState, Endpoint, LLMRequest, PrefixMatchInfo, prefix_match_key
 
 if TYPE_CHECKING:
-    from router.scheduling.scheduler import SchedulingResult
+    from router.scheduling.types import SchedulingResult
 
 NO_HIT_LRU_TYPE = "no-hit-lru-scorer"
 

@@ -28,7 +28,7 @@ from router.scheduling.plugins.params import PluginParams, parse_params
 from router.scheduling.types import CycleState, Endpoint, LLMRequest, PrefixMatchInfo, prefix_match_key
 
 if TYPE_CHECKING:
-    from router.scheduling.scheduler import SchedulingResult
+    from router.scheduling.types import SchedulingResult
 
 APPROX_PRODUCER_TYPE = "approx-prefix-cache-producer"
 PRECISE_PRODUCER_TYPE = "precise-prefix-cache-producer"

@@ -22,7 +22,7 @@ from router.scheduling.plugins.params import PluginParams, parse_params
 from router.scheduling.types import CycleState, Endpoint, LLMRequest
 
 if TYPE_CHECKING:
-    from router.scheduling.scheduler import SchedulingResult
+    from router.scheduling.types import SchedulingResult
 
 SESSION_AFFINITY_TYPE = "session-affinity-scorer"
 

@@ -21,11 +21,12 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from common.contracts.queue import RESULT_FIELD, RequestMessage, decode_result, encode_request, request_stream
 from async_processor.processor import run_processor
 from async_processor.settings import build_settings
 from backfill.up import free_port
-from router.fleet.launch import backfill_executable, sim_engine_argv, wait_ready
+from common.contracts.queue import RESULT_FIELD, RequestMessage, decode_result, encode_request, request_stream
+from common.executable import backfill_executable
+from engine_twin.launch import sim_engine_argv, wait_ready
 from tests.conftest import serve
 
 LANES = ["interactive", "async", "batch"]

@@ -20,9 +20,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from router.bench.launch import ProcessGroup
-from router.fleet.bench import free_port
-from router.fleet.launch import sim_engine_argv
+from backfill.bench.engine_sim import free_port
+from backfill.bench.launch import ProcessGroup
+from engine_twin.launch import sim_engine_argv
 from router.kv_index.index import KVBlockIndex
 from router.kv_index.subscriber import KVEventSubscriber
 from router.scheduling.config import build_scheduler, parse_config

@@ -13,11 +13,11 @@ import re
 import jsonschema
 import pytest
 import yaml
-
-from async_processor.settings import ProcessorSettings
 from compose_env import MissingVariable, interpolate, service_environment
 from conftest import DEPLOY, REPO, settings_from, settings_under_env
-from router.fleet.launch import sim_engine_argv
+
+from async_processor.settings import ProcessorSettings
+from engine_twin.launch import sim_engine_argv
 from router.settings import build_settings
 
 COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())

@@ -146,9 +146,9 @@ def test_dashboard_panels_all_have_parsable_targets_on_documented_series():
 
 
 def test_contract_names_are_registered_in_the_code():
-    """Router and engine series of the contract exist in router/ (the simulator reproduces vLLM's
-    names); counters are registered without their _total suffix."""
-    source = "\n".join(p.read_text() for p in (REPO / "router").rglob("*.py"))
+    """Router and engine series of the contract exist in router/ and engine_twin/ (the simulator
+    reproduces vLLM's names); counters are registered without their _total suffix."""
+    source = "\n".join(p.read_text() for d in ("router", "engine_twin") for p in (REPO / d).rglob("*.py"))
     names = documented_series() - set(NAME.findall((REPO / "docs" / "observability.md").read_text()))
     assert names  # the router's and the engines' series
     for name in sorted(names - {"up"}):

@@ -1,4 +1,4 @@
-"""deploy/k8s is wired to the code: engine command lines come from router/fleet/launch.py, KV
+"""deploy/k8s is wired to the code: engine command lines come from engine_twin/launch.py, KV
 events reach the router's bound socket, the router's scheduling config is the shipped one, KEDA
 watches the streams and subscriptions the processors read, and every BACKFILL_* variable is a
 setting some service reads (and validates)."""
@@ -17,7 +17,7 @@ from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
 from batch_gateway.store.files import build_file_store, storage_key
 from common.contracts.queue import LANE_PRIORITIES, pubsub_request_topic, request_stream
-from router.fleet.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
+from engine_twin.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
 from router.scheduling.config import parse_config
 from router.scheduling.plugins.prefix import PRECISE_PRODUCER_TYPE
 from router.settings import RouterSettings
@@ -31,7 +31,7 @@ CPU_OFFLOAD_BYTES = 32 << 30  # deploy/vllm/engine-args.yaml: the 32 GiB CPU KV 
 OFFLOAD_KEYS_SINCE = {"cpu_bytes_to_use": (0, 15, 0), "eviction_policy": (0, 11, 2)}
 SETTINGS_BY_PREFIX = {"BACKFILL_PROCESSOR_": ProcessorSettings, "BACKFILL_ROUTER_": RouterSettings,
                       "BACKFILL_WORKER_": WorkerSettings, "BACKFILL_GATEWAY_": GatewaySettings}
-SOURCE_DIRS = ("backfill", "common", "batch_gateway", "workers", "async_processor", "router")
+SOURCE_DIRS = ("backfill", "common", "batch_gateway", "workers", "async_processor", "router", "engine_twin")
 
 
 def find(objects, kind: str, name: str) -> dict[str, Any]:
@@ -207,7 +207,7 @@ def image_version(image: str) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("overlay", ["production", "pubsub"])
 def test_vllm_image_reads_the_offload_keys_the_builder_emits(rendered, overlay):
-    """The pinned vLLM release reads every CPU-tier key router/fleet/launch.py puts in
+    """The pinned vLLM release reads every CPU-tier key engine_twin/launch.py puts in
     --kv-transfer-config (v0.11.0 required num_cpu_blocks and refused to start)."""
     argv = vllm_engine_argv("m", 8000, ["m"], None, cpu_offload_bytes=CPU_OFFLOAD_BYTES)
     keys = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]

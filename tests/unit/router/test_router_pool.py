@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from router.director import DecisionRate
 from router.pool import parse_engine_metrics, ready_pod_urls
-from router.proxy import DecisionRate
 
 #: Lines as a real vLLM 0.32 (CPU build) printed them, two data-parallel ranks, plus noise.
 VLLM_TEXT = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from router.fleet import kv_events as sim_events
+from engine_twin import kv_events as sim_events
 from router.kv_index.events import (
     AllBlocksCleared,
     BlockRemoved,

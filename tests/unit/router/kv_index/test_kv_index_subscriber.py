@@ -12,8 +12,8 @@ import pytest
 import zmq
 from scheduling_helpers import prompt
 
-from router.fleet import kv_events as sim_events
-from router.fleet.settings import KVEventsConfig
+from engine_twin import kv_events as sim_events
+from engine_twin.settings import KVEventsConfig
 from router.kv_index.index import KVBlockIndex
 from router.kv_index.subscriber import KVEventSubscriber, parse_fleet_topic
 from router.scheduling.hashing import chain_seed, chained_keys, tokens_to_bytes

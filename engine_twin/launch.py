@@ -1,0 +1,130 @@
+"""Command lines of the fleet's engines, built in one place: simulated (``backfill engine-sim``) and
+real vLLM (``python -m vllm.entrypoints.openai.api_server``), plus a readiness wait.
+
+Both take vLLM's flag names, so the two lines differ only where the simulator has no GPU to size::
+
+    sim_engine_argv(8001, ["gpt-3.5-turbo"], "tcp://127.0.0.1:5557")
+    vllm_engine_argv("/models/llama", 8001, ["gpt-3.5-turbo"], "tcp://127.0.0.1:5557",
+                     cpu_offload_bytes=8 << 30)
+
+KV events: the endpoint goes into ``--kv-events-config`` with the topic ``kv@<host>:<port>@<model>``
+(:func:`~engine_twin.kv_events.fleet_topic`). With ``tcp://host:port`` the engine connects and the
+router's subscriber binds; with ``tcp://*:port`` the engine binds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from common.executable import backfill_executable
+from engine_twin.kv_events import fleet_topic
+
+PREFIX_HASH_ALGO = "sha256_cbor"
+
+
+def kv_events_config_json(endpoint: str, host: str, port: int, model: str) -> str:
+    """vLLM's ``--kv-events-config`` JSON for one engine (ZMQ publisher, fleet topic)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                       "topic": fleet_topic(host, port, model)})
+
+
+def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endpoint: str | None = None, *,
+                    host: str = "127.0.0.1", block_size: int = 16, num_gpu_blocks: int | None = None,
+                    cpu_offload_blocks: int = 0, max_num_seqs: int | None = None,
+                    max_model_len: int | None = None, hash_seed: str = "0", time_scale: float | None = None,
+                    tokenizer: str | None = None, kv_events_layout: str = "map",
+                    scheduling_policy: str = "priority", extra: Sequence[str] = ()) -> list[str]:
+    """argv of one simulated engine (``backfill engine-sim …``), ready for ``subprocess.Popen``.
+
+    ``served_model_names``: every name the engine answers to (the first labels its metrics).
+    ``kv_events_endpoint``: ZMQ endpoint for KV events, or None for no events. Sizes are in blocks
+    of ``block_size`` tokens. Options left None keep the simulator's defaults (see ``settings``).
+    Prompt-token details are always on. Raises ``ValueError`` without a model name.
+    """
+    if not served_model_names:
+        raise ValueError("served_model_names needs at least one name")
+    argv = [*backfill_executable(), "engine-sim", "--host", host, "--port", str(port),
+            "--served-model-name", *served_model_names, "--block-size", str(block_size),
+            "--hash-seed", hash_seed, "--scheduling-policy", scheduling_policy,
+            "--enable-prompt-tokens-details", "--kv-events-layout", kv_events_layout]
+    optional: dict[str, Any] = {"--num-gpu-blocks-override": num_gpu_blocks, "--max-num-seqs": max_num_seqs,
+                                "--max-model-len": max_model_len, "--time-scale": time_scale,
+                                "--tokenizer": tokenizer}
+    if cpu_offload_blocks:
+        optional["--cpu-offload-blocks"] = cpu_offload_blocks
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if kv_events_endpoint:
+        argv += ["--kv-events-config", kv_events_config_json(kv_events_endpoint, host, port, served_model_names[0])]
+    return argv + list(extra)
+
+
+def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
+                     kv_events_endpoint: str | None = None, *, host: str = "127.0.0.1",
+                     python: str | None = None, block_size: int | None = None,
+                     cpu_offload_bytes: int = 0, max_num_seqs: int | None = None,
+                     max_model_len: int | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """argv of one real vLLM engine for the fleet.
+
+    ``model``: a Hugging Face id or local directory. ``python``: the interpreter of the vLLM
+    virtualenv (default: this one). Always on: prefix caching with ``sha256_cbor`` hashes,
+    ``--enable-prompt-tokens-details``, ``--scheduling-policy priority``. ``kv_events_endpoint``
+    adds ``--kv-events-config`` (topic ``kv@<host>:<port>@<first name>``); ``cpu_offload_bytes`` > 0
+    adds the CPU tier: ``--kv-transfer-config`` with vLLM's ``OffloadingConnector`` and
+    ``cpu_bytes_to_use`` (bytes), LRU eviction. Run it with :func:`vllm_engine_env`.
+    Raises ``ValueError`` without a model name.
+    """
+    if not served_model_names:
+        raise ValueError("served_model_names needs at least one name")
+    argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", host, "--port", str(port), "--served-model-name", *served_model_names,
+            "--enable-prefix-caching", "--prefix-caching-hash-algo", PREFIX_HASH_ALGO,
+            "--enable-prompt-tokens-details", "--scheduling-policy", "priority"]
+    for flag, value in {"--block-size": block_size, "--max-num-seqs": max_num_seqs,
+                        "--max-model-len": max_model_len}.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if kv_events_endpoint:
+        argv += ["--kv-events-config", kv_events_config_json(kv_events_endpoint, host, port, served_model_names[0])]
+    if cpu_offload_bytes:
+        argv += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": int(cpu_offload_bytes), "eviction_policy": "lru"},
+        })]
+    return argv + list(extra)
+
+
+def vllm_engine_env(hash_seed: str = "0", base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a real engine: ``PYTHONHASHSEED`` fixes vLLM's ``NONE_HASH`` so block hashes
+    repeat across restarts and match a simulator started with the same ``--hash-seed``."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONHASHSEED"] = hash_seed
+    return env
+
+
+def wait_ready(base_url: str, timeout: float = 30.0, process: Any = None, interval: float = 0.05) -> None:
+    """Poll ``GET {base_url}/health`` until it answers 200.
+
+    ``process``: an optional ``subprocess.Popen``; if it exits first, raises ``RuntimeError`` with its
+    exit code. Raises ``TimeoutError`` after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"engine exited with status {process.returncode} before becoming ready")
+            try:
+                if client.get(f"{base_url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(interval)
+    raise TimeoutError(f"{base_url}/health not ready after {timeout} s")

@@ -1,0 +1,494 @@
+"""The simulated engine's HTTP server: ``create_app(settings)`` builds a FastAPI app whose lifespan
+owns one :class:`~engine_twin.engine.SimEngine` (on ``app.state.engine``). No module-level app.
+
+Endpoints (vLLM's): ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+``/v1/responses``, ``/tokenize``, ``/detokenize``, ``/reset_prefix_cache``; ``GET /v1/models``,
+``/health``, ``/metrics``, ``/version``. Simulator only: ``POST /sim/fault`` (see :mod:`faults`) and
+``GET /sim/state`` (running, waiting, KV usage, blocks per tier, event batches sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import random
+import struct
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from engine_twin.engine import Outcome, SimEngine
+from engine_twin.errors import BadRequestError, EngineSimError, InvalidJSONError
+from engine_twin.protocol import (
+    GenerationSpec,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now,
+    parse_chat,
+    parse_completion,
+    parse_response,
+    resolve_model,
+    usage_block,
+)
+from engine_twin.settings import EngineSimSettings
+from engine_twin.tokenizer import render_chat
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+SIM_VERSION = "0.0.0+backfill-sim"
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        try:  # the error path only: take the stdlib's message, as vLLM's FastAPI validation reports it
+            json.loads(raw)
+            detail = "JSON decode error"
+        except ValueError as exc:
+            detail = getattr(exc, "msg", str(exc))
+        raise InvalidJSONError(detail) from None
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object")
+    return body
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return when ``receive`` yields ``http.disconnect``. Called only after the body has been read,
+    so any ``http.request`` message it sees is an empty trailer and is dropped."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work`` while watching ``receive`` for the client's disconnect (vLLM's
+    ``with_cancellation``).
+
+    Returns ``work``'s result. On a disconnect the work is cancelled and awaited, so the engine's
+    ``finally`` has aborted the request and freed its blocks before this raises
+    :class:`starlette.requests.ClientDisconnect`. A watch that fails for any other reason is logged
+    and the work runs to its end unwatched: only a real ``http.disconnect`` aborts a request.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watcher.done() and not watcher.cancelled():
+            if (error := watcher.exception()) is None:
+                raise ClientDisconnect()  # the finally below cancels and awaits the work first
+            logger.warning("disconnect watch failed (%r); the request runs to its end", error)
+        return await task
+    finally:
+        watcher.cancel()
+        if not task.done():  # this handler itself was cancelled (server shutdown): stop the work too
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T], engine: SimEngine) -> T:
+    """:func:`_unless_disconnected` on ``request``. At ``time_scale`` 0 the engine never sleeps and a
+    request admitted on arrival finishes without yielding, so the watch is skipped (``backfill bench
+    engine-sim`` measures that path); a request queued behind ``--max-num-seqs`` or a full cache is
+    then not aborted by a disconnect."""
+    if engine.settings.time_scale == 0:
+        return await work
+    return await _unless_disconnected(request.receive, work)
+
+
+class _ClientGone(Response):
+    """The answer to a client that has gone: sent for form's sake. ASGI < 2.4 servers drop it; 2.4
+    servers raise ``OSError`` on the send, which is swallowed (nothing is logged)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with contextlib.suppress(OSError):
+            await super().__call__(scope, receive, send)
+
+
+class EngineStream(StreamingResponse):
+    """An SSE response that aborts its engine request as soon as the client goes away.
+
+    Starlette's ``StreamingResponse`` watches for ``http.disconnect`` only under ASGI spec < 2.4 and
+    never closes its body iterator; this one always races the body against :func:`_disconnect`
+    (uvicorn's h11 and httptools alike) and always closes the iterator, so the engine's ``finally``
+    frees the request's blocks at once. A client that goes away gets nothing more; no error is raised.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await _unless_disconnected(receive, self.stream_response(send))
+        except (ClientDisconnect, OSError):  # OSError: an ASGI 2.4 server's send to a gone client
+            pass
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def create_app(settings: EngineSimSettings) -> FastAPI:
+    """The simulator app for ``settings``; the engine lives from lifespan start to stop."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = SimEngine(settings)
+        app.state.engine = engine
+        try:
+            yield
+        finally:
+            engine.close()
+
+    app = FastAPI(title="backfill engine simulator", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    @app.exception_handler(EngineSimError)
+    async def _error(request: Request, exc: EngineSimError) -> Response:
+        return _json(exc.body(), exc.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        return _ClientGone(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    def engine_of(request: Request) -> SimEngine:
+        return request.app.state.engine
+
+    async def generation(request: Request, parse) -> tuple[SimEngine, GenerationSpec]:
+        engine = engine_of(request)
+        spec = parse(engine.settings, engine.tokenizer, await _body(request))
+        await engine.faults.before_request()
+        return engine, spec
+
+    # ---- OpenAI endpoints ------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        engine, spec = await generation(request, parse_chat)
+        if spec.stream:
+            return EngineStream(_chat_stream(engine, spec), media_type="text/event-stream")
+        [out] = await _until_disconnect(request, engine.run(spec), engine)
+        pieces = engine.pieces(out.generated)
+        text = "".join(pieces)
+        choices = [{
+            "index": i,
+            "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                        "audio": None, "function_call": None, "reasoning": None},
+            "logprobs": chat_logprobs(pieces, spec.logprobs) if spec.logprobs is not None else None,
+            "finish_reason": spec.finish_reason, "stop_reason": None, "token_ids": None, "routed_experts": None,
+        } for i in range(spec.n)]
+        return _json({
+            "id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(), "model": spec.model,
+            "choices": choices, "service_tier": None, "system_fingerprint": None,
+            "usage": usage_block(engine.settings, out.prompt_tokens, out.generated * spec.n, out.cached_tokens,
+                                 chat=True),
+            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None,
+        })
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        engine, spec = await generation(request, parse_completion)
+        if spec.stream:
+            if len(spec.prompts) > 1:
+                raise BadRequestError("the simulator streams one prompt per request", "prompt")
+            return EngineStream(_completion_stream(engine, spec), media_type="text/event-stream")
+        outs: list[Outcome] = await _until_disconnect(request, engine.run(spec), engine)
+        choices = []
+        for p, out in enumerate(outs):
+            pieces = engine.pieces(out.generated)
+            echo = spec.echo_texts[p] if spec.echo_texts else ""
+            for k in range(spec.n):
+                choices.append({
+                    "index": p * spec.n + k, "text": echo + "".join(pieces),
+                    "logprobs": completion_logprobs(pieces, spec.logprobs, len(echo))
+                    if spec.logprobs is not None else None,
+                    "finish_reason": spec.finish_reason, "stop_reason": None, "token_ids": None,
+                    "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
+                })
+        prompt_tokens = sum(o.prompt_tokens for o in outs)
+        return _json({
+            "id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": spec.model,
+            "choices": choices, "service_tier": None, "system_fingerprint": None,
+            "usage": usage_block(engine.settings, prompt_tokens, sum(o.generated for o in outs) * spec.n,
+                                 sum(o.cached_tokens for o in outs)),
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        })
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        engine, spec = await generation(request, parse_response)
+        response_id = new_id("resp_")
+        if spec.stream:
+            return EngineStream(_responses_stream(engine, spec, response_id), media_type="text/event-stream")
+        [out] = await _until_disconnect(request, engine.run(spec), engine)
+        return _json(_response_object(engine, spec, response_id, out, "".join(engine.pieces(out.generated))))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        engine = engine_of(request)
+        s = engine.settings
+        body = await _body(request)
+        model = resolve_model(s, body)
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            token_lists = [engine.tokenizer.encode(inputs)]
+        elif isinstance(inputs, list) and inputs and all(isinstance(x, int) for x in inputs):
+            token_lists = [inputs]
+        elif isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
+            token_lists = [engine.tokenizer.encode(x) for x in inputs]
+        elif isinstance(inputs, list) and inputs and all(isinstance(x, list) for x in inputs):
+            token_lists = inputs
+        else:
+            raise BadRequestError("input must be a non-empty string, list of strings or token ids", "input")
+        for tokens in token_lists:
+            if len(tokens) > s.max_model_len:
+                raise BadRequestError(
+                    f"This model's maximum context length is {s.max_model_len} tokens. However, you requested "
+                    f"{len(tokens)} tokens in the input for embedding generation. Please reduce the length "
+                    "of the input.", "input")
+        await engine.faults.before_request()
+        dims = body.get("dimensions") or s.embedding_dim
+        total = sum(len(t) for t in token_lists)
+        delay = s.time_scale * (s.prefill_overhead_ms / 1000 + total / s.prefill_tokens_per_s)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        as_b64 = body.get("encoding_format") == "base64"
+        data = []
+        for i, tokens in enumerate(token_lists):
+            vector = _embedding(tokens, dims)
+            value: Any = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode() if as_b64 else vector
+            data.append({"index": i, "object": "embedding", "embedding": value})
+        engine.metrics.prompt_tokens.inc(total)
+        return _json({"id": new_id("embd-"), "object": "list", "created": now(), "model": model, "data": data,
+                      "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0,
+                                "prompt_tokens_details": None}})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        s = engine_of(request).settings
+        created = now()
+        return _json({"object": "list", "data": [{
+            "id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
+            "parent": None, "max_model_len": s.max_model_len,
+            "permission": [{"id": new_id("modelperm-"), "object": "model_permission", "created": created,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}],
+        } for name in s.served_model_name]})
+
+    # ---- vLLM extras -------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if engine_of(request).faults.healthy else 503)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": SIM_VERSION})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(engine_of(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def rendered(engine: SimEngine, spec: GenerationSpec, prefix: str, prompt: list[int]) -> dict[str, Any]:
+        return {"request_id": new_id(prefix), "model": spec.model, "token_ids": prompt,
+                "sampling_params": {"max_tokens": spec.max_tokens, "n": spec.n}, "priority": spec.priority}
+
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request) -> Response:
+        engine = engine_of(request)
+        spec = parse_completion(engine.settings, engine.tokenizer, await _body(request))
+        return _json([rendered(engine, spec, "cmpl-", p) for p in spec.prompts])
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_render(request: Request) -> Response:
+        engine = engine_of(request)
+        spec = parse_chat(engine.settings, engine.tokenizer, await _body(request))
+        return _json(rendered(engine, spec, "chatcmpl-", spec.prompts[0]))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        engine = engine_of(request)
+        body = await _body(request)
+        if body.get("model"):
+            resolve_model(engine.settings, body)
+        if "messages" in body:
+            text = render_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
+            tokens = engine.tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+        elif isinstance(body.get("prompt"), str):
+            tokens = engine.tokenizer.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+        else:
+            raise BadRequestError("Either 'prompt' or 'messages' must be provided", "prompt")
+        return _json({"count": len(tokens), "max_model_len": engine.settings.max_model_len, "tokens": tokens,
+                      "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        engine = engine_of(request)
+        body = await _body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise BadRequestError("tokens: Input should be a valid list of integers", "tokens")
+        return _json({"prompt": engine.tokenizer.decode(tokens)})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        if not engine_of(request).cache.clear():
+            raise BadRequestError("Failed to reset prefix cache: requests are running")
+        return Response(status_code=200)
+
+    # ---- simulator admin ---------------------------------------------------------------------
+    @app.post("/sim/fault")
+    async def fault(request: Request) -> Response:
+        engine = engine_of(request)
+        body = await _body(request)
+        engine.faults.set(str(body.get("mode", "none")), body.get("count"))
+        if engine.faults.mode == "die":
+            asyncio.get_running_loop().call_later(0.05, _die)
+        return _json({"mode": engine.faults.mode, "remaining": engine.faults.remaining})
+
+    @app.get("/sim/state")
+    async def state(request: Request) -> Response:
+        engine = engine_of(request)
+        sched = engine.scheduler
+        return _json({
+            "running": sched.num_requests_running, "waiting": sched.num_requests_waiting,
+            "prefill_queued": sched.prefill_queued, "kv_usage": engine.cache.usage,
+            "tiers": engine.cache.sizes(), "fault": engine.faults.mode,
+            "kv_event_batches": engine.publisher.sent if engine.publisher else 0,
+            "none_hash": engine.root_hash.hex(), "block_size": engine.settings.block_size,
+        })
+
+    return app
+
+
+def _die() -> None:
+    import os
+
+    os._exit(1)
+
+
+def _embedding(tokens: list[int], dims: int) -> list[float]:
+    """A deterministic unit vector for ``tokens`` (seeded by their SHA-256)."""
+    seed = int.from_bytes(hashlib.sha256(struct.pack(f"<{len(tokens)}q", *tokens)).digest()[:8], "big")
+    rng = random.Random(seed)
+    vector = [rng.gauss(0.0, 1.0) for _ in range(dims)]
+    norm = sum(v * v for v in vector) ** 0.5 or 1.0
+    return [v / norm for v in vector]
+
+
+def _usage_chunk(engine: SimEngine, base: dict[str, Any], spec: GenerationSpec, generated: int,
+                 cached: int) -> bytes:
+    usage = usage_block(engine.settings, len(spec.prompts[0]), generated * spec.n, cached,
+                        chat=spec.kind == "chat", streamed=True)
+    return _sse({**base, "choices": [], "usage": usage, "system_fingerprint": None})
+
+
+async def _chat_stream(engine: SimEngine, spec: GenerationSpec) -> AsyncIterator[bytes]:
+    base = {"id": new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": now(), "model": spec.model}
+    first = True
+    generated = cached = 0
+    async for req, count in engine.stream(spec):
+        generated, cached = count, req.cached_tokens
+        if first:
+            first = False
+            for i in range(spec.n):
+                yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}],
+                            "prompt_token_ids": None, "prompt_text": None})
+        piece = engine.piece(count)
+        done = count >= spec.max_tokens
+        for i in range(spec.n):
+            chunk = {**base, "choices": [{
+                "index": i, "delta": {"content": piece},
+                "logprobs": chat_logprobs([piece], spec.logprobs) if spec.logprobs is not None else None,
+                "finish_reason": spec.finish_reason if done else None, "token_ids": None,
+                **({"stop_reason": None} if done else {}),
+            }]}
+            if spec.continuous_usage:
+                chunk["usage"] = usage_block(engine.settings, len(spec.prompts[0]), count, cached, chat=True,
+                                             streamed=True)
+            yield _sse(chunk)
+    if spec.include_usage:
+        yield _usage_chunk(engine, base, spec, generated, cached)
+    yield b"data: [DONE]\n\n"
+
+
+async def _completion_stream(engine: SimEngine, spec: GenerationSpec) -> AsyncIterator[bytes]:
+    base = {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": spec.model}
+    generated = cached = 0
+    async for req, count in engine.stream(spec):
+        generated, cached = count, req.cached_tokens
+        piece = engine.piece(count)
+        if count == 1 and spec.echo_texts:
+            piece = spec.echo_texts[0] + piece
+        done = count >= spec.max_tokens
+        for i in range(spec.n):
+            yield _sse({**base, "choices": [{
+                "index": i, "text": piece,
+                "logprobs": completion_logprobs([piece], spec.logprobs) if spec.logprobs is not None else None,
+                "finish_reason": spec.finish_reason if done else None, "stop_reason": None,
+                "prompt_token_ids": None, "token_ids": None,
+            }]})
+    if spec.include_usage:
+        yield _usage_chunk(engine, base, spec, generated, cached)
+    yield b"data: [DONE]\n\n"
+
+
+def _response_object(engine: SimEngine, spec: GenerationSpec, response_id: str, out: Outcome | None,
+                     text: str) -> dict[str, Any]:
+    completed = out is not None
+    usage = None
+    if out is not None:
+        usage = {"input_tokens": out.prompt_tokens, "input_tokens_details": {"cached_tokens": out.cached_tokens},
+                 "output_tokens": out.generated, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": out.prompt_tokens + out.generated}
+    output = [{"id": f"msg_{response_id[5:]}", "type": "message", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}]}]
+    return {
+        "id": response_id, "object": "response", "created_at": now(), "model": spec.model,
+        "status": "completed" if completed else "in_progress", "output": output if completed else [],
+        "incomplete_details": None if spec.finish_reason == "stop" or not completed
+        else {"reason": "max_output_tokens"},
+        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "temperature": 1.0, "top_p": 1.0,
+        "max_output_tokens": spec.max_tokens, "usage": usage, "error": None, "instructions": None,
+        "metadata": None, "text": {"format": {"type": "text"}},
+    }
+
+
+async def _responses_stream(engine: SimEngine, spec: GenerationSpec, response_id: str) -> AsyncIterator[bytes]:
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal seq
+        seq += 1
+        return b"event: " + kind.encode() + b"\n" + _sse({"type": kind, "sequence_number": seq - 1, **fields})
+
+    yield event("response.created", response=_response_object(engine, spec, response_id, None, ""))
+    cached = generated = 0
+    item_id = f"msg_{response_id[5:]}"
+    async for req, count in engine.stream(spec):
+        cached, generated = req.cached_tokens, count
+        yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                    delta=engine.piece(count), logprobs=[])
+    out = Outcome(len(spec.prompts[0]), cached, generated)
+    text = "".join(engine.pieces(generated))
+    yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text,
+                logprobs=[])
+    yield event("response.completed", response=_response_object(engine, spec, response_id, out, text))

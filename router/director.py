@@ -1,0 +1,340 @@
+"""The router's decisions for one request: admit → schedule → forward (ROUTING.md "Request path").
+
+:class:`Director` knows nothing of HTTP; :mod:`router.proxy` reads the request, asks the director,
+and writes what it decides. For one parsed request:
+
+1. :meth:`Director.precheck`: no healthy endpoint → :class:`Rejected` 503 at once with
+   ``Retry-After`` (RELIABILITY.md F10: fast 503); no endpoint serving the model → 404;
+2. :meth:`Director.admit`: flow control admits it (waiting while the pool is saturated) →
+   :class:`Admitted`, or refuses it → :class:`Rejected` 429 (503 when no engine exists) with
+   ``Retry-After`` and ``x-llm-d-request-dropped-reason``;
+3. :meth:`Director.forward`: the scheduler picks an endpoint among the healthy ones, the plugins
+   learn (``pre_request``), the pool's in-flight counters rise, and the :class:`Forwarder` (the
+   transport) sends it there. A connection refused before anything ran, or the endpoint declared
+   down before any byte reached the client, retries once on another endpoint; an eviction by flow
+   control or the endpoint going down later ends the request (:class:`Interruption`). The client
+   going away cancels the request's task, which ends the forward as a cancellation;
+4. when a try ends the counters fall and the ``response_complete`` hooks get the cached prompt
+   tokens the engine reported (:attr:`Attempt.cached_tokens`).
+
+What happens is reported to a :class:`router.observer.RouterObserver`; the admin page's decision
+rate is :attr:`Director.decisions`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from common.contracts.errors import ErrorType
+from router.flow_control import Admission, DropReason, FlowController, FlowItem, RequestDropped
+from router.observer import RouterObserver
+from router.parsing import ParsedRequest
+from router.pool import EndpointPool, InFlight
+from router.scheduling.errors import NoCandidatesError
+from router.scheduling.scheduler import Scheduler
+from router.scheduling.types import Endpoint, LLMRequest, PrefixMatchInfo, SchedulingResult
+from router.tokenizers import Prompt, to_llm_request
+
+#: Drop reason header (shared/contracts/queue-and-headers.md).
+DROPPED_REASON = "x-llm-d-request-dropped-reason"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The router will not run the request: the error the client gets.
+
+    Attributes:
+        status: HTTP status.
+        message, code, param: the OpenAI error envelope's fields.
+        error_type: the envelope's ``type``; None: OpenAI's type for the status.
+        headers: response headers (``Retry-After``, the drop reason).
+    """
+
+    status: int
+    message: str
+    code: str
+    error_type: str | None = None
+    param: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def dropped(cls, drop: RequestDropped) -> Rejected:
+        """Flow control's refusal, in vLLM's words (contract)."""
+        return cls(drop.status, drop.message, drop.reason.value, error_type=drop.error_type, headers=drop.headers())
+
+
+#: No healthy endpoint (or none left to try): 503 with ``Retry-After``.
+NO_ENDPOINT = Rejected(503, "no healthy inference endpoint is available", "no_healthy_endpoints",
+                       headers={"Retry-After": "1", DROPPED_REASON: DropReason.CAPACITY.value})
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Flow control let the request run (``admission`` None: flow control is off)."""
+
+    admission: Admission | None = None
+
+    def release(self) -> None:
+        """The request ended: give its place back."""
+        if self.admission is not None:
+            self.admission.release()
+
+
+@dataclass(frozen=True, slots=True)
+class Interruption:
+    """Why a running request was ended by the router: the status and envelope fields it answers
+    (an error response when nothing was sent yet, else an SSE ``error`` event)."""
+
+    status: int
+    message: str
+    code: str
+
+    @property
+    def drop_reason(self) -> str:
+        """The ``x-llm-d-request-dropped-reason`` of the error response."""
+        return DropReason.EVICTED.value if self.code == DropReason.EVICTED.value else DropReason.CAPACITY.value
+
+
+EVICTED = Interruption(429, "evicted to make room for higher-priority work; retry later", DropReason.EVICTED.value)
+ENDPOINT_DOWN = Interruption(503, "the inference endpoint went down", "upstream_failed")
+
+_EVICTED = "evicted"
+_ENDPOINT_DOWN = "endpoint_down"
+
+
+class Attempt:
+    """One try of a request on one endpoint: its share of the endpoint's in-flight counters,
+    whether anything reached the client, and why the router interrupted it, if it did."""
+
+    __slots__ = ("task", "pool", "endpoint", "share", "reason", "sent", "cached_tokens")
+
+    def __init__(self, task: asyncio.Task[object], pool: EndpointPool, share: InFlight) -> None:
+        self.task = task
+        self.pool = pool
+        self.endpoint: Endpoint = share.endpoint
+        self.share = share
+        self.reason: str | None = None
+        self.sent = False
+        self.cached_tokens: int | None = None
+
+    def chunk_sent(self) -> None:
+        """A body chunk of a stream reached the client: the prefill is over."""
+        if not self.sent:
+            self.sent = True
+            self.pool.first_chunk(self.share)
+
+    def engine_failed(self, error: str) -> None:
+        """Talking to the endpoint failed: the pool checks its health now."""
+        self.pool.report_failure(self.endpoint.name, error)
+
+    def interrupt(self, reason: str) -> None:
+        """Cancel the request's task, remembering why (first reason wins)."""
+        if self.reason is None:
+            self.reason = reason
+            self.task.cancel()
+
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Forwarder(Protocol[R_co]):
+    """The transport of one request, as the director drives it (``R_co``: its response type)."""
+
+    async def send(self, attempt: Attempt, retry: bool) -> R_co | None:
+        """Send the request to ``attempt.endpoint`` and relay the answer; None: nothing ran there
+        and ``retry`` allows another endpoint."""
+
+    async def interrupted(self, attempt: Attempt, interruption: Interruption) -> R_co:
+        """End the request the router interrupted."""
+
+    def rejected(self, rejected: Rejected) -> R_co:
+        """Answer a refusal."""
+
+
+class DecisionRate:
+    """Decisions per second over the last ``window_s`` seconds (for the admin page)."""
+
+    def __init__(self, window_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._times: deque[float] = deque()
+
+    def record(self) -> None:
+        """Count one decision now."""
+        now = self.clock()
+        self._times.append(now)
+        self._trim(now)
+
+    def rate(self) -> float:
+        """Decisions per second over the window."""
+        self._trim(self.clock())
+        return len(self._times) / self.window_s
+
+    def _trim(self, now: float) -> None:
+        cutoff = now - self.window_s
+        while self._times and self._times[0] < cutoff:
+            self._times.popleft()
+
+
+class Director:
+    """Admission, scheduling and the forward decisions of every request.
+
+    Args:
+        pool: the endpoint pool (health, metrics, candidates, in-flight counters).
+        scheduler: the scheduling profiles; ``profile`` picks one (None: the first).
+        flow: the flow controller, or None to skip flow control.
+        observer: where what happens is reported (the Prometheus series).
+        objective_priority: objective name → priority (llm-d convention, higher first).
+        default_objective: the objective of a request that names none (or an unknown one).
+    """
+
+    def __init__(self, *, pool: EndpointPool, scheduler: Scheduler, profile: str | None,
+                 flow: FlowController | None, observer: RouterObserver, objective_priority: dict[str, int],
+                 default_objective: str) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.profile = profile
+        self.flow = flow
+        self.observer = observer
+        self.objective_priority = objective_priority
+        self.default_objective = default_objective
+        self.decisions = DecisionRate()
+        self._attempts: dict[str, set[Attempt]] = {}  # endpoint name → tries running there
+
+    # ---- admit ---------------------------------------------------------------------------------------
+    def objective(self, parsed: ParsedRequest) -> str:
+        """The request's objective (band): its own when known, else the default."""
+        name = parsed.objective or self.default_objective
+        return name if name in self.objective_priority else self.default_objective
+
+    def llm_request(self, parsed: ParsedRequest, prompt: Prompt, objective: str) -> LLMRequest:
+        """What the scheduler reads of the request, with its objective's priority."""
+        llm_request = to_llm_request(parsed, prompt, self.objective_priority[objective])
+        llm_request.objective = objective
+        return llm_request
+
+    def precheck(self, parsed: ParsedRequest) -> Rejected | None:
+        """Refuse at once what no endpoint could serve."""
+        if not self.pool.candidates():
+            return NO_ENDPOINT
+        if not self.pool.candidates_for(parsed.model):
+            return Rejected(404, f"The model `{parsed.model}` does not exist.", "model_not_found",
+                            error_type=ErrorType.VLLM_NOT_FOUND, param="model")
+        return None
+
+    async def admit(self, parsed: ParsedRequest, objective: str, received: float) -> Admitted | Rejected:
+        """Wait for flow control's word (at once when flow control is off).
+
+        Raises:
+            asyncio.CancelledError: the client went away while its request waited.
+        """
+        if self.flow is None:
+            return Admitted()
+        deadline = received + parsed.slo_ttft_ms / 1000.0 if parsed.slo_ttft_ms is not None else None
+        item = FlowItem(request_id=parsed.request_id, fairness_id=parsed.fairness_id or "",
+                        objective=objective, byte_size=len(parsed.raw), deadline=deadline)
+        try:
+            admission = await self.flow.admit(item)
+        except asyncio.CancelledError:
+            self.observer.shed(objective, DropReason.CONTEXT_CANCELLED.value)
+            raise
+        except RequestDropped as exc:
+            self.observer.shed(objective, exc.reason)
+            return Rejected.dropped(exc)
+        self.observer.admitted(objective, time.monotonic() - received)
+        return Admitted(admission)
+
+    # ---- schedule ------------------------------------------------------------------------------------
+    def schedule(self, llm_request: LLMRequest, exclude: set[str]) -> SchedulingResult | None:
+        """Pick an endpoint serving the model, not in ``exclude``; None when there is none."""
+        candidates = self.pool.candidates_for(llm_request.model)
+        if exclude:
+            candidates = [ep for ep in candidates if ep.name not in exclude]
+        started = time.perf_counter()
+        try:
+            result = self.scheduler.schedule(llm_request, candidates, self.profile)
+        except NoCandidatesError:
+            return None
+        self.observer.scheduled(time.perf_counter() - started, any(_matched(result)))
+        self.decisions.record()
+        self.scheduler.pre_request(llm_request, result)
+        return result
+
+    # ---- forward -------------------------------------------------------------------------------------
+    async def forward(self, llm_request: LLMRequest, objective: str, admitted: Admitted,
+                      forwarder: Forwarder[R]) -> R:
+        """Schedule and send the request, once more on another endpoint when nothing ran.
+
+        Raises:
+            asyncio.CancelledError: the client went away (the transport closed the upstream
+                connection, so the engine aborts the request).
+        """
+        tried: set[str] = set()
+        task = asyncio.current_task()
+        assert task is not None
+        attempt: Attempt | None = None
+
+        def evict() -> None:
+            if attempt is not None:
+                attempt.interrupt(_EVICTED)
+
+        if admitted.admission is not None:
+            admitted.admission.on_evict(evict)
+        for number in range(2):
+            result = self.schedule(llm_request, tried)
+            if result is None:
+                return forwarder.rejected(NO_ENDPOINT)
+            tried.add(result.endpoint.name)
+            share = self.pool.started(result.endpoint, _uncached_tokens(result, llm_request))
+            attempt = Attempt(task, self.pool, share)
+            self._attempts.setdefault(result.endpoint.name, set()).add(attempt)
+            retry = number == 0
+            try:
+                response = await forwarder.send(attempt, retry)
+            except asyncio.CancelledError:
+                if attempt.reason is None:
+                    raise  # the client went away
+                task.uncancel()
+                if attempt.reason is _EVICTED:
+                    self.observer.shed(objective, DropReason.EVICTED.value)
+                    return await forwarder.interrupted(attempt, EVICTED)
+                # the endpoint was declared down while this request ran on it
+                self.observer.upstream_error("endpoint_down")
+                if retry and not attempt.sent:
+                    continue
+                return await forwarder.interrupted(attempt, ENDPOINT_DOWN)
+            finally:
+                self.pool.finished(attempt.share)
+                self._attempts.get(result.endpoint.name, set()).discard(attempt)
+                self.scheduler.response_complete(llm_request, result, attempt.cached_tokens)
+            if response is not None:
+                return response
+        return forwarder.rejected(NO_ENDPOINT)
+
+    def endpoint_down(self, name: str) -> None:
+        """Pool hook: ``name`` left the candidate set. Its requests in flight are interrupted
+        (the pool reset its counters, so their shares no longer count)."""
+        for attempt in list(self._attempts.pop(name, ())):
+            attempt.interrupt(_ENDPOINT_DOWN)
+
+
+def _matched(result: SchedulingResult) -> list[float]:
+    info = _prefix_info(result)
+    return list(info.matched.values()) if info is not None else []
+
+
+def _prefix_info(result: SchedulingResult) -> PrefixMatchInfo | None:
+    return result.state.first(PrefixMatchInfo)  # the producers' output, whatever their names
+
+
+def _uncached_tokens(result: SchedulingResult, request: LLMRequest) -> int:
+    info = _prefix_info(result)
+    if info is None:
+        return request.prompt_tokens
+    return info.uncached_tokens(result.endpoint.name, request.prompt_tokens)

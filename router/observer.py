@@ -1,0 +1,36 @@
+"""What the router reports about its requests: the hooks the director and the proxy call.
+
+:class:`RouterObserver` is the one place the request path tells the outside what happened; the
+Prometheus series (:class:`router.metrics.RouterMetrics`) implement it. The request path itself
+keeps no counters of its own besides the pool's in-flight counters, which scheduling reads.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class RouterObserver(Protocol):
+    """Hooks called on the request path; each must be cheap and must not raise."""
+
+    def answered(self, objective: str, status: int) -> None:
+        """The client got HTTP ``status`` (499: it went away before any answer)."""
+
+    def shed(self, objective: str, reason: str) -> None:
+        """Flow control refused, dropped or evicted a request (``reason``: the drop reason)."""
+
+    def admitted(self, objective: str, waited_s: float) -> None:
+        """Flow control released a request after ``waited_s`` seconds since it was received."""
+
+    def scheduled(self, seconds: float, prefix_hit: bool) -> None:
+        """A scheduling decision took ``seconds``; ``prefix_hit``: ≥ 1 block matched somewhere."""
+
+    def plugin_timing(self, plugin: str, seconds: float) -> None:
+        """One plugin's share of a decision (``plugin`` = its instance name)."""
+
+    def first_byte(self, objective: str, seconds: float) -> None:
+        """The engine answered, ``seconds`` after the request was received."""
+
+    def upstream_error(self, kind: str) -> None:
+        """Talking to an engine failed (``kind``: connect, stream, endpoint_down)."""
+

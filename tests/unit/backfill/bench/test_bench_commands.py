@@ -1,0 +1,74 @@
+"""`backfill bench prefix --quick` and `backfill bench router-overhead --quick` write the JSON shape
+of the issue's acceptance; a router that is not installed is reported missing, not a failure."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from backfill.bench import launch
+from backfill.bench.launch import POLICIES
+from backfill.bench.prefix import FIGURES, build_trace, engine_options, prefix_command, run_policy
+from backfill.bench.router_overhead import router_overhead_command
+from backfill.bench.workloads import oracle_reusable_tokens
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def test_prefix_quick_writes_every_policy_with_the_four_figures(tmp_path):
+    out = tmp_path / "prefix.json"
+    result = CliRunner().invoke(prefix_command, ["--quick", "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert list(payload["policies"]) == ["round-robin", "approximate", "precise", "vllm-router-cache_aware",
+                                         "vllm-router-kv_aware", "sglang-router-cache_aware"]
+    for name, figures in payload["policies"].items():
+        assert set(FIGURES) <= figures.keys(), name
+        if "missing" in figures:
+            assert all(figures[key] is None for key in FIGURES), name
+            continue
+        assert figures["errors"] == 0, (name, figures.get("first_error"))
+        assert all(_number(figures[key]) for key in FIGURES), name
+        assert 0 < figures["captured_reuse"] <= 1.0
+        assert figures["ttft_p50_s"] <= figures["ttft_p99_s"]
+        assert sum(figures["engines"]["requests_per_engine"]) == payload["trace"]["requests"]
+    # vllm-router is a dev dependency: round-robin always runs
+    assert "missing" not in payload["policies"]["round-robin"], payload["policies"]["round-robin"]["missing"]
+    assert payload["trace"]["working_set_blocks"] > 0 and payload["fleet"]["engines"] == 2
+    assert set(payload["goals"]) >= {"approximate_captured_reuse", "precise_captured_reuse",
+                                     "precise_ttft_p50_vs_round_robin", "approximate_ttft_p99_s_vs_best_peer"}
+
+
+def test_a_peer_that_is_not_installed_is_reported_missing(monkeypatch):
+    monkeypatch.setattr(launch, "peer_binary", lambda name: None)
+    trace = build_trace(quick=True)
+    figures = run_policy("sglang-router-cache_aware", trace, oracle_reusable_tokens(trace).reusable_tokens,
+                         engine_options(True, None, None))
+    assert "sglang-router is not installed" in figures["missing"]
+    assert all(figures[key] is None for key in FIGURES)
+    assert POLICIES["vllm-router-kv_aware"].available() is not None
+
+
+def test_router_overhead_quick_writes_the_headline_figures(tmp_path):
+    out = tmp_path / "overhead.json"
+    result = CliRunner().invoke(router_overhead_command, ["--quick", "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    for key in ("decision_p50_ms", "decision_p99_ms", "added_latency_p50_ms", "throughput_ratio_vs_vllm_router"):
+        assert key in payload
+    assert _number(payload["decision_p50_ms"]) and payload["decision_p50_ms"] <= payload["decision_p99_ms"]
+    assert {(d["endpoints"], d["prompt_tokens"]) for d in payload["decision"]} == {(16, 1000), (16, 8000)}
+    targets = payload["targets"]
+    assert list(targets) == ["direct", "ours", "vllm-router-cache_aware", "vllm-router-round_robin"]
+    assert targets["direct"]["errors"] == 0 and targets["direct"]["requests_per_s"] > 0
+    for name, target in targets.items():
+        if "missing" in target:
+            assert target["requests_per_s"] is None, name
+        else:
+            assert target["errors"] == 0 and target["requests_per_s"] > 0, name
+    if "missing" not in targets["ours"] and "missing" not in targets["vllm-router-cache_aware"]:
+        assert payload["throughput_ratio_vs_vllm_router"] == (targets["ours"]["requests_per_s"]
+                                                              / targets["vllm-router-cache_aware"]["requests_per_s"])

@@ -1,0 +1,136 @@
+"""Block hashing (vLLM's sha256_cbor scheme) and the tiered prefix cache."""
+
+import hashlib
+
+import cbor2
+
+from engine_twin.kv_cache import (
+    TieredPrefixCache,
+    block_hashes,
+    external_hash,
+    hash_block_tokens,
+    none_hash,
+    sha256_cbor,
+)
+from engine_twin.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+BS = 4
+
+
+def test_sha256_cbor_is_sha256_of_canonical_cbor():
+    value = (b"\x01" * 32, (1, 2, 3), None)
+    assert sha256_cbor(value) == hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def test_none_hash_comes_from_the_seed_string_and_falls_back_to_pythonhashseed(monkeypatch):
+    assert none_hash("0") == sha256_cbor("0")
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    assert none_hash(None) == sha256_cbor("42")
+    monkeypatch.delenv("PYTHONHASHSEED")
+    assert none_hash(None) != none_hash(None)  # random, as vLLM without PYTHONHASHSEED
+
+
+def test_block_hashes_chain_from_none_hash_and_skip_the_partial_block():
+    root = none_hash("0")
+    tokens = list(range(10))
+    hashes = block_hashes(tokens, BS, root)
+    assert len(hashes) == 2
+    assert hashes[0] == hash_block_tokens(root, tokens[0:4])
+    assert hashes[1] == hash_block_tokens(hashes[0], tokens[4:8])
+    other = block_hashes([99, 99, 99, 99] + tokens[4:8], BS, root)
+    assert other[1] != hashes[1]  # same tokens, different parent
+
+
+def test_external_hash_is_the_last_eight_bytes_big_endian():
+    h = bytes(range(32))
+    assert external_hash(h) == int.from_bytes(h[-8:], "big")
+    assert external_hash(h) == int.from_bytes(h, "big") & ((1 << 64) - 1)
+
+
+def make_cache(gpu=8, cpu=0, disk=0):
+    events = []
+    cache = TieredPrefixCache(gpu, BS, cpu, disk, sink=events.extend)
+    return cache, events
+
+
+def alloc(cache, tokens, total=None, root=none_hash("0")):
+    hashes = block_hashes(tokens, BS, root)
+    return hashes, cache.allocate(hashes, tokens, total or -(-len(tokens) // BS), len(tokens))
+
+
+def test_new_blocks_are_stored_once_and_a_repeat_is_a_silent_hit():
+    cache, events = make_cache()
+    tokens = list(range(9))  # 2 full blocks + 1 partial
+    hashes, a = alloc(cache, tokens)
+    assert events == [BlockStored([external_hash(h) for h in hashes], None, tokens[:8], BS)]
+    assert cache.used_blocks == 3 and a.gpu_hits == 0
+    cache.release(a)
+    events.clear()
+    _, b = alloc(cache, tokens)
+    assert b.gpu_hits == 2 and b.cached_blocks * BS == 8
+    assert events == []  # a prefix hit produces no event
+
+
+def test_hits_are_capped_at_prompt_len_minus_one():
+    cache, _ = make_cache()
+    tokens = list(range(8))
+    _, a = alloc(cache, tokens)
+    cache.release(a)
+    _, b = alloc(cache, tokens)
+    assert b.gpu_hits == 1  # the last block holds the last prompt token, recomputed
+
+
+def test_lru_eviction_offloads_to_cpu_and_cpu_hits_are_loaded_back():
+    cache, events = make_cache(gpu=4, cpu=4)
+    first = list(range(100, 108))
+    h1, a = alloc(cache, first)
+    cache.release(a)
+    events.clear()
+    h2, b = alloc(cache, list(range(200, 216)))  # needs all 4 GPU blocks: evicts both of `first`
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    offloaded = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert {e.block_hashes[0] for e in removed} == {external_hash(h) for h in h1}
+    assert all(e.medium == "GPU" for e in removed)
+    assert all(e.token_ids == [] and e.parent_block_hash is None for e in offloaded)
+    assert removed[0].block_hashes == [external_hash(h1[1])]  # deepest block is evicted first
+    assert cache.tier_of(h1[0]) == "CPU"
+    cache.release(b)
+    events.clear()
+    _, c = alloc(cache, first + [1])
+    assert (c.gpu_hits, c.cpu_hits) == (0, 2)
+    assert cache.tier_of(h1[0]) == "GPU"
+    assert any(isinstance(e, BlockStored) and e.medium == "GPU" for e in events)
+    assert cache.stats.external_hits_tokens == 8
+
+
+def test_cpu_evictions_go_to_disk():
+    cache, events = make_cache(gpu=2, cpu=1, disk=4)
+    h1, a = alloc(cache, list(range(8)))
+    cache.release(a)
+    _, b = alloc(cache, list(range(50, 58)))
+    assert cache.tier_of(h1[1]) == "DISK" and cache.tier_of(h1[0]) == "CPU"
+    assert any(isinstance(e, BlockStored) and e.medium == "DISK" for e in events)
+    assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in events)
+
+
+def test_running_requests_blocks_are_pinned():
+    cache, _ = make_cache(gpu=4)
+    _, a = alloc(cache, list(range(16)))
+    assert cache.usage == 1.0
+    _, b = alloc(cache, list(range(100, 104)))
+    assert b is None  # nothing evictable: the caller waits
+    cache.release(a)
+    cache.release(a)  # idempotent
+    assert cache.usage == 0.0
+    _, c = alloc(cache, list(range(100, 104)))
+    assert c is not None
+
+
+def test_clear_refuses_while_running_then_emits_all_blocks_cleared():
+    cache, events = make_cache()
+    _, a = alloc(cache, list(range(8)))
+    assert cache.clear() is False
+    cache.release(a)
+    assert cache.clear() is True
+    assert events[-1] == AllBlocksCleared()
+    assert cache.sizes()["GPU"] == 0
