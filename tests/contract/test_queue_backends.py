@@ -16,9 +16,9 @@ import time
 
 import httpx
 
-from common.contracts.queue import ErrorCode, RequestMessage, decode_request
 from async_processor.settings import build_settings
 from async_processor.testing import OrderCheckingBackend, eventually, mock_target, running
+from common.contracts.queue import ErrorCode, RequestMessage, decode_request
 
 
 def request(lane_deadline_s: float = 300, **fields) -> RequestMessage:

@@ -15,12 +15,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.testclient import TestClient
 
-from common.contracts.queue import dead_letter_stream, request_stream
 from backfill.up import free_port
 from batch_gateway.admin.charts import line_chart
 from batch_gateway.admin.router_sampler import Sample, rates
-from common.contracts.router_state import RouterState
 from batch_gateway.app import create_app
+from common.contracts.queue import dead_letter_stream, request_stream
+from common.contracts.router_state import RouterState
 from tests.conftest import serve
 
 ADMIN = {"authorization": "Bearer admin-lanes-key-0123456789"}
@@ -101,7 +101,7 @@ def test_lanes_page_shows_queues_rates_sheds_gate_and_saturation_over_time(gatew
         pool = client.settings.queue_pool
         r = redis.Redis.from_url(stores.redis_url)
         batch_stream = request_stream("batch", pool)
-        for i in range(5):
+        for _ in range(5):
             r.xadd(batch_stream, {"message": b"{}"})
         r.xgroup_create(batch_stream, "backfill-processors", id="0")
         r.xreadgroup("backfill-processors", "p1", {batch_stream: ">"}, count=2)  # 2 delivered, unacked

@@ -20,14 +20,14 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.contracts.queue import REQUEST_FIELD, request_stream
 from async_processor.metrics import ProcessorMetrics
 from async_processor.processor import run_processor
 from async_processor.settings import build_settings
 from async_processor.testing import mock_target
+from backfill.up import free_port
+from common.contracts.queue import REQUEST_FIELD, request_stream
 from common.logging import configure_logging
 from common.tracing import trace_id_of
-from backfill.up import free_port
 from tests.conftest import SHARED_BATCHES, backfill_up
 from workers import lifecycle
 
@@ -267,8 +267,8 @@ def test_processor_counts_retries_sheds_and_gate_decisions_once_per_request():
     """Concurrency 1 and three requests: the two held back are each denied once by the concurrency
     gate however often the dispatcher asks; a 429 is a retry; a past deadline is shed."""
     from async_processor.backends.memory import MemoryBackend
-    from common.contracts.queue import RequestMessage
     from async_processor.testing import eventually, running
+    from common.contracts.queue import RequestMessage
 
     answers = {"r1": [429, 200], "r2": [200], "r3": [200]}
 

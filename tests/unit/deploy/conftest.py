@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from deploy_render import render
 
 REPO = Path(__file__).resolve().parents[3]

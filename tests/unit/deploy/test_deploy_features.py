@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 import yaml
+from compose_env import service_environment
+from conftest import DEPLOY, OVERLAYS, STORE_FALLBACK, settings_under_env
+from test_deploy_wiring import container_of, env_of, find
 
 from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
-from compose_env import service_environment
-from conftest import DEPLOY, OVERLAYS, STORE_FALLBACK, settings_under_env
 from router.settings import build_settings
-from test_deploy_wiring import container_of, env_of, find
 from workers.settings import WorkerSettings
 
 #: expected value meaning "set to anything but the field's default"

@@ -15,10 +15,9 @@ import jsonschema
 import kubernetes.client
 import pytest
 import yaml
-from kubernetes.client import ApiClient
-
 from conftest import DEPLOY, OVERLAYS
 from deploy_render import object_key, render
+from kubernetes.client import ApiClient
 
 BUILTIN_GROUPS = {"v1", "apps/v1", "batch/v1", "policy/v1", "rbac.authorization.k8s.io/v1"}
 CRD_SCHEMAS = yaml.safe_load((Path(__file__).with_name("crd_schemas.yaml")).read_text())

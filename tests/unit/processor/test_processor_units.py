@@ -10,11 +10,14 @@ import httpx
 import pytest
 
 from async_processor.backends.base import Delivery
-from common.contracts.queue import InvalidMessage
 from async_processor.gates import AllGates, ConcurrencyGate, SaturationGate, TenantQuotaGate
 from async_processor.lanes import LaneBuffer, Work
+from async_processor.processor import request_headers
+from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
+from async_processor.testing import mock_target
 from common.contracts.queue import (
     ErrorCode,
+    InvalidMessage,
     RequestMessage,
     decode_request,
     decode_result,
@@ -23,9 +26,6 @@ from common.contracts.queue import (
     error_result,
     http_result,
 )
-from async_processor.processor import request_headers
-from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
-from async_processor.testing import mock_target
 
 
 def work(lane="batch", deadline=1000, tenant="t", id=None) -> Work:
