@@ -143,7 +143,8 @@ def worker_command(concurrency: int, pool: str, log_level: str) -> None:
 @DATA_DIR_OPTION
 @click.option("--log-level", default="WARNING", show_default=True)
 def beat_command(data_dir: Path, log_level: str) -> None:
-    """Run the Celery beat scheduler (outbox relay; expiry and sweeps in later issues)."""
+    """Run the Celery beat scheduler: outbox relay, stale validations, feed, collect, sweep, finalize
+    (expiry), webhook deliveries and file purges, each on its interval."""
     data_dir.mkdir(parents=True, exist_ok=True)
     _celery_logging(log_level)
     _celery().start(["beat", f"--loglevel={log_level}", f"--schedule={data_dir / 'celerybeat-schedule'}"])

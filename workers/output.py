@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import orjson
 
+from common.contracts.errors import ErrorType, error_json
+
 NO_RESPONSE_MESSAGES = {
     "batch_expired": "This request could not be executed before the completion window expired.",
     "batch_cancelled": "This request was not executed because the batch was cancelled.",
@@ -87,5 +89,4 @@ def json_body(raw: bytes | str | None, status_code: int) -> bytes:
         return data
     except orjson.JSONDecodeError:
         text = data.decode("utf-8", errors="replace")[:2000] or f"HTTP {status_code} with an empty body"
-        return orjson.dumps({"error": {"message": text, "type": "server_error" if status_code >= 500
-                                       else "invalid_request_error", "param": None, "code": None}})
+        return error_json(text, ErrorType.SERVER if status_code >= 500 else ErrorType.INVALID_REQUEST)

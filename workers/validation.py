@@ -48,7 +48,8 @@ __all__ = [
 
 #: Longest accepted line, in bytes (32 MiB). OpenAI documents no per-line cap below the 200 MB file
 #: cap; 32 MiB admits a chat request carrying a 20 MB image as base64 (~27 MB), while one such line
-#: parsed by orjson stays well inside the ≤ 150 MB memory-growth goal of issue 2's ingest benchmark.
+#: parsed by orjson stays well inside the ≤ 150 MB memory-growth goal of the ingest benchmark
+#: (``docs/benchmarks.md``).
 DEFAULT_MAX_LINE_BYTES = 32 * 1024 * 1024
 
 #: Length of :attr:`RequestLine.prefix_key`, in bytes of UTF-8 prompt text.

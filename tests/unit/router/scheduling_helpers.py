@@ -15,7 +15,7 @@ TIER_ORDER = {"gpu": 0, "cpu": 1, "disk": 2}
 
 class InMemoryPrefixIndex:
     """Trivial :class:`~router.scheduling.interfaces.PrefixIndex` for tests (the real one is fed by
-    KV events, issue 4): ``blocks[(model, key)][endpoint] = tier``."""
+    KV events, :mod:`router.kv_index`): ``blocks[(model, key)][endpoint] = tier``."""
 
     def __init__(self) -> None:
         self.blocks: dict[tuple[str, int], dict[str, str]] = {}

@@ -1,5 +1,5 @@
 """`backfill bench prefix --quick` and `backfill bench router-overhead --quick` write the JSON shape
-of the issue's acceptance; a router that is not installed is reported missing, not a failure."""
+of ``docs/benchmarks.md``; a router that is not installed is reported missing, not a failure."""
 
 from __future__ import annotations
 
