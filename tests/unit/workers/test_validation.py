@@ -21,7 +21,7 @@ from workers.validation import (
 )
 
 CHAT = "/v1/chat/completions"
-SHARED_BATCHES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "batches"
+SHARED_BATCHES = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "batches"
 INVALID_JSON = "This line is not parseable as valid JSON."
 
 # name -> (endpoint, request lines), from ../shared/data/batches/README.md

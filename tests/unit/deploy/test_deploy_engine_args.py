@@ -8,7 +8,7 @@ import yaml
 
 from engine_twin.launch import vllm_engine_argv
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "vllm" / "engine-args.yaml"
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "vllm" / "engine-args.yaml"
 
 
 def test_deploy_engine_args_match_launch():
