@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.templating import Jinja2Templates
 
-from batch_gateway.admin import auth
+import batch_gateway.admin.auth as auth
 from batch_gateway.admin.auth import Admin, AdminError, require_admin
 from batch_gateway.admin.charts import line_chart
 from batch_gateway.admin.router_sampler import RouterSampler, rates
