@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psycopg
+from batch_gateway.store.db import ensure_database
 
 
 @dataclass
@@ -121,11 +121,3 @@ def _start_redis(directory: Path, stores: Stores) -> str:
             raise RuntimeError("embedded Redis did not answer PING within 10 s")
         time.sleep(0.05)
     return "unix://" + server.socket_file
-
-
-def ensure_database(admin_url: str, name: str) -> None:
-    """Create database ``name`` through ``admin_url`` unless it exists."""
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
-        if not exists:
-            conn.execute(f'CREATE DATABASE "{name}"')

@@ -3,6 +3,7 @@ nothing here runs at import."""
 
 from __future__ import annotations
 
+import psycopg
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -16,3 +17,12 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     """Sessions that never expire loaded objects on commit (we render them after commit)."""
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def ensure_database(admin_url: str, name: str) -> None:
+    """Create database ``name`` through ``admin_url`` (a libpq URL of a database that exists, e.g.
+    ``postgres``) unless it exists. Raises ``psycopg.Error`` when the server refuses."""
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{name}"')
