@@ -79,12 +79,6 @@ class AdminNotFound(AdminError):
     code = "not_found"
 
 
-class AdminConflict(AdminError):
-    """409: the batch is not in a state that allows the action (as the API's ``ConflictError``)."""
-
-    status = 409
-
-
 NOTICES = ("cancel_requested", "cancel_refused")
 """What the job page may say after its cancel form: ``?notice=…``."""
 
