@@ -244,3 +244,18 @@ def test_f16_waiting_many_leases_never_fails_and_a_real_loss_is_fed_again_within
     done = client.batches.retrieve(batch.id)
     _every_custom_id_once(client, done, {"q0", "q1"})
     assert done.request_counts.completed == 2 and done.request_counts.failed == 0
+
+
+def test_f16_one_sweep_renews_a_backlog_larger_than_its_chunk(gateway, monkeypatch):
+    from workers.lifecycle import sweeper
+
+    monkeypatch.setattr(sweeper, "SWEEP_CHUNK", 2)
+    ctx = gateway.celery.backfill
+    client, batch = _submit(gateway, [_line(f"b{i}") for i in range(5)])
+    assert lifecycle.feed(ctx) == 5
+    _lapse_leases(gateway, batch.id)
+    assert lifecycle.sweep(ctx) == 0
+    with gateway.session() as session:
+        assert queries.lapsed_leases(session) == []  # all five renewed, in three chunks
+    assert {(row.state, row.attempts) for row in _rows(gateway, batch.id).values()} == {("queued", 1)}
+    assert len(StandInProcessor(ctx).take()) == 5  # and none published twice
