@@ -58,7 +58,8 @@ class WorkerContext:
     def queue(self) -> BatchQueue:
         """Redis Streams I/O of the batch lane and its results."""
         return BatchQueue(self.settings.redis_url, pool=self.settings.pool,
-                          result_stream=self.settings.result_stream, consumer=f"collector-{os.getpid()}")
+                          result_stream=self.settings.result_stream, consumer=f"collector-{os.getpid()}",
+                          processor_group=self.settings.processor_group)
 
     def webhook_client(self, timeout_seconds: float) -> httpx.Client:
         """One HTTP client for webhook deliveries, kept for the life of the process."""

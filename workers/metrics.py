@@ -38,7 +38,7 @@ TASK_OUTCOMES = {"SUCCESS": "success", "RETRY": "retry", "FAILURE": "failure"}
 KNOWN_LABELS = {
     "collected": (RequestState.SUCCEEDED, RequestState.FAILED, RequestState.EXPIRED, RequestState.CANCELLED,
                   RequestState.PENDING, "stale"),
-    "swept": (RequestState.PENDING, RequestState.FAILED, RequestState.CANCELLED),
+    "swept": (RequestState.QUEUED, RequestState.PENDING, RequestState.FAILED, RequestState.CANCELLED),
     "finalized_requests": ("output", "errors"),
     "validated": (BatchStatus.IN_PROGRESS, BatchStatus.FAILED),
     "finalized": (BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED),
@@ -62,7 +62,8 @@ class WorkerMetrics:
                                  "by the state they moved their request to (stale: refused as late or duplicate).",
                                  ["state"], registry=r)
         self.swept = Counter("backfill_worker_requests_swept", "Requests whose lease lapsed, by what the "
-                             "sweeper made of them.", ["state"], registry=r)
+                             "sweeper made of them (queued: message still on its way, lease renewed).",
+                             ["state"], registry=r)
         self.finalized_requests = Counter("backfill_worker_requests_finalized", "Lines written to batch output "
                                           "and error files.", ["file"], registry=r)
         self.validated = Counter("backfill_worker_batches_validated", "Validations that ended, by the batch's "

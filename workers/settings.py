@@ -7,7 +7,7 @@ from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
 from batch_gateway.store.settings import SharedSettings
-from common.contracts.queue import BATCH_RESULT_STREAM
+from common.contracts.queue import BATCH_RESULT_STREAM, PROCESSOR_GROUP
 
 
 class WorkerSettings(SharedSettings):
@@ -36,13 +36,21 @@ class WorkerSettings(SharedSettings):
     feed_window: int = 1000
     """Requests of one batch queued at a time (the rest wait in Postgres, so a cancel or an
     expiry drops little from the queue)."""
-    lease_seconds: float = 3600.0
-    """How long a queued request may stay without a result before the sweeper hands it back. It
-    covers the time in the queue and in the processor's retries (which end within
-    ``max_error_attempts`` or at the deadline), so it is long; a lost queue (Redis emptied) is
-    recovered within lease + sweep interval."""
+    lease_seconds: float = 300.0
+    """How often the sweeper looks after a queued request that has no result yet (RELIABILITY
+    "Request leases" in docs/reliability.md). When the lease lapses the sweeper asks Redis where the
+    request's message is: still waiting in the stream, held by a processor or answered, the lease is
+    renewed for as long again (no attempt counted, nothing re-published); only a message that is gone
+    (Redis emptied, the entry deleted) is handed back to be published again. So waiting for capacity
+    never re-runs or fails a request, and a really lost one is published again within lease + sweep
+    interval: 300 s keeps that recovery within minutes for one Redis read per queued request per
+    lease."""
+    processor_group: str = PROCESSOR_GROUP
+    """Consumer group of the processors on the request stream (whose pending list the sweeper reads);
+    the processors' ``BACKFILL_PROCESSOR_CONSUMER_GROUP``."""
     max_attempts: int = 3
-    """Deliveries of one request before it ends as ``request_timeout`` (RELIABILITY.md F6)."""
+    """Deliveries of one request before it ends as ``request_timeout`` (RELIABILITY.md F6): retryable
+    processor errors and messages really lost count, a renewed lease does not."""
     feed_interval_seconds: float = 1.0
     collect_interval_seconds: float = 0.5
     sweep_interval_seconds: float = 10.0

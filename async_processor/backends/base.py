@@ -22,6 +22,9 @@ Producer side (``tests/contract/test_producer_queues.py`` checks it on memory an
 - :meth:`LaneProducer.publish` puts request messages on a lane; :meth:`LaneProducer.mark_cancelled`
   sets the cancel marker :meth:`QueueBackend.admit` and :meth:`QueueBackend.cancelled_batches` see;
   :meth:`LaneProducer.lane_depths` reports each lane's backlog for the dashboard.
+- :class:`TrackedLaneProducer` (Redis Streams) also returns the transport ids of what it publishes
+  and says, read-only, where each such message is now (:class:`Whereabouts`: waiting, held,
+  answered or gone), so a producer re-publishes only what is really lost.
 - :class:`ResultQueue` reads one result queue through a consumer group: each entry goes to one
   consumer of the group and stays pending until :meth:`ResultQueue.ack`; an entry left pending longer
   than ``reclaim_idle_s`` (its consumer died) is handed to the next reader of the group.
@@ -169,6 +172,35 @@ class LaneProducer(Protocol):
 
     def lane_depths(self, lanes: Sequence[str], group: str) -> list[LaneDepth]:
         """The backlog of each of ``lanes`` as the processors' consumer group ``group`` sees it, in
+        the order given."""
+        ...
+
+
+class Whereabouts(enum.Enum):
+    """Where a published request message is now (:meth:`TrackedLaneProducer.whereabouts`).
+
+    ``WAITING``: on its lane, not delivered yet. ``HELD``: delivered and not acknowledged (a
+    processor holds it and renews its lease, or one will take it over once that lease lapses).
+    ``ANSWERED``: its result was published (its id claim is ``done``). ``GONE``: none of these: the
+    message was lost (its queue emptied or deleted, the entry removed without a result)."""
+
+    WAITING = "waiting"
+    HELD = "held"
+    ANSWERED = "answered"
+    GONE = "gone"
+
+
+class TrackedLaneProducer(LaneProducer, Protocol):
+    """A :class:`LaneProducer` that can say what became of a message it published (the batch
+    sweeper asks before it publishes a request again)."""
+
+    def publish_tracked(self, lane: str, messages: Sequence[RequestMessage]) -> list[str]:
+        """:meth:`LaneProducer.publish`, returning the transport id of each message, in order."""
+        ...
+
+    def whereabouts(self, lane: str, group: str, messages: Sequence[tuple[str, str]]) -> list[Whereabouts]:
+        """Read-only: for each ``(transport_id, request_id)`` published on ``lane`` (``transport_id``
+        "" when unknown), where it is now as the processors' consumer group ``group`` sees it, in
         the order given."""
         ...
 

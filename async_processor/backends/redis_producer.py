@@ -1,12 +1,14 @@
 """Redis Streams, the producer side (synchronous redis-py, for Celery workers and the dashboard):
-:class:`RedisLaneProducer` (:class:`~async_processor.backends.base.LaneProducer`) and
+:class:`RedisLaneProducer` (:class:`~async_processor.backends.base.TrackedLaneProducer`) and
 :class:`RedisResultQueue` (:class:`~async_processor.backends.base.ResultQueue`).
 
 The stream layout is :mod:`async_processor.backends.redis_streams`' (entry fields, group set-up,
 ``XAUTOCLAIM`` replies): requests are ``XADD``-ed to ``backfill:requests:{pool}:{lane}`` with one
 field ``message``; a result queue is read through a consumer group (created at the stream's start
 when missing, and again when Redis lost it) with ``XAUTOCLAIM`` of entries idle longer than
-``reclaim_idle_s`` first, then ``XREADGROUP >``; a cancel marker is ``SET`` with a TTL. Transport
+``reclaim_idle_s`` first, then ``XREADGROUP >``; a cancel marker is ``SET`` with a TTL; where a
+published request is now (:meth:`RedisLaneProducer.whereabouts`) is read from the stream, the
+processors' consumer group and the id claims, never written. Transport
 errors raise :class:`~async_processor.errors.BackendError`.
 """
 
@@ -17,9 +19,10 @@ from collections.abc import Sequence
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from async_processor.backends.base import LaneDepth, ResultEntry
+from async_processor.backends.base import LaneDepth, ResultEntry, Whereabouts
 from async_processor.backends.redis_streams import (
     CANCEL_MARKER_VALUE,
+    CLAIM_PREFIX,
     GROUP_START_ID,
     autoclaim_reply,
     group_exists,
@@ -56,16 +59,73 @@ class RedisLaneProducer:
 
     def publish(self, lane: str, messages: Sequence[RequestMessage]) -> None:
         """``XADD`` each message to the lane's stream (one pipelined round trip)."""
+        self.publish_tracked(lane, messages)
+
+    def publish_tracked(self, lane: str, messages: Sequence[RequestMessage]) -> list[str]:
+        """:meth:`publish`, returning the stream entry id of each message, in order."""
         if not messages:
-            return
+            return []
         stream = self.stream(lane)
         try:
             with self.client.pipeline(transaction=False) as pipe:
                 for message in messages:
                     pipe.xadd(stream, request_fields(encode_request(message)))
-                pipe.execute()
+                ids = pipe.execute()
         except RedisError as exc:
             raise BackendError(f"redis publish to {stream}: {exc}") from exc
+        return [entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id) for entry_id in ids]
+
+    def whereabouts(self, lane: str, group: str, messages: Sequence[tuple[str, str]]) -> list[Whereabouts]:
+        """Where each ``(entry_id, request_id)`` is now, read in one pipelined round trip, in the
+        order a message moves (so a message that moves on between two reads is never taken for
+        lost): the group's last-delivered id (``XINFO GROUPS``), the entry (``XRANGE id id``), its
+        place in the group's pending list (``XPENDING … id id 1``), then its id claim
+        (``backfill:claim:{request_id}``: ``running`` while a processor renews it, ``done`` once
+        its result is published).
+
+        ``ANSWERED`` when the claim is ``done``; ``HELD`` when it is ``running`` or the entry is
+        pending; ``WAITING`` when the entry is there and not yet delivered (or the group does not
+        exist yet); else ``GONE``. An empty ``entry_id`` (never recorded) is judged by its claim alone."""
+        if not messages:
+            return []
+        stream = self.stream(lane)
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.xinfo_groups(stream)
+                for entry_id, _ in messages:
+                    if entry_id:
+                        pipe.xrange(stream, min=entry_id, max=entry_id, count=1)
+                        pipe.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+                for _, request_id in messages:
+                    pipe.get(CLAIM_PREFIX + request_id if request_id else CLAIM_PREFIX)
+                replies = pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            raise BackendError(f"redis whereabouts on {stream}: {exc}") from exc
+        groups, replies = replies[0], replies[1:]
+        delivered_up_to = None  # None: no group (or no stream) yet, nothing delivered
+        if isinstance(groups, list):
+            for info in groups:
+                if info.get("name") in (group, group.encode()):
+                    delivered_up_to = _entry_key(info.get("last-delivered-id"))
+        claims = replies[-len(messages):]
+        out = []
+        index = 0
+        for (entry_id, request_id), claim in zip(messages, claims):
+            present = pending = False
+            if entry_id:
+                found, held = replies[index], replies[index + 1]
+                index += 2
+                present = isinstance(found, list) and bool(found) and bool(found[0][1])
+                pending = isinstance(held, list) and bool(held)
+            if request_id and claim == b"done":
+                out.append(Whereabouts.ANSWERED)
+            elif (request_id and claim == b"running") or (present and pending):
+                out.append(Whereabouts.HELD)
+            elif present and (delivered_up_to is None or _entry_key(entry_id) > delivered_up_to):
+                out.append(Whereabouts.WAITING)
+            else:
+                out.append(Whereabouts.GONE)
+        return out
 
     def mark_cancelled(self, batch_id: str, ttl_s: int) -> None:
         """``SET`` the batch's cancel marker with a TTL of ``ttl_s``."""
@@ -96,6 +156,13 @@ class RedisLaneProducer:
                                  pending=pending["pending"] if isinstance(pending, dict) else 0,  # NOGROUP: none yet
                                  dead=dead if isinstance(dead, int) else 0))
         return out
+
+
+def _entry_key(entry_id: bytes | str | None) -> tuple[int, int]:
+    """A stream entry id ``ms-seq`` as a tuple that sorts as Redis orders entries."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id or "0-0")
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
 
 
 class RedisResultQueue:

@@ -170,7 +170,9 @@ class BatchRequest(Base):
     ``prefix_key`` (first 128 bytes of the prompt text) orders feeding by shared prefix.
     ``state``: ``pending`` (not fed yet) → ``queued`` (on a processor lane, no result yet) →
     ``succeeded`` | ``failed`` | ``cancelled``
-    | ``expired``; ``lease_token``/``lease_expires_at`` guard result writes (compare-and-set).
+    | ``expired``; ``lease_token``/``lease_expires_at`` guard result writes (compare-and-set);
+    ``queue_entry_id``: the stream entry id of the queued message (the sweeper asks the queue where
+    it is before handing the request back; null until the publish is recorded).
     """
 
     __tablename__ = "batch_requests"
@@ -188,6 +190,7 @@ class BatchRequest(Base):
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     lease_token: Mapped[str | None] = mapped_column(UUID(as_uuid=False))
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    queue_entry_id: Mapped[str | None] = mapped_column(String(64))
     status_code: Mapped[int | None] = mapped_column(Integer)
     request_id: Mapped[str | None] = mapped_column(String(128))
     response_body: Mapped[bytes | None] = mapped_column(LargeBinary)

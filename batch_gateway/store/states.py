@@ -14,7 +14,7 @@ strings. A batch moves::
 
 A request moves ``pending`` (in Postgres) → ``queued`` (leased to the processors) → one of
 ``succeeded``, ``failed``, ``cancelled``, ``expired``, or back to ``pending`` (a retryable failure or
-a lapsed lease). ``batch_gateway.store.queries`` makes each change one compare-and-set.
+a lapsed lease whose message is gone). ``batch_gateway.store.queries`` makes each change one compare-and-set.
 """
 
 from __future__ import annotations

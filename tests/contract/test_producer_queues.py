@@ -1,7 +1,8 @@
 """The queue port's producer side (:class:`~async_processor.backends.base.LaneProducer`,
 :class:`~async_processor.backends.base.ResultQueue`) on memory and Redis Streams, against the
 processor's side of the same backend: what a producer publishes is received, its cancel marker is
-seen by ``admit``, lane depths count held and dead messages, a result queue hands each entry to one
+seen by ``admit``, lane depths count held and dead messages, Redis says where a published message
+is now (waiting, held, answered, gone), a result queue hands each entry to one
 consumer of a group until acked and a pending entry to another consumer once idle."""
 
 from __future__ import annotations
@@ -116,3 +117,52 @@ def test_a_result_goes_to_one_consumer_until_acked_then_to_another_once_idle(sid
         assert other.read(10) == []
         assert [r.id for _, r in s.results("auditors", "c", 60.0).read(10) if r] == ["req-0", "req-1", "req-2"]
     side(body)
+
+
+def test_redis_whereabouts_follow_a_message_from_waiting_to_answered_and_see_a_lost_one_gone(stores):
+    import redis
+    import redis.asyncio as aioredis
+
+    from async_processor.backends.base import Whereabouts
+    from async_processor.backends.redis_producer import RedisLaneProducer
+    from async_processor.backends.redis_streams import RedisStreamsBackend
+
+    ns = f"t{secrets.token_hex(4)}"
+    client = redis.Redis.from_url(stores.redis_url)
+    lanes = RedisLaneProducer(client, stream_prefix=f"{ns}:requests")
+    group = f"{ns}-group"
+
+    async def main() -> None:
+        backend = RedisStreamsBackend(aioredis.Redis.from_url(stores.redis_url), lanes=["batch"], group=group,
+                                      stream_prefix=f"{ns}:requests", result_stream=f"{ns}:results")
+        try:
+            sent = [_request(), _request(), _request()]
+            entry_ids = lanes.publish_tracked("batch", sent)
+            asked = [(entry_id, m.id) for entry_id, m in zip(entry_ids, sent)]
+            assert lanes.whereabouts("batch", group, asked) == [Whereabouts.WAITING] * 3  # no group yet
+            await backend.start()
+            assert lanes.whereabouts("batch", group, asked) == [Whereabouts.WAITING] * 3
+            got = await backend.receive("batch", 2, 30.0)
+            assert [d.transport_id for d in got] == entry_ids[:2]  # the ids publish returned
+            assert lanes.whereabouts("batch", group, asked) == [Whereabouts.HELD, Whereabouts.HELD,
+                                                                Whereabouts.WAITING]
+            assert await backend.admit(sent[:2], 30.0) == [Admission.NEW, Admission.NEW]
+            await backend.publish_results([(error_result(sent[0].id, ErrorCode.CANCELLED, "x"), "")])
+            await backend.ack(got[:1])  # XACK + XDEL: the entry is gone, its result is out
+            await backend.release([sent[1].id])  # held with no claim: a dead processor's entry, taken over later
+            assert lanes.whereabouts("batch", group, asked) == [Whereabouts.ANSWERED, Whereabouts.HELD,
+                                                                Whereabouts.WAITING]
+            client.xdel(lanes.stream("batch"), entry_ids[2])  # deleted before anyone read it: lost
+            assert lanes.whereabouts("batch", group, asked)[2] is Whereabouts.GONE
+            assert lanes.whereabouts("batch", group, [("", sent[0].id), ("", "never-published")]) == \
+                [Whereabouts.ANSWERED, Whereabouts.GONE]  # an entry never recorded: its claim alone
+            client.delete(lanes.stream("batch"), f"backfill:claim:{sent[0].id}")  # Redis emptied
+            assert lanes.whereabouts("batch", group, asked) == [Whereabouts.GONE] * 3
+            assert lanes.whereabouts("batch", group, []) == []
+        finally:
+            await backend.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()

@@ -218,7 +218,8 @@ def test_sweeper_hands_back_lost_requests_and_refuses_the_late_result(gateway):
     proc.ok(lost["s0"])  # the late result of the first delivery: refused
     proc.ok(again["s0"])
     assert lifecycle.collect(ctx) == 1
-    with gateway.session() as session:  # s1 is lost a second time: it ends as request_timeout
+    ctx.queue.redis.delete(ctx.queue.request_stream)  # s1 is lost a second time: it ends as request_timeout
+    with gateway.session() as session:
         session.execute(update(BatchRequest).where(BatchRequest.batch_id == batch.id, BatchRequest.custom_id == "s1")
                         .values(lease_expires_at=BatchRequest.lease_expires_at - __import__("datetime").timedelta(hours=1)))
         session.commit()

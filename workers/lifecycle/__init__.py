@@ -5,7 +5,8 @@
   or ``failed``);
 - :mod:`.feeder`: lease pending requests and publish them to the batch lane;
 - :mod:`.collector`: record results (the pure mapping is :mod:`.outcomes`);
-- :mod:`.sweeper`: hand back requests whose lease lapsed, re-mark cancelling batches;
+- :mod:`.sweeper`: renew lapsed leases of requests whose message is still on its way, hand back
+  those whose message is gone, re-mark cancelling batches;
 - :mod:`.finalizer`: write the output and error files and end the batch (with expiry and cancel).
 
 The step functions are re-exported here (``lifecycle.feed(ctx)``).

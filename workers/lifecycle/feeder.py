@@ -1,8 +1,9 @@
 """The feed step: keep at most ``feed_window`` requests of each ``in_progress`` batch queued,
 earliest deadline first across batches, in prefix order (``prefix_key``, then line) within one.
 
-The lease is committed first, then the message is published, so a crash in between only delays the
-request until the sweeper hands it back.
+The lease is committed first, then the message is published, then its stream entry id is recorded
+on the request (the sweeper asks the queue about that entry when the lease lapses), so a crash in
+between only delays the request until the sweeper hands it back.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ def _request_body(ctx: WorkerContext, key: str, offset: int, length: int) -> dic
     return orjson.loads(line)["body"]
 
 
+def message_id(batch_id: str, custom_id: str, attempt: int) -> str:
+    """The request message's id of one delivery attempt (also the processors' id claim)."""
+    return f"{batch_id}:{custom_id}:{attempt}"
+
+
 def feed(ctx: WorkerContext) -> int:
     """Queue pending requests up to the window of each batch; returns how many were published."""
     published = 0
@@ -40,7 +46,7 @@ def feed(ctx: WorkerContext) -> int:
             trace = {"traceparent": traceparents[batch.id]} if batch.id in traceparents else {}
             messages = [
                 RequestMessage(
-                    id=f"{batch.id}:{row.custom_id}:{row.attempts}",
+                    id=message_id(batch.id, row.custom_id, row.attempts),
                     created=0, deadline=batch.expires_at,
                     payload=_request_body(ctx, batch.storage_key, row.byte_offset, row.byte_length),
                     endpoint=batch.endpoint, result_queue_name=ctx.queue.result_stream,
@@ -51,7 +57,10 @@ def feed(ctx: WorkerContext) -> int:
                 for row in rows
             ]
             session.commit()  # leases first: a crash before the publish only delays these requests
-            ctx.queue.publish(messages)
+            entry_ids = ctx.queue.publish(messages)
+            queries.record_queue_entries(session, batch.id, [
+                (row.custom_id, str(row.lease_token), entry_id) for row, entry_id in zip(rows, entry_ids)])
+            session.commit()
             published += len(messages)
             ctx.metrics.fed.inc(len(messages))
             log.info("batch fed", extra={"action": "feed", "batch_id": batch.id, "tenant": batch.tenant_id,

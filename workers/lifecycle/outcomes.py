@@ -50,7 +50,7 @@ class RequestChange:
 
 
 HANDED_BACK = RequestChange(RequestState.PENDING)
-"""A retryable failure or a lapsed lease: fed again."""
+"""A retryable failure or a lost message (lapsed lease, message gone): fed again."""
 CANCELLED = RequestChange(RequestState.CANCELLED, error_code="batch_cancelled")
 EXPIRED = RequestChange(RequestState.EXPIRED, error_code="batch_expired")
 TIMED_OUT = RequestChange(RequestState.FAILED, error_code="request_timeout")

@@ -1,5 +1,6 @@
-"""Queries on ``batch_requests``: the COPY of validated requests, leases (claim, record,
-sweep), ending open requests, and the outcome stream files are built from.
+"""Queries on ``batch_requests``: the COPY of validated requests, leases (claim, the queue entry
+of the published message, record, sweep, renew), ending open requests, and the outcome stream
+files are built from.
 
 None commits: the caller owns the transaction."""
 
@@ -25,7 +26,8 @@ RequestRow = tuple[str, int, int, int, bytes, int]
 def claim_pending(session: Session, batch_id: str, count: int, lease_seconds: float) -> list:
     """Move up to ``count`` pending requests of the batch to ``queued`` with a new lease token and
     ``lease_expires_at`` = now + ``lease_seconds``, in prefix order (``prefix_key``, then line);
-    rows ``(custom_id, line, byte_offset, byte_length, lease_token, attempts)`` in that order."""
+    rows ``(custom_id, line, byte_offset, byte_length, lease_token, attempts)`` in that order; the
+    queue entry id is cleared until :func:`record_queue_entries` records the new message's."""
     # A MATERIALIZED CTE runs the LIMIT … SKIP LOCKED once; as an IN (subquery) Postgres may run it
     # again per row and, skipping the rows it just locked, claim more than ``count``.
     picked = (select(BatchRequest.custom_id)
@@ -38,7 +40,7 @@ def claim_pending(session: Session, batch_id: str, count: int, lease_seconds: fl
         update(BatchRequest)
         .where(BatchRequest.batch_id == batch_id, BatchRequest.custom_id == picked.c.custom_id)
         .values(state=RequestState.QUEUED, attempts=BatchRequest.attempts + 1,
-                lease_token=func.gen_random_uuid(),
+                lease_token=func.gen_random_uuid(), queue_entry_id=None,
                 lease_expires_at=func.now() + text(f"interval '{float(lease_seconds)} seconds'"))
         .returning(BatchRequest.custom_id, BatchRequest.line, BatchRequest.byte_offset,
                    BatchRequest.byte_length, BatchRequest.lease_token, BatchRequest.attempts,
@@ -46,6 +48,46 @@ def claim_pending(session: Session, batch_id: str, count: int, lease_seconds: fl
         .execution_options(synchronize_session=False)
     ).all()
     return sorted(rows, key=lambda r: (r.prefix_key, r.line))
+
+
+_RECORD_ENTRIES = text(
+    "UPDATE batch_requests AS r SET queue_entry_id = v.entry_id "
+    "FROM unnest(CAST(:custom_ids AS text[]), CAST(:tokens AS uuid[]), CAST(:entries AS text[])) "
+    "AS v(custom_id, lease_token, entry_id) "
+    "WHERE r.batch_id = :batch_id AND r.custom_id = v.custom_id AND r.lease_token = v.lease_token "
+    "AND r.state = 'queued'"
+)
+
+
+def record_queue_entries(session: Session, batch_id: str, entries: Sequence[tuple[str, str, str]]) -> int:
+    """Record the stream entry id of each published message, ``(custom_id, lease_token,
+    entry_id)``, on its request while that lease holds (a request handed back or answered since
+    keeps what it has); returns how many rows took it."""
+    if not entries:
+        return 0
+    custom_ids, tokens, entry_ids = (list(column) for column in zip(*entries))
+    return rowcount(session.execute(_RECORD_ENTRIES, {"batch_id": batch_id, "custom_ids": custom_ids,
+                                                      "tokens": tokens, "entries": entry_ids}))
+
+
+_RENEW_LEASES = text(
+    "UPDATE batch_requests AS r SET lease_expires_at = now() + make_interval(secs => :seconds) "
+    "FROM unnest(CAST(:batch_ids AS text[]), CAST(:custom_ids AS text[]), CAST(:tokens AS uuid[])) "
+    "AS v(batch_id, custom_id, lease_token) "
+    "WHERE r.batch_id = v.batch_id AND r.custom_id = v.custom_id AND r.lease_token = v.lease_token "
+    "AND r.state = 'queued'"
+)
+
+
+def renew_leases(session: Session, leases: Sequence[tuple[str, str, str]], lease_seconds: float) -> int:
+    """Give each ``(batch_id, custom_id, lease_token)`` still queued under that lease a new
+    ``lease_expires_at`` = now + ``lease_seconds``, keeping its token and ``attempts`` (its message
+    is still on its way); returns how many were renewed."""
+    if not leases:
+        return 0
+    batch_ids, custom_ids, tokens = (list(column) for column in zip(*leases))
+    return rowcount(session.execute(_RENEW_LEASES, {"seconds": float(lease_seconds), "batch_ids": batch_ids,
+                                                    "custom_ids": custom_ids, "tokens": tokens}))
 
 
 def record_outcome(session: Session, batch_id: str, custom_id: str, lease_token: str, *, state: str,
@@ -57,7 +99,7 @@ def record_outcome(session: Session, batch_id: str, custom_id: str, lease_token:
     token, so a late or duplicate result is refused (returns False). ``state`` ``pending`` hands the
     request back to the feeder (a retryable failure); a terminal state also adds to the batch's
     ``request_counts`` and ``usage`` in the same transaction."""
-    values: dict = {"state": state, "lease_token": None, "lease_expires_at": None}
+    values: dict = {"state": state, "lease_token": None, "lease_expires_at": None, "queue_entry_id": None}
     if state in TERMINAL_REQUEST_STATES:
         values.update(status_code=status_code, request_id=request_id, response_body=response_body,
                       error_code=error_code, error_message=error_message, prompt_tokens=prompt_tokens,
@@ -94,10 +136,11 @@ def count_requests(session: Session, batch_id: str, state: str) -> int:
 
 
 def lapsed_leases(session: Session, limit: int = 1000) -> list:
-    """Queued requests whose lease ran out (their message or result was lost), locked:
-    rows ``(batch_id, custom_id, lease_token, attempts)``."""
+    """Queued requests whose lease ran out (the sweeper asks the queue whether their message is
+    still there), locked: rows ``(batch_id, custom_id, lease_token, attempts, queue_entry_id)``."""
     return list(session.execute(
-        select(BatchRequest.batch_id, BatchRequest.custom_id, BatchRequest.lease_token, BatchRequest.attempts)
+        select(BatchRequest.batch_id, BatchRequest.custom_id, BatchRequest.lease_token, BatchRequest.attempts,
+               BatchRequest.queue_entry_id)
         .where(BatchRequest.state == RequestState.QUEUED, BatchRequest.lease_expires_at < func.now())
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -111,7 +154,7 @@ def end_open_requests(session: Session, batch_id: str, states: Sequence[str], to
     ended = rowcount(session.execute(
         update(BatchRequest)
         .where(BatchRequest.batch_id == batch_id, BatchRequest.state.in_(tuple(states)))
-        .values(state=to, error_code=error_code, lease_token=None, lease_expires_at=None,
+        .values(state=to, error_code=error_code, lease_token=None, lease_expires_at=None, queue_entry_id=None,
                 finished_at=func.now())
         .execution_options(synchronize_session=False)
     ))
