@@ -6,7 +6,8 @@ port's producer side (:class:`~async_processor.backends.base.LaneProducer`,
 - :meth:`BatchQueue.publish` puts request messages on the ``batch`` lane;
 - :meth:`BatchQueue.read_results` reads the batch result queue through the consumer group
   ``collectors`` (entries another collector left pending longer than ``reclaim_idle_seconds`` first,
-  then new ones); :meth:`BatchQueue.ack` acknowledges them once their outcome is committed in Postgres;
+  then new ones); :meth:`BatchQueue.ack` acknowledges and deletes them once their outcome is committed
+  in Postgres (the collectors are the stream's only group, so it holds only what is not collected);
 - :meth:`BatchQueue.mark_cancelled` sets the cancel marker the processor checks.
 
 Transport failures raise :class:`~async_processor.errors.BackendError`.
@@ -39,7 +40,8 @@ class BatchQueue:
         self.consumer = consumer
         self.lanes: LaneProducer = producer
         self.results: ResultQueue = RedisResultQueue(self.redis, result_stream, group=COLLECTOR_GROUP,
-                                                     consumer=consumer, reclaim_idle_s=reclaim_idle_seconds)
+                                                     consumer=consumer, reclaim_idle_s=reclaim_idle_seconds,
+                                                     delete_acked=True)
 
     def publish(self, messages: Sequence[RequestMessage]) -> None:
         """Put each message on the batch lane (one round trip)."""
@@ -52,7 +54,7 @@ class BatchQueue:
         return self.results.read(count)
 
     def ack(self, entry_ids: Sequence[bytes]) -> None:
-        """Acknowledge result entries whose outcome is committed."""
+        """Acknowledge result entries whose outcome is committed, and delete them from the stream."""
         self.results.ack(entry_ids)
 
     def mark_cancelled(self, batch_id: str, ttl_seconds: int = CANCEL_MARKER_TTL_SECONDS) -> None:
