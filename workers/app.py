@@ -23,6 +23,7 @@ from batch_gateway.store.task_names import (
     RELAY_OUTBOX_TASK,
     RESEND_STALE_VALIDATIONS_TASK,
     SWEEP_TASK,
+    SWEEP_TEMP_FILES_TASK,
 )
 from workers import tasks
 from workers.context import WorkerContext
@@ -91,6 +92,11 @@ def create_celery(settings: WorkerSettings) -> WorkerCelery:
                 "task": PURGE_FILES_TASK,
                 "schedule": settings.purge_interval_seconds,
                 "options": {"queue": settings.task_queue},
+            },
+            "sweep-temp-files": {
+                "task": SWEEP_TEMP_FILES_TASK,
+                "schedule": settings.purge_interval_seconds,
+                "options": {"queue": settings.task_queue, "expires": settings.purge_interval_seconds},
             },
         },
     )

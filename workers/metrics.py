@@ -6,7 +6,9 @@
 - ``backfill_worker_requests_fed_total``, ``backfill_worker_requests_collected_total{state}``,
   ``backfill_worker_requests_swept_total{state}``, ``backfill_worker_requests_finalized_total{file}``,
   ``backfill_worker_batches_validated_total{status}``, ``backfill_worker_batches_finalized_total{status}``,
-  ``backfill_worker_webhook_deliveries_total{outcome}``: what the lifecycle functions did.
+  ``backfill_worker_webhook_deliveries_total{outcome}``: what the lifecycle functions did;
+  ``backfill_worker_results_unplaced_total{reason}``: results the collector could not match to a
+  request (``unreadable``, ``no_request``), each also logged as ``result_unplaced``.
 
 ``backfill worker`` runs tasks in a prefork pool: the counters live in the pool's child processes.
 So with the prefork pool the values go through prometheus-client's multiprocess mode (files under
@@ -43,6 +45,7 @@ KNOWN_LABELS = {
     "validated": (BatchStatus.IN_PROGRESS, BatchStatus.FAILED),
     "finalized": (BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED),
     "webhooks": ("delivered", "failed"),
+    "unplaced": ("unreadable", "no_request"),
 }
 """Label values each counter starts with at 0 (so every series exists before its first event)."""
 
@@ -72,6 +75,9 @@ class WorkerMetrics:
                                  "through finalize.", ["status"], registry=r)
         self.webhooks = Counter("backfill_worker_webhook_deliveries", "Webhook delivery attempts by outcome "
                                 "(delivered: 2xx; failed: another status or no answer).", ["outcome"], registry=r)
+        self.unplaced = Counter("backfill_worker_results_unplaced", "Results read from the result stream that "
+                                "name no request (unreadable, or without batch_id, custom_id or lease token), by "
+                                "reason; each is logged as result_unplaced.", ["reason"], registry=r)
         self._started: dict[str, float] = {}
         for attribute, values in KNOWN_LABELS.items():
             for value in values:

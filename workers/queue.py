@@ -8,7 +8,8 @@ port's producer side (:class:`~async_processor.backends.base.LaneProducer`,
   held by a processor, answered, or gone), so the sweeper re-publishes only what is really lost;
 - :meth:`BatchQueue.read_results` reads the batch result queue through the consumer group
   ``collectors`` (entries another collector left pending longer than ``reclaim_idle_seconds`` first,
-  then new ones); :meth:`BatchQueue.ack` acknowledges them once their outcome is committed in Postgres;
+  then new ones); :meth:`BatchQueue.ack` acknowledges and deletes them once their outcome is committed
+  in Postgres (the collectors are the stream's only group, so it holds only what is not collected);
 - :meth:`BatchQueue.mark_cancelled` sets the cancel marker the processor checks.
 
 Transport failures raise :class:`~async_processor.errors.BackendError`.
@@ -50,7 +51,8 @@ class BatchQueue:
         self.processor_group = processor_group
         self.lanes: TrackedLaneProducer = producer
         self.results: ResultQueue = RedisResultQueue(self.redis, result_stream, group=COLLECTOR_GROUP,
-                                                     consumer=consumer, reclaim_idle_s=reclaim_idle_seconds)
+                                                     consumer=consumer, reclaim_idle_s=reclaim_idle_seconds,
+                                                     delete_acked=True)
 
     def publish(self, messages: Sequence[RequestMessage]) -> list[str]:
         """Put each message on the batch lane (one round trip); their stream entry ids, in order."""
@@ -68,7 +70,7 @@ class BatchQueue:
         return self.results.read(count)
 
     def ack(self, entry_ids: Sequence[bytes]) -> None:
-        """Acknowledge result entries whose outcome is committed."""
+        """Acknowledge result entries whose outcome is committed, and delete them from the stream."""
         self.results.ack(entry_ids)
 
     def mark_cancelled(self, batch_id: str, ttl_seconds: int = CANCEL_MARKER_TTL_SECONDS) -> None:

@@ -8,6 +8,7 @@ from pydantic_settings import SettingsConfigDict
 
 from batch_gateway.store.settings import SharedSettings
 from common.contracts.queue import BATCH_RESULT_STREAM, PROCESSOR_GROUP
+from workers.validation import DEFAULT_MAX_OUTPUT_TOKENS
 
 
 class WorkerSettings(SharedSettings):
@@ -17,7 +18,8 @@ class WorkerSettings(SharedSettings):
     another worker (Celery's default is 3,600 s; tasks here are short and idempotent, so a killed
     worker's task comes back sooner). ``relay_interval_seconds``: how often beat resends outbox
     events older than ``relay_after_seconds`` that never reached the broker; ``purge_interval_seconds``:
-    how often the bytes of deleted or expired files are removed; ``validation_stale_seconds``: a batch
+    how often the bytes of deleted or expired files are removed (and the file store swept of temporary
+files older than ``temp_file_max_age_seconds``); ``validation_stale_seconds``: a batch
     ``validating`` for longer has its validate task sent again (checked every relay interval; a
     starting worker resends every ``validating`` batch at once).
     """
@@ -57,6 +59,18 @@ class WorkerSettings(SharedSettings):
     finalize_interval_seconds: float = 2.0
     webhook_interval_seconds: float = 2.0
     validation_stale_seconds: float = 120.0
+    max_output_tokens_per_request: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1)
+    """Most output tokens one input line may ask for, ``n`` × ``max_tokens`` (or
+    ``max_completion_tokens`` / ``max_output_tokens``); a line asking for more fails validation
+    (``invalid_request``). 1,048,576: ``n`` = 128 (OpenAI's cap) × 8,192 tokens (docs/limits.md)."""
+    max_response_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    """Largest engine answer recorded for one request (8 MiB: the default output bound at ~4 bytes
+    a token, twice over); a larger one ends the request as ``response_too_large`` in the error file
+    instead of a huge output line (docs/limits.md)."""
+    temp_file_max_age_seconds: float = Field(default=3600.0, gt=0)
+    """A local file store's write in progress (``DATA_DIR/files/tmp``) untouched for this long is
+    an orphan (its writer died) and is removed, at start and every ``purge_interval_seconds``
+    (an upload writes every few milliseconds, so one hour idle is never a live one)."""
     metrics_port: int = Field(default=0, ge=0, le=65535, validation_alias=AliasChoices(
         "BACKFILL_WORKER_METRICS_PORT", "BACKFILL_METRICS_PORT"))
     """Port of ``/metrics`` and ``/health`` served by ``backfill worker`` (0: none; the Kubernetes

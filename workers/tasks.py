@@ -10,6 +10,8 @@
 - ``backfill.deliver_webhooks()``: signed terminal-state events (``workers.webhooks``).
 - ``backfill.purge_files()``: remove the bytes of deleted or expired files once no running batch
   reads them.
+- ``backfill.sweep_temp_files()``: remove the file store's temporary files (multipart uploads on
+  S3) untouched for ``temp_file_max_age_seconds``: writes whose process was killed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from batch_gateway.store.task_names import (
     RELAY_OUTBOX_TASK,
     RESEND_STALE_VALIDATIONS_TASK,
     SWEEP_TASK,
+    SWEEP_TEMP_FILES_TASK,
     VALIDATE_BATCH_TASK,
 )
 from workers import lifecycle, webhooks
@@ -36,7 +39,7 @@ from workers.context import WorkerContext
 from workers.lifecycle.validator import give_up_validation, resend_stale_validations, validate_batch
 
 __all__ = ["VALIDATE_RETRIES", "give_up_validation", "purge_files", "register", "relay_outbox",
-           "resend_stale_validations", "validate_batch"]
+           "resend_stale_validations", "sweep_temp_files", "validate_batch"]
 """The validation step's functions are re-exported: the task bodies look them up in this module."""
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,12 @@ def purge_files(ctx: WorkerContext) -> int:
         queries.mark_purged(session, [row.id for row in files])
         session.commit()
         return len(files)
+
+
+def sweep_temp_files(ctx: WorkerContext) -> int:
+    """Remove the file store's leftovers of killed writes older than ``temp_file_max_age_seconds``;
+    returns how many."""
+    return ctx.store.sweep_temp(ctx.settings.temp_file_max_age_seconds)
 
 
 def register(app: Celery, ctx: WorkerContext) -> None:
@@ -112,3 +121,7 @@ def register(app: Celery, ctx: WorkerContext) -> None:
     @app.task(name=PURGE_FILES_TASK, shared=False)
     def purge_files_task() -> int:
         return purge_files(ctx)
+
+    @app.task(name=SWEEP_TEMP_FILES_TASK, shared=False)
+    def sweep_temp_files_task() -> int:
+        return sweep_temp_files(ctx)

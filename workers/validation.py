@@ -5,11 +5,16 @@ may span chunks; a chunk boundary may split a CRLF, a UTF-8 BOM or a multi-byte 
 checks every line the way OpenAI's Batch API does before a batch leaves ``validating``:
 
 - each non-blank line is a JSON object (``invalid_json_line``);
-- ``custom_id`` present, a string, unique in the file (``invalid_request`` / ``duplicate_custom_id``);
+- ``custom_id`` present, a non-empty string, unique in the file (``invalid_request`` /
+  ``duplicate_custom_id``);
 - ``method`` is ``"POST"``; ``url`` equals the batch endpoint (``invalid_request`` / ``url_mismatch``;
   an absolute URL is a mismatch and is never fetched);
 - ``body`` is an object with a string ``model``; one model per file (``model_mismatch``);
   no ``"stream": true`` (``invalid_request``, param ``body.stream``);
+- ``body.n``, when given, is an integer from 1 to :data:`MAX_N` (128, OpenAI's cap); each output
+  token limit given (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) is an integer
+  of at least 1; and ``n`` × that limit is at most ``max_output_tokens`` (default
+  :data:`DEFAULT_MAX_OUTPUT_TOKENS`, 1,048,576): ``invalid_request``, param ``body.<field>``;
 - at most ``max_requests`` requests (``too_many_tasks``) and at least one (``empty_file``).
 
 A UTF-8 BOM at the start is skipped; LF and CRLF both end a line; blank and whitespace-only lines are
@@ -21,6 +26,12 @@ UTF-8 and non-object lines become ``invalid_json_line``; a line longer than ``ma
 ``invalid_request`` and is counted, not buffered. Memory is O(longest accepted line + number of
 requests): the file is never joined.
 
+A string holding a lone UTF-16 surrogate escape (``"\\ud83d alone"``: valid JSON, but no Unicode
+text) is read with U+FFFD REPLACEMENT CHARACTER in its place, the way a browser's ``TextEncoder``
+or Go's ``encoding/json`` read it, so the line runs (:func:`loads_line`, which the feeder uses too);
+a ``custom_id`` holding one is refused (``invalid_request``): the output file could not give it back
+as written.
+
 Error wording follows OpenAI where it is publicly known (``invalid_json_line``, and the
 ``duplicate_custom_id`` / ``model_mismatch`` texts OpenAI-compatible providers reproduce, e.g. Alibaba
 Model Studio's error-code page); the other messages are ours.
@@ -28,6 +39,7 @@ Model Studio's error-code page); the other messages are ours.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +50,13 @@ from common.json_types import json_type_name
 
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",
+    "DEFAULT_MAX_OUTPUT_TOKENS",
+    "MAX_N",
     "PREFIX_KEY_BYTES",
     "LineError",
     "RequestLine",
     "ValidationReport",
+    "loads_line",
     "prompt_bytes",
     "validate_batch_file",
 ]
@@ -51,6 +66,22 @@ __all__ = [
 #: parsed by orjson stays well inside the ≤ 150 MB memory-growth goal of the ingest benchmark
 #: (``docs/benchmarks.md``).
 DEFAULT_MAX_LINE_BYTES = 32 * 1024 * 1024
+
+#: Largest ``n`` (choices per request): OpenAI's documented maximum for Chat Completions (the API
+#: answers ``Expected a value <= 128`` above it).
+MAX_N = 128
+
+#: Largest ``n`` × output-token limit of one line (1,048,576 = 2**20 tokens): the full ``n`` of 128
+#: with 8,192 tokens each, or one choice of a million tokens, beyond any model's output limit today.
+#: At ~4 bytes a token that is ~4 MiB of text, inside the workers' 8 MiB response limit
+#: (``BACKFILL_WORKER_MAX_RESPONSE_BYTES``); a line asking for more is refused before it runs
+#: instead of tying an engine up for minutes.
+DEFAULT_MAX_OUTPUT_TOKENS = 1 << 20
+
+#: Fields of a request body that bound its output tokens, per choice (Chat Completions and
+#: Completions ``max_tokens``, Chat Completions ``max_completion_tokens``, Responses
+#: ``max_output_tokens``).
+OUTPUT_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 #: Length of :attr:`RequestLine.prefix_key`, in bytes of UTF-8 prompt text.
 PREFIX_KEY_BYTES = 128
@@ -91,7 +122,8 @@ class LineError:
     ``code`` is one of ``invalid_json_line``, ``duplicate_custom_id``, ``url_mismatch``,
     ``model_mismatch``, ``empty_file``, ``too_many_tasks``, ``invalid_request``. ``line`` is 1-based,
     or ``None`` for file-level errors (``empty_file``). ``param`` names the offending field
-    (``custom_id``, ``method``, ``url``, ``body``, ``body.model``, ``body.stream``) or is ``None``.
+    (``custom_id``, ``method``, ``url``, ``body``, ``body.model``, ``body.stream``, ``body.n``,
+    ``body.max_tokens``, ``body.max_completion_tokens``, ``body.max_output_tokens``) or is ``None``.
     """
 
     code: str
@@ -122,6 +154,59 @@ class ValidationReport:
     def ok(self) -> bool:
         """True when the file passed validation (no errors)."""
         return not self.errors
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing one line
+
+# A backslash escape in a JSON string: a high surrogate (with the low one that may follow it), a
+# lone low surrogate, or any other escape (consumed so ``\\\\ud83d`` is not read as an escape).
+_ESCAPE = re.compile(rb"\\(?:u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|u[dD][c-fC-F][0-9a-fA-F]{2}|.)",
+                     re.DOTALL)
+_REPLACEMENT = rb"\ufffd"
+
+
+def _replace_lone_surrogates(data: bytes | bytearray, replacement: bytes = _REPLACEMENT) -> bytes:
+    """``data`` with each lone UTF-16 surrogate escape (``\\ud83d`` not followed by a low one, or a
+    low one alone) replaced by ``replacement`` (``\\ufffd``); valid pairs and every other escape are
+    kept."""
+    def fix(match: re.Match[bytes]) -> bytes:
+        text = match.group(0)
+        if len(text) == 6 and text[1] == 0x75 and match.group(1) is None:  # a \\uDxxx alone
+            return replacement
+        return text
+
+    return _ESCAPE.sub(fix, bytes(data))
+
+
+def _parse(data: bytes | bytearray) -> tuple[Any, bool]:
+    """``(value, replaced)``: the line parsed by :func:`loads_line`, and whether a lone surrogate
+    was replaced."""
+    try:
+        return orjson.loads(data), False
+    except orjson.JSONDecodeError:
+        if b"\\u" not in data:
+            raise
+        fixed = _replace_lone_surrogates(data)
+        if fixed == data:
+            raise
+        return orjson.loads(fixed), True
+
+
+def loads_line(data: bytes | bytearray) -> Any:
+    """Parse one JSON line with orjson; a line refused only for a lone surrogate escape is parsed
+    again with U+FFFD in its place. Raises ``orjson.JSONDecodeError`` for anything else that is not
+    JSON (orjson's limits: doubles only, no ``NaN``, nesting up to 1,024)."""
+    return _parse(data)[0]
+
+
+def _had_lone_surrogate(data: bytes | bytearray, custom_id: str) -> bool:
+    """Whether ``custom_id`` (read with U+FFFD for lone surrogates) held one: parsed again with
+    another replacement, it differs."""
+    if "\ufffd" not in custom_id:
+        return False
+    other = orjson.loads(_replace_lone_surrogates(data, rb"\u0000"))
+    return other.get("custom_id") != custom_id
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,11 +410,12 @@ def _lines(
 class _Checker:
     """Per-line checks and the state they share (seen custom_ids, the file's model)."""
 
-    __slots__ = ("endpoint", "max_errors", "report", "seen", "failed")
+    __slots__ = ("endpoint", "max_errors", "max_output_tokens", "report", "seen", "failed")
 
-    def __init__(self, endpoint: str, max_errors: int) -> None:
+    def __init__(self, endpoint: str, max_errors: int, max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS) -> None:
         self.endpoint = endpoint
         self.max_errors = max_errors
+        self.max_output_tokens = max_output_tokens
         self.report = ValidationReport()
         self.seen: set[str] = set()
         self.failed = False
@@ -349,7 +435,7 @@ class _Checker:
     def check(self, line_no: int, offset: int, data: bytes | bytearray, length: int) -> None:
         """Check one non-blank line; append a request or an error (at most one error per line)."""
         try:
-            obj = orjson.loads(data)
+            obj, replaced = _parse(data)
         except orjson.JSONDecodeError:
             self.error("invalid_json_line", _MSG_INVALID_JSON, line_no, None)
             return
@@ -360,6 +446,14 @@ class _Checker:
         custom_id: Any = obj.get("custom_id")  # JSON values stay untyped until checked
         if problem := _wrong_type(custom_id, str, "custom_id"):
             self.error("invalid_request", problem, line_no, "custom_id")
+            return
+        if not custom_id:
+            self.error("invalid_request", "Invalid 'custom_id': empty string. Expected a string with minimum "
+                       "length 1, but got an empty string instead.", line_no, "custom_id")
+            return
+        if replaced and _had_lone_surrogate(data, custom_id):
+            self.error("invalid_request", "Invalid value for 'custom_id': it holds a lone UTF-16 surrogate "
+                       "escape, which is not Unicode text.", line_no, "custom_id")
             return
         seen = self.seen
         if custom_id in seen:
@@ -424,6 +518,9 @@ class _Checker:
                 "body.stream",
             )
             return
+        if limit := self._output_problem(body):
+            self.error("invalid_request", limit[1], line_no, limit[0])
+            return
 
         text, size = prompt_bytes(self.endpoint, body)
         est = -(-size // BYTES_PER_TOKEN)
@@ -432,6 +529,40 @@ class _Checker:
             report.requests.append(
                 RequestLine(custom_id, line_no, offset, length, text[:PREFIX_KEY_BYTES], est)
             )
+
+
+    def _output_problem(self, body: dict[str, Any]) -> tuple[str, str] | None:
+        """``(param, message)`` for a body whose ``n`` or output-token limits are out of bounds."""
+        n = body.get("n")
+        if n is not None:
+            if problem := _not_integer(n, 1, MAX_N, "n"):
+                return "body.n", problem
+        else:
+            n = 1
+        for name in OUTPUT_TOKEN_FIELDS:
+            tokens = body.get(name)
+            if tokens is None:
+                continue
+            if problem := _not_integer(tokens, 1, None, name):
+                return f"body.{name}", problem
+            if n * tokens > self.max_output_tokens:
+                return f"body.{name}", (
+                    f"Invalid '{name}': n × {name} is {n * tokens:,} tokens, over the limit of "
+                    f"{self.max_output_tokens:,} output tokens per request; lower 'n' or '{name}'.")
+        return None
+
+
+def _not_integer(value: Any, low: int, high: int | None, name: str) -> str | None:
+    """OpenAI's message for an integer parameter ``name`` that is not an integer in
+    ``[low, high]``, or None."""
+    if type(value) is not int:
+        return f"Invalid type for '{name}': expected an integer, but got {json_type_name(value)} instead."
+    if value < low:
+        return f"Invalid '{name}': integer below minimum value. Expected a value >= {low}, but got {value} instead."
+    if high is not None and value > high:
+        return (f"Invalid '{name}': integer above maximum value. Expected a value <= {high}, but got {value} "
+                "instead.")
+    return None
 
 
 def _wrong_type(value: Any, expected: type, param: str) -> str | None:
@@ -469,6 +600,7 @@ def validate_batch_file(
     max_requests: int = 50_000,
     max_errors: int = 100,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
 ) -> ValidationReport:
     """Validate a batch input file given as byte chunks; return a :class:`ValidationReport`.
 
@@ -478,15 +610,16 @@ def validate_batch_file(
     a single ``too_many_tasks`` error and stops reading. ``max_errors``: errors kept (OpenAI-style
     ``errors.data`` stays short); reading stops once that many are found. ``max_line_bytes``: longest
     accepted line without its terminator (default :data:`DEFAULT_MAX_LINE_BYTES`, 32 MiB); a longer
-    line is an ``invalid_request`` error and is never buffered whole.
+    line is an ``invalid_request`` error and is never buffered whole. ``max_output_tokens``: the most
+    ``n`` × output-token limit one line may ask for (default :data:`DEFAULT_MAX_OUTPUT_TOKENS`).
 
     Each line gets at most one error, the first check it fails in the order listed in the module
     docstring. Never raises for any file content; only errors raised by ``chunks`` itself propagate.
     Memory: O(longest accepted line + number of requests).
     """
-    if max_requests < 1 or max_errors < 1 or max_line_bytes < 1:
-        raise ValueError("max_requests, max_errors and max_line_bytes must be positive")
-    checker = _Checker(endpoint, max_errors)
+    if max_requests < 1 or max_errors < 1 or max_line_bytes < 1 or max_output_tokens < 1:
+        raise ValueError("max_requests, max_errors, max_line_bytes and max_output_tokens must be positive")
+    checker = _Checker(endpoint, max_errors, max_output_tokens)
     report = checker.report
     counter = [0]
     request_lines = 0

@@ -6,7 +6,9 @@ The stream layout is :mod:`async_processor.backends.redis_streams`' (entry field
 ``XAUTOCLAIM`` replies): requests are ``XADD``-ed to ``backfill:requests:{pool}:{lane}`` with one
 field ``message``; a result queue is read through a consumer group (created at the stream's start
 when missing, and again when Redis lost it) with ``XAUTOCLAIM`` of entries idle longer than
-``reclaim_idle_s`` first, then ``XREADGROUP >``; a cancel marker is ``SET`` with a TTL; where a
+``reclaim_idle_s`` first, then ``XREADGROUP >``; with ``delete_acked`` an acknowledged entry is also
+``XDEL``-eted (``XACK`` and ``XDEL`` in one ``MULTI``, one round trip), so a stream read by one group
+holds only what that group has not acknowledged; a cancel marker is ``SET`` with a TTL; where a
 published request is now (:meth:`RedisLaneProducer.whereabouts`) is read from the stream, the
 processors' consumer group and the id claims, never written. Transport
 errors raise :class:`~async_processor.errors.BackendError`.
@@ -167,11 +169,14 @@ def _entry_key(entry_id: bytes | str | None) -> tuple[int, int]:
 
 class RedisResultQueue:
     """One result stream read by ``consumer`` of ``group`` (see the module docstring).
-    ``client``: a ``redis.Redis`` (bytes responses), the caller's."""
+    ``client``: a ``redis.Redis`` (bytes responses), the caller's. ``delete_acked``: :meth:`ack`
+    deletes the entries too; only for a stream that ``group`` alone reads (another group would lose
+    them), such as the batch result stream the collectors read."""
 
     def __init__(self, client: redis.Redis, stream: str, *, group: str = COLLECTOR_GROUP, consumer: str,
-                 reclaim_idle_s: float = 60.0):
+                 reclaim_idle_s: float = 60.0, delete_acked: bool = False):
         self.client = client
+        self.delete_acked = delete_acked
         self.stream = stream
         self.group = group
         self.consumer = consumer
@@ -213,10 +218,17 @@ class RedisResultQueue:
         return [(entry_id, result_of(fields)) for entry_id, fields in entries]
 
     def ack(self, entry_ids: Sequence[bytes]) -> None:
-        """``XACK`` the entries."""
+        """``XACK`` the entries; with ``delete_acked``, ``XDEL`` them in the same ``MULTI`` (only
+        these ids: an entry not acknowledged is never deleted)."""
         if not entry_ids:
             return
         try:
-            self.client.xack(self.stream, self.group, *entry_ids)
+            if not self.delete_acked:
+                self.client.xack(self.stream, self.group, *entry_ids)
+                return
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.xack(self.stream, self.group, *entry_ids)
+                pipe.xdel(self.stream, *entry_ids)
+                pipe.execute()
         except RedisError as exc:
             raise BackendError(f"redis ack on {self.stream}: {exc}") from exc

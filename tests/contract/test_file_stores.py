@@ -3,7 +3,8 @@
 Both must: round-trip small and multipart-sized objects, stream reads by offset and length, show an
 object only once committed, leave nothing behind (no temporary file, no open multipart upload) after
 an abort or a failure mid-write, keep the previous object when a rewrite fails, refuse unsafe keys,
-and take concurrent writers (last commit wins, never a mix). The S3-only tests at the end check the
+take concurrent writers (last commit wins, never a mix), and sweep what a killed writer left behind
+(temporary files, multipart uploads) once it is old. The S3-only tests at the end check the
 wire: one PutObject for a small object, parts sent while writing for a large one, and the upload
 aborted by the store itself when S3 fails.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import threading
+import time
 
 import pytest
 from botocore.exceptions import EndpointConnectionError
@@ -328,3 +331,87 @@ def test_s3_keys_live_under_the_prefix(s3):
     write_all(s3.store, "files/pp/file-pp1", b"p").commit()
     listed = s3_client(s3.store.client.meta.endpoint_url).list_objects_v2(Bucket=s3.store.bucket)
     assert [o["Key"] for o in listed["Contents"]] == ["tenant-a/files/pp/file-pp1"]
+
+
+def test_a_dead_writers_leftover_is_swept_and_a_live_one_kept(kit):
+    live = write_all(kit.store, "files/qq/file-live", payload(PART + 10, "live"))  # parts sent: a leftover
+    dead = write_all(kit.store, "files/qq/file-dead", payload(PART + 10, "dead"))  # its writer "killed"
+    assert len(kit.leftovers()) == 2
+    if kit.kind == "local":
+        assert kit.store.sweep_temp() == 0  # both younger than the default hour
+        old = dead.tmp.stat().st_mtime - 7200
+        os.utime(dead.tmp, (old, old))
+        assert kit.store.sweep_temp() == 1
+        assert len(kit.leftovers()) == 1
+        live.commit()  # the live upload was untouched by the sweep
+        assert b"".join(kit.store.read("files/qq/file-live")) == payload(PART + 10, "live")
+    else:  # moto dates every multipart upload 2010-11-10: both are old, unless the age is older still
+        assert kit.store.sweep_temp(time.time()) == 0
+        assert kit.store.sweep_temp() == 2
+    assert not kit.store.exists("files/qq/file-dead")
+    assert kit.leftovers() == []
+
+
+# --- local only: the temporary directory ------------------------------------------------------
+
+
+class _FailingHandle:
+    """An open file whose last flush fails, as on a full disk (the real file is closed anyway)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.closes = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.handle.closed
+
+    def write(self, chunk):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fileno(self):
+        return self.handle.fileno()
+
+    def close(self):
+        self.closes += 1
+        self.handle.close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_local_abort_unlinks_even_when_closing_fails_and_twice_is_harmless(tmp_path):
+    store = LocalFileStore(tmp_path / "files")
+    first, second = store.begin("files/aa/file-out"), store.begin("files/aa/file-err")
+    for upload in (first, second):
+        upload.handle.write(b"x" * 100)
+        upload.handle = _FailingHandle(upload.handle)
+    first.abort()  # must not raise: the finalizer aborts every upload in turn, the second too
+    second.abort()
+    first.abort()
+    assert list(store.tmp.iterdir()) == []
+
+
+def test_local_failed_commit_leaves_no_temporary_file(tmp_path):
+    store = LocalFileStore(tmp_path / "files")
+    upload = store.begin("files/ab/file-ab9")
+    upload.handle = _FailingHandle(upload.handle)
+    with pytest.raises(OSError) as failed:
+        upload.commit()
+    assert failed.value.errno == errno.ENOSPC
+    assert list(store.tmp.iterdir()) == [] and not store.exists("files/ab/file-ab9")
+
+
+def test_local_store_sweeps_stale_temporary_files_when_opened(tmp_path):
+    LocalFileStore(tmp_path / "files")
+    tmp = tmp_path / "files" / "tmp"
+    orphan, fresh = tmp / "orphan-of-a-killed-upload", tmp / "in-progress"
+    orphan.write_bytes(b"half an upload")
+    fresh.write_bytes(b"being written")
+    old = time.time() - 3601
+    os.utime(orphan, (old, old))
+    store = LocalFileStore(tmp_path / "files")
+    assert sorted(p.name for p in store.tmp.iterdir()) == ["in-progress"]
+    assert LocalFileStore(tmp_path / "files", temp_max_age_s=0.0).tmp.exists()
+    assert list(tmp.iterdir()) == []

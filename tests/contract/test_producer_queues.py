@@ -2,8 +2,9 @@
 :class:`~async_processor.backends.base.ResultQueue`) on memory and Redis Streams, against the
 processor's side of the same backend: what a producer publishes is received, its cancel marker is
 seen by ``admit``, lane depths count held and dead messages, Redis says where a published message
-is now (waiting, held, answered, gone), a result queue hands each entry to one
-consumer of a group until acked and a pending entry to another consumer once idle."""
+is now (waiting, held, answered, gone), a result queue hands each entry to one consumer of a group
+until acked and a pending entry to another consumer once idle; on Redis, a result queue made with
+``delete_acked`` deletes exactly what it acknowledged."""
 
 from __future__ import annotations
 
@@ -165,4 +166,24 @@ def test_redis_whereabouts_follow_a_message_from_waiting_to_answered_and_see_a_l
     try:
         asyncio.run(main())
     finally:
+        client.close()
+
+
+def test_a_redis_result_queue_that_deletes_acked_entries_keeps_only_unacked_ones(stores):
+    import redis
+
+    from async_processor.backends.redis_producer import RedisResultQueue
+
+    client, stream = redis.Redis.from_url(stores.redis_url), f"t{secrets.token_hex(4)}:results"
+    try:
+        ids = [client.xadd(stream, {"result": b"{}"}) for _ in range(3)]
+        first = RedisResultQueue(client, stream, group="collectors", consumer="a", delete_acked=True)
+        assert [entry_id for entry_id, _ in first.read(2)] == ids[:2]
+        first.ack(ids[:1])
+        assert client.xlen(stream) == 2  # the unacknowledged read one and the unread one stay
+        first.ack(ids[1:2])
+        assert [entry_id for entry_id, _ in client.xrange(stream)] == ids[2:]
+        assert client.xpending(stream, "collectors")["pending"] == 0
+    finally:
+        client.delete(stream)
         client.close()

@@ -1,10 +1,13 @@
 """File bytes over their life: expiry hides a file, delete and purge remove bytes only when no
-running batch reads them, and a store that cannot write (disk full) answers 503 and registers
-nothing (RELIABILITY.md F14)."""
+running batch reads them, a store that cannot write (disk full, while writing or at commit) answers
+503 and registers nothing nor leaves a temporary file (RELIABILITY.md F14), and the sweep task
+removes what killed writers left in ``tmp/``."""
 
 from __future__ import annotations
 
 import errno
+import os
+import time
 
 import openai
 import pytest
@@ -88,3 +91,56 @@ def test_disk_full_upload_answers_503_and_registers_nothing(gateway_settings):
         assert list((gateway_settings.files_dir / "tmp").iterdir()) == []
         app.state.store = LocalFileStore(gateway_settings.files_dir)  # the API stays up
         assert client.files.create(file=("in.jsonl", b"{}"), purpose="user_data").bytes == 2
+
+
+class FullAtClose(LocalFileStore):
+    """A store whose disk fills up under the buffered tail of a write: every write is taken, the
+    flush at commit and the close after it fail with ``ENOSPC``."""
+
+    def begin(self, key):
+        upload = super().begin(key)
+        real = upload.handle
+
+        class Handle:
+            closed = property(lambda self: real.closed)
+            write = real.write
+            fileno = real.fileno
+
+            def flush(self):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            def close(self):
+                real.close()
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        upload.handle = Handle()
+        return upload
+
+
+def test_disk_full_at_commit_answers_503_and_leaves_no_temporary_file(gateway_settings):
+    port = free_port()
+    app = create_app(gateway_settings)
+    with serve(app, port):
+        app.state.store = FullAtClose(gateway_settings.files_dir)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=gateway_settings.api_key,
+                               max_retries=0)
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.files.create(file=("in.jsonl", b"x" * 1000), purpose="batch")
+        assert failed.value.status_code == 503
+        assert list((gateway_settings.files_dir / "tmp").iterdir()) == []
+
+
+def test_the_sweep_task_removes_orphans_of_killed_writes_only(gateway):
+    from workers.tasks import sweep_temp_files
+
+    ctx = gateway.celery.backfill
+    tmp = ctx.store.tmp
+    orphan, live = tmp / "killed-upload", tmp / "live-upload"
+    orphan.write_bytes(b"half a file")
+    live.write_bytes(b"being written")
+    age = ctx.settings.temp_file_max_age_seconds + 60
+    old = time.time() - age
+    os.utime(orphan, (old, old))
+    assert sweep_temp_files(ctx) == 1
+    assert sorted(p.name for p in tmp.iterdir()) == ["live-upload"]
+    live.unlink()

@@ -1,7 +1,9 @@
 """The batch lifecycle after validation, with a stand-in processor that answers from the request
 stream: feed in prefix order within a window, collect once per custom_id (duplicates and late
 results refused), finalize into OpenAI's output and error files, cancel and expiry with partial
-output, and the sweeper handing back lost requests."""
+output, and the sweeper handing back lost requests; collected results deleted from the result
+stream, results that name no request logged and counted, input lines that must not sink a batch
+(an empty custom_id, a lone surrogate) and an answer over the response-size limit."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from sqlalchemy import select, update
 
 from batch_gateway.store.models import Batch, BatchRequest
 from common.contracts.queue import (
+    COLLECTOR_GROUP,
     REQUEST_FIELD,
     ErrorCode,
+    ResultMessage,
     decode_request,
     encode_result,
     error_result,
@@ -232,3 +236,95 @@ def test_sweeper_hands_back_lost_requests_and_refuses_the_late_result(gateway):
     with gateway.session() as session:
         assert session.execute(select(BatchRequest.attempts).where(
             BatchRequest.batch_id == batch.id, BatchRequest.custom_id == "s0")).scalar_one() == 2
+
+
+# --- bounded state and input that must not sink a batch --------------------------------------------
+
+
+def test_collected_results_are_deleted_from_the_stream_and_pending_ones_kept(gateway):
+    ctx = gateway.celery.backfill
+    client, batch = _submit(gateway, [_line(f"d{i}") for i in range(4)])
+    proc = StandInProcessor(ctx)
+    lifecycle.feed(ctx)
+    requests = proc.take()
+    for request in requests[:3]:
+        proc.ok(request)
+    proc.ok(requests[0])  # a duplicate: refused, and deleted too (it is acknowledged)
+    assert lifecycle.collect(ctx) == 3
+    redis, stream = ctx.queue.redis, ctx.queue.result_stream
+    assert redis.xlen(stream) == 0
+    proc.ok(requests[3])
+    held = redis.xreadgroup(COLLECTOR_GROUP, "collector-elsewhere", {stream: ">"})  # read, not yet acked
+    assert lifecycle.collect(ctx) == 0  # held by another collector (not idle long enough to reclaim)
+    assert redis.xlen(stream) == 1  # an unacknowledged entry is never deleted
+    assert redis.xpending(stream, COLLECTOR_GROUP)["pending"] == 1
+    redis.xack(stream, COLLECTOR_GROUP, held[0][1][0][0])
+    assert client.batches.retrieve(batch.id).request_counts.completed == 3
+
+
+def test_a_result_that_names_no_request_is_logged_and_counted(gateway, caplog):
+    ctx = gateway.celery.backfill
+    redis, stream = ctx.queue.redis, ctx.queue.result_stream
+    unplaced = ctx.metrics.unplaced
+    before = {reason: unplaced.labels(reason)._value.get() for reason in ("unreadable", "no_request")}
+    nameless = ResultMessage(id="req-x", status_code=200, payload="{}",
+                             metadata={"batch_id": "batch_x", "custom_id": "", "lease_token": "t"})
+    redis.xadd(stream, {"result": encode_result(nameless)})
+    redis.xadd(stream, {"result": b"not a result"})
+    with caplog.at_level("WARNING", logger="workers.lifecycle.collector"):
+        assert lifecycle.collect(ctx) == 0
+    records = [r for r in caplog.records if getattr(r, "action", None) == "result_unplaced"]
+    assert sorted(r.reason for r in records) == ["no_request", "unreadable"]
+    assert [r.result_id for r in records if r.reason == "no_request"] == ["req-x"]
+    assert {reason: unplaced.labels(reason)._value.get() - count for reason, count in before.items()} == \
+        {"unreadable": 1, "no_request": 1}
+    assert redis.xlen(stream) == 0
+
+
+def test_an_empty_custom_id_fails_validation_with_its_line(gateway):
+    client = gateway.client()
+    uploaded = client.files.create(file=("in.jsonl", _line("ok") + b"\n" + _line("") + b"\n"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    failed = gateway.wait_status(batch.id, ("failed", "in_progress"))
+    assert failed.status == "failed"
+    assert [(e.code, e.param, e.line) for e in failed.errors.data] == [("invalid_request", "custom_id", 2)]
+
+
+def test_a_lone_surrogate_line_runs_with_the_replacement_character_and_the_others_too(gateway):
+    ctx = gateway.celery.backfill
+    lone = _line("lone", system="PLACEHOLDER").replace(b"PLACEHOLDER", b"\\ud83d alone")
+    client, batch = _submit(gateway, [_line("before"), lone, _line("after")])
+    proc = StandInProcessor(ctx)
+    assert lifecycle.feed(ctx) == 3
+    fed = {m.metadata["custom_id"]: m for m in proc.take()}
+    assert fed["lone"].payload["messages"][0]["content"] == "\ufffd alone"
+    for request in fed.values():
+        proc.ok(request)
+    assert lifecycle.collect(ctx) == 3
+    assert lifecycle.finalize_due(ctx) == [batch.id]
+    done = client.batches.retrieve(batch.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 0)
+
+
+def test_an_answer_over_the_response_limit_is_a_line_of_the_error_file(gateway):
+    ctx = gateway.celery.backfill
+    ctx.settings.max_response_bytes = 4096
+    client, batch = _submit(gateway, [_line("small"), _line("huge")])
+    proc = StandInProcessor(ctx)
+    lifecycle.feed(ctx)
+    fed = {m.metadata["custom_id"]: m for m in proc.take()}
+    proc.ok(fed["small"])
+    big = orjson.loads(_completion(fed["huge"]))
+    big["choices"] = [{**big["choices"][0], "index": i} for i in range(200)]  # n = 200 choices' worth
+    proc.answer(fed["huge"], http_result(fed["huge"], 200, orjson.dumps(big)))
+    assert lifecycle.collect(ctx) == 2
+    assert lifecycle.finalize_due(ctx) == [batch.id]
+    done = client.batches.retrieve(batch.id)
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+    assert set(_lines(client, done.output_file_id)) == {"small"}
+    line = _lines(client, done.error_file_id)["huge"]
+    assert line["response"] is None and line["error"]["code"] == "response_too_large"
+    with gateway.session() as session:
+        assert session.execute(select(BatchRequest.response_body).where(
+            BatchRequest.batch_id == batch.id, BatchRequest.custom_id == "huge")).scalar_one() is None

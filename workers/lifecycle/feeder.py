@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import logging
 
-import orjson
-
 from batch_gateway.store import queries
 from common.contracts.queue import BATCH_LANE, RequestMessage
 from workers.context import WorkerContext
+from workers.validation import loads_line
 
 log = logging.getLogger(__name__)
 
 
 def _request_body(ctx: WorkerContext, key: str, offset: int, length: int) -> dict:
     line = b"".join(ctx.store.read(key, offset, length))
-    return orjson.loads(line)["body"]
+    return loads_line(line)["body"]  # parsed as validation parsed it (lone surrogates → U+FFFD)
 
 
 def message_id(batch_id: str, custom_id: str, attempt: int) -> str:

@@ -77,16 +77,36 @@ def usage_of(body: bytes) -> Usage:
     )
 
 
-def outcome_of(result: ResultMessage, attempt: int, max_attempts: int) -> RequestChange:
+RESPONSE_TOO_LARGE = "response_too_large"
+"""Error code of a request whose answer was over the response-size limit (docs/limits.md)."""
+
+
+def too_large(size: int, limit: int) -> RequestChange:
+    """The change for an answer of ``size`` bytes over ``limit``: ``failed`` with
+    ``response_too_large`` and no body (nothing of it is kept)."""
+    return RequestChange(RequestState.FAILED, error_code=RESPONSE_TOO_LARGE,
+                         error_message=f"The response to this request was {size:,} bytes, over the limit of "
+                                       f"{limit:,} bytes per request; ask for fewer choices ('n') or fewer "
+                                       "tokens ('max_tokens').")
+
+
+def outcome_of(result: ResultMessage, attempt: int, max_attempts: int,
+               max_response_bytes: int | None = None) -> RequestChange:
     """How ``result`` (of delivery ``attempt``, 1-based) changes its request row.
 
     An HTTP answer → ``succeeded`` (2xx, with its usage) or ``failed`` (its body kept, as JSON);
-    ``request_id`` is the body's ``id`` when a string, else the result's id. No answer: past the
+    ``request_id`` is the body's ``id`` when a string, else the result's id. An answer longer than
+    ``max_response_bytes`` (UTF-8 bytes; None: no limit) → ``failed`` / ``response_too_large``,
+    without its body (:func:`too_large`). No answer: past the
     deadline → ``expired`` / ``batch_expired``; cancelled → ``cancelled`` / ``batch_cancelled``; a
     retryable code before ``max_attempts`` → back to ``pending``; else ``failed`` with
     ``request_timeout`` (retryable codes) or ``batch_failed`` and the result's message.
     """
     if not result.error_code and result.status_code:
+        if max_response_bytes is not None and len(result.payload) > max_response_bytes // 4:
+            size = len(result.payload.encode("utf-8", "surrogatepass"))  # only a long one is measured
+            if size > max_response_bytes:
+                return too_large(size, max_response_bytes)
         body = json_body(result.payload, result.status_code)
         ok = 200 <= result.status_code < 300
         try:

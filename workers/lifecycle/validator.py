@@ -44,6 +44,7 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
         report = validate_batch_file(
             ctx.store.read(key, chunk_bytes=ctx.settings.read_chunk_bytes),
             endpoint=endpoint, max_requests=ctx.settings.max_requests_per_batch,
+            max_output_tokens=ctx.settings.max_output_tokens_per_request,
         )
     except FileNotFoundError:
         report = ValidationReport(requests=[], model=None, bytes_read=0, est_tokens=0, errors=[

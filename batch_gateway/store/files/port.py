@@ -34,7 +34,8 @@ class Upload(Protocol):
         """Make the object visible under its key, atomically."""
 
     def abort(self) -> None:
-        """Discard what was written; the key is untouched."""
+        """Discard what was written; the key is untouched. Never raises; calling it again, or
+        after ``commit``, does nothing more."""
 
 
 class FileStore(Protocol):
@@ -58,3 +59,7 @@ class FileStore(Protocol):
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` holds a committed object."""
+
+    def sweep_temp(self, older_than_s: float | None = None) -> int:
+        """Remove what writes whose process died left behind (untouched for ``older_than_s``
+        seconds, default the store's own age); returns how many were removed."""

@@ -8,8 +8,9 @@ The same port as :class:`~batch_gateway.store.files.LocalFileStore`, with the sa
 - **Atomic publish.** S3 shows an object only once ``PutObject`` or ``CompleteMultipartUpload``
   succeeded, so readers never see a partial object. Any error while writing or committing aborts
   the multipart upload (``AbortMultipartUpload``) before the error is raised, and ``abort()`` does
-  the same, so no parts are left behind. Parts of a process killed mid-upload stay invisible until a
-  bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
+  the same, so no parts are left behind. Parts of a process killed mid-upload stay invisible; they
+  are aborted by :meth:`S3FileStore.sweep_temp` once older than ``temp_max_age_s`` (or by a bucket
+  lifecycle rule, ``AbortIncompleteMultipartUpload``).
 - **Streamed reads.** ``GetObject`` (with a ``Range`` for an offset or a length) read in chunks.
 - **Errors** are the local store's: ``FileNotFoundError`` for a missing key, ``PermissionError`` for
   access denied, ``OSError`` (``EIO``) for any other S3 or network failure.
@@ -24,6 +25,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -184,7 +186,8 @@ class S3FileStore:
 
     def __init__(self, bucket: str, *, prefix: str = "", part_bytes: int = DEFAULT_PART_BYTES,
                  endpoint_url: str | None = None, region_name: str | None = None,
-                 addressing_style: str = "auto", sender_threads: int = 8, max_pool_connections: int = 32):
+                 addressing_style: str = "auto", sender_threads: int = 8, max_pool_connections: int = 32,
+                 temp_max_age_s: float = 3600.0):
         if not bucket:
             raise ValueError("an S3 file store needs a bucket")
         if part_bytes < 1:
@@ -192,6 +195,7 @@ class S3FileStore:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.part_bytes = part_bytes
+        self.temp_max_age_s = temp_max_age_s
         self._client_args = {
             "endpoint_url": endpoint_url or None,
             "region_name": region_name or None,
@@ -279,6 +283,29 @@ class S3FileStore:
             return self.client.head_object(Bucket=self.bucket, Key=self.object_key(key))["ContentLength"]
         except _AWS_ERRORS as exc:
             raise _os_error(exc, key) from exc
+
+    def sweep_temp(self, older_than_s: float | None = None) -> int:
+        """Abort the multipart uploads under the prefix started more than ``older_than_s`` seconds
+        ago (default ``temp_max_age_s``, one hour): a writer killed mid-upload. Returns how many;
+        ``OSError`` when listing fails (an abort that fails is left for the next sweep)."""
+        age = self.temp_max_age_s if older_than_s is None else older_than_s
+        cutoff = time.time() - age
+        removed = 0
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
+                                                                                Prefix=self.prefix)
+            stale = [(u["Key"], u["UploadId"]) for page in pages for u in page.get("Uploads", ())
+                     if u["Initiated"].timestamp() < cutoff]
+        except _AWS_ERRORS as exc:
+            raise _os_error(exc, self.prefix) from exc
+        for key, upload_id in stale:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                removed += 1
+            except _AWS_ERRORS as exc:
+                log.warning("stale multipart upload not aborted", extra={
+                    "action": "s3_abort_failed", "key": key, "upload_id": upload_id, "error": str(exc)})
+        return removed
 
     def exists(self, key: str) -> bool:
         """See :meth:`FileStore.exists` (``HeadObject``); ``OSError`` when S3 fails otherwise."""

@@ -13,9 +13,12 @@ import pytest
 
 from backfill.bench.batchfile import write_batch_file
 from workers.validation import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    MAX_N,
     PREFIX_KEY_BYTES,
     LineError,
     ValidationReport,
+    loads_line,
     prompt_bytes,
     validate_batch_file,
 )
@@ -291,7 +294,6 @@ def test_one_error_per_line_and_requests_dropped_on_error() -> None:
         b'{"a":' * 5000 + b"1" + b"}" * 5000,
         b'{"custom_id": "\xff\xfe"}',
         b'{"custom_id": "\xed\xa0\x80"}',  # an encoded surrogate
-        b'{"custom_id": "\\ud800"}',
         b"[]",
         b'"a string"',
         b"42",
@@ -421,3 +423,97 @@ def test_generated_file_validates_clean(tmp_path: Path) -> None:
     assert report.model == "sim-model"
     assert 1 < len({r.prefix_key for r in report.requests}) <= 5
     assert_slices_back(data, report)
+
+
+# --- bounds on what one line may ask for -----------------------------------------------------------
+
+
+def body(**over: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **over}
+
+
+@pytest.mark.parametrize(
+    ("over", "param", "message"),
+    [
+        ({"n": 1_000_000, "max_tokens": 5}, "body.n",
+         "Invalid 'n': integer above maximum value. Expected a value <= 128, but got 1000000 instead."),
+        ({"n": 129}, "body.n",
+         "Invalid 'n': integer above maximum value. Expected a value <= 128, but got 129 instead."),
+        ({"n": 0}, "body.n",
+         "Invalid 'n': integer below minimum value. Expected a value >= 1, but got 0 instead."),
+        ({"n": "2"}, "body.n", "Invalid type for 'n': expected an integer, but got a string instead."),
+        ({"max_tokens": 0}, "body.max_tokens",
+         "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead."),
+        ({"max_tokens": -1}, "body.max_tokens",
+         "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got -1 instead."),
+        ({"max_completion_tokens": 0}, "body.max_completion_tokens",
+         "Invalid 'max_completion_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead."),
+        ({"max_tokens": 2.5}, "body.max_tokens",
+         "Invalid type for 'max_tokens': expected an integer, but got a number instead."),
+        ({"max_tokens": True}, "body.max_tokens",
+         "Invalid type for 'max_tokens': expected an integer, but got a boolean instead."),
+        ({"n": 128, "max_tokens": 8193}, "body.max_tokens",
+         "Invalid 'max_tokens': n × max_tokens is 1,048,704 tokens, over the limit of 1,048,576 output tokens "
+         "per request; lower 'n' or 'max_tokens'."),
+        ({"max_completion_tokens": DEFAULT_MAX_OUTPUT_TOKENS + 1}, "body.max_completion_tokens", None),
+    ],
+)
+def test_n_and_output_token_limits_out_of_bounds_fail_their_line(over: dict, param: str, message: str | None) -> None:
+    error = only_error(run(jsonl(req("a"), req("b", body=body(**over)), req("c"))))
+    assert (error.code, error.line, error.param) == ("invalid_request", 2, param)
+    if message is not None:
+        assert error.message == message
+
+
+def test_output_limits_within_bounds_pass() -> None:
+    lines = [req("a", body=body(n=MAX_N, max_tokens=DEFAULT_MAX_OUTPUT_TOKENS // MAX_N)),
+             req("b", body=body(n=None, max_tokens=None)), req("c", body=body(max_completion_tokens=1)),
+             req("d", url="/v1/responses", body={"model": "m", "input": "q", "max_output_tokens": 4096})]
+    assert run(jsonl(*lines[:3])).errors == []
+    assert run(jsonl(lines[3]), endpoint="/v1/responses").errors == []
+
+
+def test_the_output_bound_follows_max_output_tokens() -> None:
+    line = req("a", body=body(n=4, max_tokens=100))
+    assert run(jsonl(line), max_output_tokens=400).errors == []
+    assert only_error(run(jsonl(line), max_output_tokens=399)).param == "body.max_tokens"
+
+
+def test_an_empty_custom_id_fails_its_line() -> None:
+    error = only_error(run(jsonl(req("a"), req(""))))
+    assert error == LineError("invalid_request", "Invalid 'custom_id': empty string. Expected a string with "
+                              "minimum length 1, but got an empty string instead.", 2, "custom_id")
+
+
+# --- lone surrogate escapes -----------------------------------------------------------------------
+
+
+def test_a_lone_surrogate_in_a_prompt_runs_with_the_replacement_character() -> None:
+    text = b'"\\ud83d alone, a pair \\ud83d\\ude00, a low one \\udc00, an escaped backslash \\\\ud83d"'
+    line = (b'{"custom_id": "s", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", '
+            b'"messages": [{"role": "user", "content": ' + text + b"}]}}")
+    data = jsonl(req("a"), line, req("b"))
+    for chunk in (None, 7):
+        report = run(data, chunk)
+        assert report.errors == []
+        assert [r.custom_id for r in report.requests] == ["a", "s", "b"]
+    parsed = loads_line(data.split(b"\n")[1])
+    assert parsed["body"]["messages"][0]["content"] == \
+        "\ufffd alone, a pair \U0001f600, a low one \ufffd, an escaped backslash \\ud83d"
+    assert report.requests[1].prefix_key.decode().startswith("\ufffd alone")
+
+
+def test_a_lone_surrogate_in_a_custom_id_fails_its_line() -> None:
+    line = b'{"custom_id": "x\\ud800", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}'
+    error = only_error(run(jsonl(req("a"), line)))
+    assert (error.code, error.line, error.param) == ("invalid_request", 2, "custom_id")
+    real = "x\ufffd"  # a real U+FFFD in a custom_id, with a lone surrogate elsewhere: runs
+    other = orjson.dumps(req(real)).replace(b'"hi"', b'"\\udfff"')
+    assert [r.custom_id for r in run(jsonl(other)).requests] == [real]
+
+
+def test_loads_line_refuses_what_is_not_json_after_the_replacement() -> None:
+    with pytest.raises(orjson.JSONDecodeError):
+        loads_line(b'{"a": "\\ud800", NaN}')
+    with pytest.raises(orjson.JSONDecodeError):
+        loads_line(b'{"a": "\\u00"}')

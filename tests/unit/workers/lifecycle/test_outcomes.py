@@ -87,3 +87,15 @@ def test_other_codes_fail_the_request_at_once():
     change = outcome_of(_result(error_code=ErrorCode.INVALID_REQUEST, error_message=""), 1, 3)
     assert (change.state, change.error_code, change.error_message) == (RequestState.FAILED, "batch_failed", None)
     assert change.columns()["prompt_tokens"] == 0
+
+
+def test_an_answer_over_the_response_limit_fails_as_response_too_large_without_its_body():
+    body = orjson.dumps({**CHAT, "choices": [{"message": {"content": "é" * 600}}]})
+    result = _result(status_code=200, payload=body.decode())
+    assert outcome_of(result, 1, 3, max_response_bytes=len(body)).state == RequestState.SUCCEEDED
+    change = outcome_of(result, 1, 3, max_response_bytes=len(body) - 1)  # bytes, not characters
+    assert change == RequestChange(RequestState.FAILED, error_code="response_too_large", error_message=(
+        f"The response to this request was {len(body):,} bytes, over the limit of {len(body) - 1:,} bytes per "
+        "request; ask for fewer choices ('n') or fewer tokens ('max_tokens')."))
+    assert change.response_body is None and change.status_code is None and change.usage == Usage()
+    assert outcome_of(_result(status_code=400, payload=body.decode()), 1, 3, 100).error_code == "response_too_large"
