@@ -170,3 +170,42 @@ async def _true(value: bool) -> bool:
 
 async def _equal(awaitable, expected) -> bool:
     return await awaitable == expected
+
+
+def test_batch_completes_with_each_custom_id_once_after_redis_restarts_empty(redis_server, tmp_path):
+    """The whole stack (``backfill up``) on the dedicated Redis: killed and restarted empty while a
+    batch runs. Streams, groups, claims and Celery's queues are gone; the processor makes its group
+    again, the sweeper puts the lost requests back, the batch completes with each custom_id once."""
+    import orjson
+
+    from tests.acceptance.test_end_to_end import wait_terminal
+    from tests.conftest import backfill_up
+    from tests.fault.test_crash_recovery import _lines
+
+    ids = [f"req-{i:04d}" for i in range(300)]
+    (tmp_path / "in.jsonl").write_bytes(b"".join(orjson.dumps({
+        "custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "sim-model", "max_tokens": 4, "messages": [{"role": "user", "content": custom_id}]}})
+        + b"\n" for custom_id in ids))
+    env = {"REDIS_URL": redis_server.url, "BACKFILL_PROCESSOR_LEASE_S": "2", "BACKFILL_WORKER_LEASE_SECONDS": "8",
+           "BACKFILL_WORKER_SWEEP_INTERVAL_SECONDS": "2"}
+    with backfill_up(tmp_path / "data", "--engines", "1", env=env) as up:
+        client = up.client()
+        uploaded = client.files.create(file=(tmp_path / "in.jsonl").open("rb"), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        deadline = time.monotonic() + 60
+        while (at_kill := client.batches.retrieve(batch.id).request_counts.completed) < 20:
+            assert time.monotonic() < deadline, "the batch did not start"
+            time.sleep(0.05)
+        redis_server.kill()
+        assert at_kill < len(ids) and client.batches.retrieve(batch.id).status == "in_progress"
+        time.sleep(1.0)  # the outage: every service sees Redis gone
+        redis_server.start()
+        done, _ = wait_terminal(client, batch.id, timeout=120)
+        output = _lines(client, done.output_file_id)
+        errors = _lines(client, done.error_file_id)
+
+    assert done.status == "completed"
+    assert sorted(row["custom_id"] for row in output + errors) == ids  # every custom_id exactly once
+    assert errors == [] and done.request_counts.completed == len(ids)
