@@ -16,10 +16,15 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
 - **settler**: publishes results in batches (which marks their ids done), then acks (never before).
 - **lease keeper** and **gate refresher**: extend leases of held messages every ``lease/3`` seconds,
   re-read gate signals every ``saturation_poll_s``.
+- **cancel watcher**: every ``cancel_poll_s``, held work of batches whose cancel marker appeared
+  after admission is dropped with a ``CANCELLED`` result (it never reaches the router).
+
+On stop (SIGTERM in the CLI): the reader stops, held work not started is handed back at once, work
+in flight may finish within ``grace_s`` and is then cancelled and handed back.
 
 One result per id across processors: a processor that stalled past its lease (SIGSTOP, a blocked
-loop) may find its work taken over by another. The backend's :meth:`~async_processor.backends.base.QueueBackend.extend`
-reports claims lost; held work whose lease is older than :data:`RECHECK_AFTER` of the lease is
+loop) may find its work taken over by another. The backend's lease extension
+(:meth:`~async_processor.backends.base.QueueBackend.extend`) reports claims lost; held work whose lease is older than :data:`RECHECK_AFTER` of the lease is
 re-checked before it is dispatched and before its result is published; lost work is dropped (not
 run, not published, not acked: it belongs to the other processor), counted and logged
 (``taken_over``). The backend refuses a result of an id done already (Redis: or claimed by another
@@ -28,11 +33,6 @@ processor, in the publishing script itself); a refused result's message is not a
 Health (:meth:`Processor.health`, ``/health``): unhealthy while stopping, while the last receive
 round failed (Redis down, or restarted empty until the group is made again), or when no round
 completed for ``health_stall_s`` (a frozen broker).
-- **cancel watcher**: every ``cancel_poll_s``, held work of batches whose cancel marker appeared
-  after admission is dropped with a ``CANCELLED`` result (it never reaches the router).
-
-On stop (SIGTERM in the CLI): the reader stops, held work not started is handed back at once, work
-in flight may finish within ``grace_s`` and is then cancelled and handed back.
 
 Every count, series and per-request log line goes through the observer
 (:class:`~async_processor.observer.ProcessorObserver`); the control flow here keeps no books.
@@ -355,7 +355,7 @@ class Processor:
         for work, task in list(self.in_flight.items()):
             if id(work.delivery) in ids and not work.taken_over:
                 work.taken_over = True
-                self.metrics.taken_over(work, "in_flight" if work.attempts else "held")
+                self.metrics.taken_over(work, "held" if task is current else "in_flight")
                 if task is not current:
                     task.cancel()
         self._wake.set()
