@@ -40,7 +40,9 @@ _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
 @click.option("--pubsub-project", help="Pub/Sub project (default backfill-local)")
 @click.option("--pubsub-emulator-host", help="host:port of a Pub/Sub emulator (default PUBSUB_EMULATOR_HOST)")
 @click.option("--metrics-port", type=int, help="serve /metrics and /health on this port (default: "
-              "BACKFILL_PROCESSOR_METRICS_PORT or BACKFILL_METRICS_PORT, else none)")
+              "BACKFILL_PROCESSOR_METRICS_PORT or BACKFILL_METRICS_PORT, else none); /health answers 503 "
+              "while the processor cannot consume (receive failing, or none completed within "
+              "BACKFILL_PROCESSOR_HEALTH_STALL_S, default 30 s)")
 @click.option("--log-level", default="INFO", show_default=True)
 def processor_command(lanes: str | None, log_level: str, **options) -> None:
     """Pump queued requests to the router and publish their results (SIGTERM: drain and exit 0)."""

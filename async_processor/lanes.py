@@ -25,6 +25,7 @@ class Work:
     dispatched (retry backoff). ``last_status`` / ``last_body``: the last retryable HTTP answer, given
     back as the result if the deadline ends the retries. ``gated_by``: the kind of the gate holding
     it back now ("" when none), so :class:`~async_processor.gates.AllGates` counts a deny once.
+    ``taken_over``: its claim was found lost to another processor; it is dropped, never finished.
     """
 
     request: RequestMessage
@@ -36,6 +37,7 @@ class Work:
     last_status: int = 0
     last_body: bytes = b""
     gated_by: str = ""
+    taken_over: bool = False
     body: bytes = field(default=b"", repr=False)
 
     @property
@@ -123,6 +125,18 @@ class LaneBuffer:
             keep = [w for w in items if w.request.metadata.get("batch_id") not in batch_ids]
             if len(keep) != len(items):
                 out.extend(w for w in items if w.request.metadata.get("batch_id") in batch_ids)
+                self._lanes[lane] = keep
+        self._size -= len(out)
+        return out
+
+    def remove(self, works: Sequence[Work]) -> list[Work]:
+        """Remove and return those of ``works`` held here."""
+        wanted = {id(w) for w in works}
+        out: list[Work] = []
+        for lane, items in self._lanes.items():
+            keep = [w for w in items if id(w) not in wanted]
+            if len(keep) != len(items):
+                out.extend(w for w in items if id(w) in wanted)
                 self._lanes[lane] = keep
         self._size -= len(out)
         return out

@@ -18,6 +18,9 @@ Series (docs/observability.md has the full list; tenant ids are never labels):
   the retryable HTTP status (``429``, ``503``, …) or ``no_answer``.
 - ``backfill_processor_shed_total{lane, reason}``: requests ended without (another) dispatch:
   ``deadline_exceeded``, ``cancelled``, ``dead_lettered``, ``invalid``.
+- ``backfill_processor_taken_over_total{lane, stage}``: held requests dropped because another
+  processor took them over after this one's lease lapsed (``stage``: ``held``, ``in_flight``,
+  ``result``).
 - ``backfill_processor_gate_decisions_total{gate, decision}``: ``deny`` once per held request each
   time a gate (``concurrency``, ``tenant_quota``, ``saturation``) starts holding it back,
   ``admit`` once per request every gate let through (see :class:`~async_processor.gates.AllGates`).
@@ -56,6 +59,7 @@ ROUTER_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 SHED_REASONS = tuple(str(reason) for reason in Shed)
 RETRY_REASONS = (*(str(s) for s in sorted(RETRYABLE_STATUSES)), "no_answer")
 RESULT_CODES = ("none", *(str(code) for code in ErrorCode))
+TAKEN_OVER_STAGES = ("held", "in_flight", "result")
 
 
 def status_class(status: int) -> str:
@@ -121,6 +125,9 @@ class ProcessorMetrics:
                                 "retryable answer.", ["lane", "reason"], registry=r)
         self._shed = Counter("backfill_processor_shed", "Requests ended without (another) dispatch.",
                              ["lane", "reason"], registry=r)
+        self._taken_over = Counter("backfill_processor_taken_over", "Held requests dropped because another "
+                                   "processor took them over after this one's lease lapsed.", ["lane", "stage"],
+                                   registry=r)
         self._children: dict[tuple, Any] = {}
         self._watched: _ProcessorCollector | None = None
         self.counts: collections.Counter[str] = collections.Counter()
@@ -141,6 +148,8 @@ class ProcessorMetrics:
         self.registry.register(self._watched)
         for lane in processor.buffer.order:
             self._child(self._dispatched, lane)
+            for stage in TAKEN_OVER_STAGES:
+                self._child(self._taken_over, lane, stage)
             for values, metric in ((SHED_REASONS, self._shed), (RETRY_REASONS, self._retries),
                                    (RESULT_CODES, self._results)):
                 for value in values:
@@ -187,21 +196,41 @@ class ProcessorMetrics:
             log.debug("result", extra=log_fields("result", result, lane=lane, status=result.status_code,
                                                  error_code=result.error_code or None))
 
+    def taken_over(self, work: Work, stage: str) -> None:
+        """Held work dropped, its claim lost to another processor (counted and logged)."""
+        self.counts["taken_over"] += 1
+        self._child(self._taken_over, work.lane, stage).inc()
+        log.warning("taken over by another processor; dropped",
+                    extra=log_fields("taken_over", work.request, lane=work.lane, stage=stage))
+
+    def health(self) -> tuple[bool, str]:
+        """The watched processor's :meth:`~async_processor.processor.Processor.health`;
+        ``(False, "starting")`` before one is watched."""
+        if self._watched is None:
+            return False, "starting"
+        return self._watched.processor.health()
+
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
         return generate_latest(self.registry)
 
 
 async def start_metrics_server(metrics: ProcessorMetrics, port: int, host: str = "0.0.0.0") -> web.AppRunner:
-    """Serve ``GET /metrics`` (Prometheus text format) and ``GET /health`` (``{"status": "ok"}``)
-    on ``host:port`` in the running event loop; ``await runner.cleanup()`` stops it. Raises
-    ``OSError`` when the port is taken."""
+    """Serve ``GET /metrics`` (Prometheus text format) and ``GET /health`` on ``host:port`` in the
+    running event loop; ``await runner.cleanup()`` stops it. ``/health`` answers 200
+    ``{"status": "ok"}`` while the processor consumes, else 503 ``{"status": "unhealthy", "reason":
+    …}`` (starting, stopping, its queue receive failing or stalled: :meth:`ProcessorMetrics.health`).
+    Raises ``OSError`` when the port is taken."""
 
     async def prometheus_metrics(request: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(request: web.Request) -> web.Response:
-        return web.Response(body=orjson.dumps({"status": "ok"}), content_type="application/json")
+        healthy, reason = metrics.health()
+        if healthy:
+            return web.Response(body=orjson.dumps({"status": "ok"}), content_type="application/json")
+        return web.Response(status=503, body=orjson.dumps({"status": "unhealthy", "reason": reason}),
+                            content_type="application/json")
 
     app = web.Application()
     app.router.add_get("/metrics", prometheus_metrics)

@@ -4,7 +4,7 @@ control flow carries no bookkeeping of its own.
 
 The observer keeps the only books: its Prometheus series and ``counts``, the tally of outcomes
 (``success``, ``http_error``, ``inference_error``, ``retried``, ``deadline_exceeded``, ``invalid``,
-``dead_lettered``, ``duplicate``, ``handed_back``, ``cancelled``) that ``backfill processor`` logs
+``dead_lettered``, ``duplicate``, ``handed_back``, ``cancelled``, ``taken_over``) that ``backfill processor`` logs
 at stop and :attr:`Processor.counts <async_processor.processor.Processor.counts>` reads.
 """
 
@@ -55,6 +55,11 @@ class Observed(Protocol):
         """The gate work passes before dispatch."""
         ...
 
+    def health(self) -> tuple[bool, str]:
+        """Whether it consumes now, and why not (see :meth:`Processor.health
+        <async_processor.processor.Processor.health>`)."""
+        ...
+
 
 class ProcessorObserver(Protocol):
     """What a :class:`~async_processor.processor.Processor` reports, as it happens. ``lane`` is
@@ -97,4 +102,10 @@ class ProcessorObserver(Protocol):
 
     def result(self, lane: str, result: ResultMessage) -> None:
         """A terminal result is handed to the settler for publishing."""
+        ...
+
+    def taken_over(self, work: Work, stage: str) -> None:
+        """Held ``work`` is dropped: its claim was lost to another processor (this one stalled past
+        its lease). ``stage``: ``held`` (before dispatch), ``in_flight`` (attempt cancelled) or
+        ``result`` (its result not published)."""
         ...

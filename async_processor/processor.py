@@ -22,6 +22,18 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
 On stop (SIGTERM in the CLI): the reader stops, held work not started is handed back at once, work
 in flight may finish within ``grace_s`` and is then cancelled and handed back.
 
+One result per id across processors: a processor that stalled past its lease (SIGSTOP, a blocked
+loop) may find its work taken over by another. The backend's lease extension
+(:meth:`~async_processor.backends.base.QueueBackend.extend`) reports claims lost; held work whose lease is older than :data:`RECHECK_AFTER` of the lease is
+re-checked before it is dispatched and before its result is published; lost work is dropped (not
+run, not published, not acked: it belongs to the other processor), counted and logged
+(``taken_over``). The backend refuses a result of an id done already (Redis: or claimed by another
+processor, in the publishing script itself); a refused result's message is not acked either.
+
+Health (:meth:`Processor.health`, ``/health``): unhealthy while stopping, while the last receive
+round failed (Redis down, or restarted empty until the group is made again), or when no round
+completed for ``health_stall_s`` (a frozen broker).
+
 Every count, series and per-request log line goes through the observer
 (:class:`~async_processor.observer.ProcessorObserver`); the control flow here keeps no books.
 """
@@ -61,6 +73,10 @@ from common.contracts.queue import (
 
 log = logging.getLogger(__name__)
 
+RECHECK_AFTER = 0.5
+"""Held work whose lease was last renewed longer ago than this fraction of the lease (the keeper
+renews at a third) has its claim confirmed before dispatch and before its result is published."""
+
 NOT_NOW = frozenset({429, 503})
 """The router's "not now" answers: retried until the deadline, never counted against
 ``max_error_attempts``."""
@@ -80,6 +96,7 @@ class _Settle:
     queue: str = ""
     request_id: str = ""  # the decoded id, its claim released on a failed publish ("" for undecodable messages)
     dead_reason: str = ""  # dead-letter instead of ack
+    work: Work | None = None  # the held work it ends (its claim re-checked before publishing)
 
 
 #: Framing and hop-by-hop headers a message may not set (the HTTP client writes its own).
@@ -138,6 +155,8 @@ class Processor:
         self._wake = asyncio.Event()
         self._stopping = False
         self._closed = asyncio.Event()
+        self._receive_ok_at = time.monotonic()
+        self._receive_error = ""
         self.metrics: ProcessorObserver = metrics or ProcessorMetrics()
         self.metrics.watch(self)
 
@@ -146,6 +165,18 @@ class Processor:
         """The observer's tally of outcomes (``success``, ``http_error``, ``retried``, ``duplicate``, …;
         see :mod:`async_processor.observer`)."""
         return self.metrics.counts
+
+    def health(self) -> tuple[bool, str]:
+        """``(True, "")`` while it consumes; else ``(False, why)``: stopping, the last receive round
+        failed, or none completed within ``health_stall_s``."""
+        if self._stopping:
+            return False, "stopping"
+        if self._receive_error:
+            return False, f"receive failing: {self._receive_error}"
+        stalled = time.monotonic() - self._receive_ok_at
+        if stalled > self.settings.health_stall_s:
+            return False, f"no receive completed for {stalled:.0f} s"
+        return True, ""
 
     # ---------------------------------------------------------------- run
 
@@ -203,9 +234,11 @@ class Processor:
                     got += len(deliveries)
                     await self._intake(deliveries)
             except ProcessorError as exc:
+                self._receive_error = str(exc) or type(exc).__name__
                 log.warning("receive failed", extra={"action": "receive_failed", "error": str(exc)})
                 await asyncio.sleep(min(1.0, settings.lease_s / 4))
                 continue
+            self._receive_ok_at, self._receive_error = time.monotonic(), ""
             if not got and not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), settings.poll_interval_s)
@@ -213,6 +246,7 @@ class Processor:
     async def _intake(self, deliveries: Sequence[Delivery]) -> None:
         settings = self.settings
         fresh: list[tuple[RequestMessage, Delivery]] = []
+        held: dict[str, Work] | None = None
         for d in deliveries:
             try:
                 request = decode_request(d.body)
@@ -222,6 +256,13 @@ class Processor:
                                          dead_reason=ErrorCode.INVALID_REQUEST))
                 continue
             d.request_id = request.id
+            if d.delivery_count > 1:  # a redelivery of work held here (its lease lapsed while we stalled)
+                if held is None:
+                    held = {w.request.id: w for w in (*self.buffer, *self.in_flight) if not w.taken_over}
+                mine = held.get(request.id)
+                if mine is not None and mine.lane == d.lane:
+                    mine.delivery = d  # the newest handle; the lease keeper renews it
+                    continue
             if d.delivery_count > settings.max_deliveries:
                 self.metrics.shed(d.lane, Shed.DEAD_LETTERED)
                 message = f"dead-lettered after {d.delivery_count - 1} deliveries"
@@ -262,7 +303,7 @@ class Processor:
             while (ready := self.buffer.pop(now, self.gate.admits)) is not None:
                 self.gate.acquire(ready)
                 self.metrics.dispatched(ready)
-                self.in_flight[ready] = asyncio.create_task(self._attempt(ready))
+                self.in_flight[ready] = asyncio.create_task(self._checked_attempt(ready))
             next_at = self.buffer.next_ready_at(now)
             timeout = 0.1 if next_at is None else max(0.001, min(0.1, next_at - now))
             self._wake.clear()
@@ -279,7 +320,55 @@ class Processor:
                             work.request.metadata)
 
     def _finish(self, work: Work, result: ResultMessage) -> None:
-        self._add_settle(_Settle(work.delivery, result, work.request.result_queue_name, work.request.id))
+        if work.taken_over:
+            return
+        self._add_settle(_Settle(work.delivery, result, work.request.result_queue_name, work.request.id,
+                                 work=work))
+
+    def _lease_stale(self, delivery: Delivery) -> bool:
+        return time.monotonic() - delivery.extended_at > self.settings.lease_s * RECHECK_AFTER
+
+    async def _confirm(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Renew these leases now; returns those lost (an extension that fails loses nothing: the
+        publishing side still refuses a second result)."""
+        if not deliveries:
+            return []
+        now = time.monotonic()  # the renewed lease runs from about now (never later)
+        try:
+            lost = await self.backend.extend(deliveries, self.settings.lease_s)
+        except ProcessorError as exc:
+            log.warning("lease extension failed", extra={"action": "extend_failed", "error": str(exc)})
+            return []
+        for d in deliveries:
+            if d not in lost:
+                d.extended_at = now
+        return lost
+
+    def _drop_taken_over(self, lost: Sequence[Delivery]) -> None:
+        """Drop held and in-flight work of these deliveries (cancelling attempts other than the
+        current task's): another processor holds them now."""
+        ids = {id(d) for d in lost}
+        current = asyncio.current_task()
+        for work in self.buffer.remove([w for w in self.buffer if id(w.delivery) in ids]):
+            work.taken_over = True
+            self.metrics.taken_over(work, "held")
+        for work, task in list(self.in_flight.items()):
+            if id(work.delivery) in ids and not work.taken_over:
+                work.taken_over = True
+                self.metrics.taken_over(work, "held" if task is current else "in_flight")
+                if task is not current:
+                    task.cancel()
+        self._wake.set()
+
+    async def _checked_attempt(self, work: Work) -> None:
+        """:meth:`_attempt`, after confirming the claim of work whose lease is stale."""
+        if self._lease_stale(work.delivery) and await self._confirm([work.delivery]):
+            self._drop_taken_over([work.delivery])
+            self.gate.release(work)
+            self.in_flight.pop(work, None)
+            self._wake.set()
+            return
+        await self._attempt(work)
 
     async def _attempt(self, work: Work) -> None:
         request = work.request
@@ -355,11 +444,29 @@ class Processor:
             self._settle_event.clear()
             await self._flush()
 
+    async def _still_ours(self, batch: list[_Settle]) -> list[_Settle]:
+        """``batch`` less the results of work taken over by another processor (claims re-checked
+        where the lease is stale)."""
+        lost = {id(d) for d in await self._confirm([s.delivery for s in batch
+                                                    if s.work is not None and self._lease_stale(s.delivery)])}
+        keep = []
+        for s in batch:
+            if s.work is not None and (s.work.taken_over or id(s.delivery) in lost):
+                if not s.work.taken_over:
+                    s.work.taken_over = True
+                    self.metrics.taken_over(s.work, "result")
+                continue
+            keep.append(s)
+        return keep
+
     async def _flush(self) -> None:
         while self._settle:
             batch, self._settle = self._settle, []
+            batch = await self._still_ours(batch)
+            publishing = [s for s in batch if s.result is not None]
             try:
-                await self.backend.publish_results([(s.result, s.queue) for s in batch if s.result is not None])
+                published = await self.backend.publish_results([(s.result, s.queue) for s in publishing
+                                                                if s.result is not None])
             except ProcessorError as exc:
                 log.warning("result publish failed; handing back", extra={"action": "publish_failed",
                                                                           "error": str(exc)})
@@ -367,6 +474,14 @@ class Processor:
                     await self.backend.release([s.request_id for s in batch if s.request_id])
                     await self.backend.nack([s.delivery for s in batch], delay_s=1.0)
                 continue
+            # a refused result of held work: its id is done or another processor's, which acks the
+            # message; a refused one of a message not admitted (dead-lettered) is acked as before
+            refused = {id(s) for s, ok in zip(publishing, published) if not ok and s.work is not None}
+            for s in publishing:
+                if id(s) in refused and s.work is not None and not s.work.taken_over:
+                    s.work.taken_over = True
+                    self.metrics.taken_over(s.work, "result")
+            batch = [s for s in batch if id(s) not in refused]
             try:
                 await self.backend.ack([s.delivery for s in batch if not s.dead_reason])
                 by_reason: dict[str, list[Delivery]] = {}
@@ -387,17 +502,11 @@ class Processor:
                 await asyncio.wait_for(self._closed.wait(), lease / 3)
                 return
             cutoff = time.monotonic() - lease / 3
-            held = [w.delivery for w in (*self.buffer, *self.in_flight) if w.delivery.extended_at <= cutoff]
-            if not held:
-                continue
-            try:
-                await self.backend.extend(held, lease)
-            except ProcessorError as exc:
-                log.warning("lease extension failed", extra={"action": "extend_failed", "error": str(exc)})
-                continue
-            now = time.monotonic()
-            for d in held:
-                d.extended_at = now
+            held = [w.delivery for w in (*self.buffer, *self.in_flight)
+                    if w.delivery.extended_at <= cutoff and not w.taken_over]
+            lost = await self._confirm(held)
+            if lost:
+                self._drop_taken_over(lost)
 
     async def _gate_refresher(self) -> None:
         while not self._closed.is_set():

@@ -55,6 +55,9 @@ class ProcessorSettings(BaseSettings):
     grace_s: float = Field(20.0, ge=0, description="on SIGTERM, in-flight work may finish this long")
     poll_interval_s: float = Field(0.02, gt=0, description="sleep when every lane was empty")
     dedup_ttl_s: float = Field(86400.0, gt=0, description="how long a finished id is remembered")
+    health_stall_s: float = Field(30.0, gt=0, description="/health answers 503 when no receive round "
+                                  "completed for this long (a frozen broker; a failing one is 503 at once); "
+                                  "above a Pub/Sub pull's 10 s timeout")
 
     stream_prefix: str = REQUEST_STREAM_PREFIX
     result_stream: str = DEFAULT_RESULT_STREAM

@@ -47,9 +47,10 @@ class OrderCheckingBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
-        await self.inner.publish_results(results)
-        self.published.update(r.id for r, _ in results)
+    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> list[bool]:
+        published = await self.inner.publish_results(results)
+        self.published.update(r.id for (r, _), ok in zip(results, published) if ok)
+        return published
 
     def _check(self, deliveries: Sequence[Delivery]) -> None:
         for d in deliveries:

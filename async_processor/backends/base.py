@@ -16,6 +16,10 @@ them on memory, Redis Streams, the Pub/Sub emulator and the Pub/Sub fake):
   just ack), ``CANCELLED`` (its batch carries a cancel marker). :meth:`publish_results` records
   ``DONE`` for the id of each result it publishes; :meth:`release` drops a claim of a message
   handed back.
+- **One result per id.** :meth:`publish_results` refuses (answers False for) a result whose id is done
+  already, or (where claims are shared: Redis) claimed by another processor; :meth:`extend` answers
+  the deliveries whose claim or lease was lost (another processor may hold them now): the processor
+  drops that work instead of running it or publishing its result.
 
 Producer side (``tests/contract/test_producer_queues.py`` checks it on memory and Redis Streams):
 
@@ -109,18 +113,21 @@ class QueueBackend(Protocol):
         """Hand back: deliverable again after ``delay_s`` seconds."""
         ...
 
-    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> None:
-        """Renew the leases (and the id claims of ``request_id``) to ``lease_s`` seconds from now."""
+    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> list[Delivery]:
+        """Renew the leases (and the id claims of ``request_id``) to ``lease_s`` seconds from now;
+        returns those that are no longer ours (not renewed): the id is done, another processor
+        claimed it, or the lease lapsed where the transport can then hand it to anyone."""
         ...
 
     async def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> None:
         """Move to the lane's dead-letter queue (with ``reason``) and acknowledge."""
         ...
 
-    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
+    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> list[bool]:
         """Publish ``(result, result_queue_name)`` pairs ("" = the default result queue) and record
         each non-empty result id as done (see :meth:`admit`); returns once all are durable in the
-        transport. Raises ``BackendError`` if any failed."""
+        transport, one flag per pair: False where the result was refused (its id is done already, or
+        claimed by another processor). Raises ``BackendError`` if any failed."""
         ...
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
@@ -256,17 +263,32 @@ class ClaimTable:
         return out
 
     def extend(self, ids: Sequence[str], lease_s: float) -> None:
-        """Push the expiry of running claims to ``lease_s`` from now."""
+        """Push the expiry of running claims to ``lease_s`` from now (a lapsed one nobody took
+        included)."""
         until = self.clock() + lease_s
         for id in ids:
             if self._claims.get(id, ("",))[0] == "running":
                 self._claims[id] = ("running", until)
 
-    def finish(self, ids: Sequence[str]) -> None:
-        """Mark done for ``done_ttl_s``."""
-        until = self.clock() + self.done_ttl_s
+    def finish(self, ids: Sequence[str]) -> list[bool]:
+        """Mark done for ``done_ttl_s``; False for an id already done (its result is out: refuse a
+        second one), True otherwise ("" ids always True)."""
+        now = self.clock()
+        out = []
         for id in ids:
-            self._claims[id] = ("done", until)
+            state, until = self._claims.get(id, ("", 0.0)) if id else ("", 0.0)
+            if state == "done" and until > now:
+                out.append(False)
+                continue
+            if id:
+                self._claims[id] = ("done", now + self.done_ttl_s)
+            out.append(True)
+        return out
+
+    def forget(self, ids: Sequence[str]) -> None:
+        """Forget these ids whatever their state (a publish that marked them done failed)."""
+        for id in ids:
+            self._claims.pop(id, None)
 
     def release(self, ids: Sequence[str]) -> None:
         """Forget running claims."""

@@ -90,11 +90,19 @@ class MemoryBackend:
         for d in deliveries:
             d.handle.visible_at = self.clock() + delay_s
 
-    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> None:
-        """Visible again only after ``lease_s`` from now; claims follow."""
-        for d in deliveries:
+    def _held(self, d: Delivery) -> bool:
+        entry: _Entry = d.handle
+        return self.lanes.get(d.lane, {}).get(entry.seq) is entry and entry.deliveries == d.delivery_count
+
+    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> list[Delivery]:
+        """Visible again only after ``lease_s`` from now; claims follow. Lost: entries acknowledged
+        or delivered again since this delivery."""
+        lost = [d for d in deliveries if not self._held(d)]
+        kept = [d for d in deliveries if d not in lost]
+        for d in kept:
             d.handle.visible_at = self.clock() + lease_s
-        self.claims.extend([d.request_id for d in deliveries if d.request_id], lease_s)
+        self.claims.extend([d.request_id for d in kept if d.request_id], lease_s)
+        return lost
 
     async def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> None:
         """Append to ``dead[lane]`` and remove."""
@@ -102,12 +110,14 @@ class MemoryBackend:
             self.dead.setdefault(d.lane, []).append((d.body, reason))
         await self.ack(deliveries)
 
-    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
-        """Append to ``results[name]``; the ids are done."""
-        for result, queue in results:
-            self.results.setdefault(queue or DEFAULT_RESULT_STREAM, []).append(result)
-        self.claims.finish([result.id for result, _ in results if result.id])
+    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> list[bool]:
+        """Append to ``results[name]``; the ids are done (a result of an id done already is refused)."""
+        published = self.claims.finish([result.id for result, _ in results])
+        for (result, queue), ok in zip(results, published):
+            if ok:
+                self.results.setdefault(queue or DEFAULT_RESULT_STREAM, []).append(result)
         self._result_event.set()
+        return published
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
         """Append a new entry; returns its sequence number as a string."""

@@ -15,8 +15,11 @@ Leases: after each pull the ack deadline of the pulled messages is set to the le
 up, 1–600); :meth:`PubSubBackend.extend` renews it; :meth:`~PubSubBackend.nack` sets it to the delay.
 Delivery counts come from ``delivery_attempt`` (filled because of the dead-letter policy), else from an
 in-process count per message id. Id claims (dedup on redelivery) are kept in-process
-(:class:`~async_processor.backends.base.ClaimTable`): across processors, duplicates are caught by the
-result consumer keying on ``id``.
+(:class:`~async_processor.backends.base.ClaimTable`). Across processors, one result per id rests on
+the lease: a delivery whose lease went unrenewed (its processor stalled past it) may be another
+subscriber's now, so :meth:`PubSubBackend.extend` reports it lost and the processor drops it
+instead of running it or publishing its result; a stall that begins during the publish call itself
+can still let a second result through, and result consumers key on ``id`` (the batch collector does).
 
 ``emulator_host`` (``host:port``, else ``PUBSUB_EMULATOR_HOST``) points the clients at Google's
 emulator or at :mod:`async_processor.backends.pubsub_fake` with anonymous credentials.
@@ -28,6 +31,7 @@ import asyncio
 import math
 import os
 import secrets
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -55,6 +59,9 @@ from common.contracts.queue import (
 )
 
 _API_ERRORS = (gexc.GoogleAPIError,)
+LEASE_MARGIN = 0.05
+"""A held message counts as lost when this fraction of its lease is left unrenewed (the ack
+deadline runs from the modify call, a little before the processor notes it)."""
 
 
 def make_clients(emulator_host: str = "") -> tuple[pubsub_v1.PublisherClient, pubsub_v1.SubscriberClient]:
@@ -229,10 +236,19 @@ class PubSubBackend:
         """Ack deadline set to ``delay_s`` (rounded up to whole seconds)."""
         await self._modack(deliveries, _seconds(delay_s))
 
-    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> None:
-        """Ack deadline set to ``lease_s`` from now; claims follow."""
-        await self._modack(deliveries, max(1, _seconds(lease_s)))
-        self.claims.extend([d.request_id for d in deliveries if d.request_id], lease_s)
+    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> list[Delivery]:
+        """Ack deadline set to ``lease_s`` from now; claims follow. Lost: deliveries not renewed
+        within their lease (``Delivery.extended_at`` older than ``lease_s``, less a margin): Pub/Sub
+        may have delivered them to another subscriber since, so they are not renewed. Renewed ones
+        get ``extended_at`` = the time of the call."""
+        now = time.monotonic()
+        lost = [d for d in deliveries if now - d.extended_at >= lease_s * (1 - LEASE_MARGIN)]
+        kept = [d for d in deliveries if d not in lost]
+        await self._modack(kept, max(1, _seconds(lease_s)))
+        self.claims.extend([d.request_id for d in kept if d.request_id], lease_s)
+        for d in kept:
+            d.extended_at = now
+        return lost
 
     async def dead_letter(self, deliveries: Sequence[Delivery], reason: str) -> None:
         """Publish to the lane's ``-dead`` topic (attributes ``reason``, ``source_id``, ``deliveries``),
@@ -251,9 +267,22 @@ class PubSubBackend:
         except _API_ERRORS as exc:
             raise BackendError(f"pubsub publish: {exc}") from exc
 
-    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
-        """Publish each result (attribute ``id``), wait until all are accepted, then mark the ids
-        done in-process."""
+    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> list[bool]:
+        """Publish each result (attribute ``id``) whose id is not done in-process, wait until all are
+        accepted; the ids are marked done first (and forgotten again if the publish fails)."""
+        if not results:
+            return []
+        ids = [r.id for r, _ in results]
+        published = self.claims.finish(ids)
+        results = [pair for pair, ok in zip(results, published) if ok]
+        try:
+            await self._publish_results(results)
+        except BaseException:
+            self.claims.forget([r.id for r, _ in results if r.id])
+            raise
+        return published
+
+    async def _publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
         if not results:
             return
         topics = {self.topic_path(queue or self.result_topic) for _, queue in results}
@@ -264,7 +293,6 @@ class PubSubBackend:
         await self._call(create_topics)
         await self._wait([self.publisher.publish(self.topic_path(queue or self.result_topic), encode_result(r),
                                                  id=r.id) for r, queue in results])
-        self.claims.finish([r.id for r, _ in results if r.id])
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
         """Publish to the lane's topic; returns the Pub/Sub message id."""

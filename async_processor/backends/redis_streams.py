@@ -10,8 +10,17 @@ Layout (names from :mod:`common.contracts.queue`):
 - results ``XADD``-ed to the message's ``result_queue_name`` or ``backfill:results``, field ``result``;
 - dead letters ``XADD``-ed to ``{stream}:dead`` with fields ``message``, ``reason``, ``source_id``,
   ``deliveries``;
-- id claims as keys ``backfill:claim:{id}`` (``running`` with the lease as TTL, then ``done`` for
-  ``dedup_ttl_s``); cancel markers as in :func:`~common.contracts.queue.cancel_marker_key`.
+- id claims as keys ``backfill:claim:{id}`` (``running:{token}`` with the lease as TTL, the token
+  one per backend instance, then ``done`` for ``dedup_ttl_s``); cancel markers as in
+  :func:`~common.contracts.queue.cancel_marker_key`.
+
+One result per id: the publishing script refuses a result whose id is ``done`` or claimed by
+another token, and lease extension reports claims lost to another processor (the processor drops
+that work instead of running or publishing it).
+
+Redis restarted empty: a ``NOGROUP`` reply makes :meth:`RedisStreamsBackend.receive` create the
+stream and group again (the lanes made ready are forgotten); claims, done marks and scripts
+(``EVALSHA`` falls back to loading the script) need nothing.
 
 Receiving: ``XAUTOCLAIM`` of entries idle longer than the lease (at most every ``lease/4`` s per lane),
 their delivery counts from ``XPENDING``; then ``XREADGROUP >`` for new entries. Entries trimmed
@@ -68,7 +77,9 @@ log = logging.getLogger(__name__)
 CLAIM_PREFIX = "backfill:claim:"
 
 # One call per batch (a script runs atomically and answers once, where a pipeline answers per command).
-# KEYS: claim key, cancel key (or "") per request; ARGV[1]: lease ms
+# A running claim holds the claiming backend's token (``running:{token}``), so a processor can tell
+# its own claim from one another processor took after its lease lapsed.
+# KEYS: claim key, cancel key (or "") per request; ARGV[1]: lease ms, ARGV[2]: claim value
 # -> per request 0 new, 1 running, 2 done, 3 cancelled
 _ADMIT = """
 local out = {}
@@ -78,35 +89,49 @@ for i = 1, #KEYS, 2 do
   elseif KEYS[i + 1] ~= '' and redis.call('EXISTS', KEYS[i + 1]) == 1 then out[#out + 1] = 3
   elseif state then out[#out + 1] = 1
   else
-    redis.call('SET', KEYS[i], 'running', 'PX', ARGV[1])
+    redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[1])
     out[#out + 1] = 0
   end
 end
 return out
 """
-# KEYS: claim keys; ARGV[1]: lease ms -> extend the running ones
+# KEYS: claim keys; ARGV[1]: lease ms, ARGV[2]: our claim value -> per key 1 still ours (renewed; a
+# lapsed claim nobody took is taken again), 0 lost (done, or another processor's claim)
 _EXTEND = """
+local out = {}
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == 'running' then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+  local state = redis.call('GET', KEYS[i])
+  if state == ARGV[2] then redis.call('PEXPIRE', KEYS[i], ARGV[1]); out[i] = 1
+  elseif not state then redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[1]); out[i] = 1
+  else out[i] = 0 end
 end
-return 0
+return out
 """
-# KEYS: claim keys -> delete the running ones
+# KEYS: claim keys; ARGV[1]: our claim value -> delete our running claims
 _RELEASE = """
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == 'running' then redis.call('DEL', KEYS[i]) end
+  if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('DEL', KEYS[i]) end
 end
 return 0
 """
-# KEYS: result stream, claim key (or "") per result; ARGV[1]: done TTL s, ARGV[1 + i]: result JSON i
-# -> XADD each result and mark its id done, all or (on a failed XADD) a prefix, never an id done
-# without its result
+# KEYS: result stream, claim key (or "") per result; ARGV[1]: done TTL s, ARGV[2]: our claim value,
+# ARGV[2 + i]: result JSON i -> per result 1 published (XADD, id marked done), 0 refused: the id is
+# done already or claimed by another processor (a result is published once per id). All or (on a
+# failed XADD) a prefix; never an id done without its result.
 _PUBLISH = """
-for i = 1, #ARGV - 1 do
-  redis.call('XADD', KEYS[2 * i - 1], '*', '""" + RESULT_FIELD + """', ARGV[i + 1])
-  if KEYS[2 * i] ~= '' then redis.call('SET', KEYS[2 * i], 'done', 'EX', ARGV[1]) end
+local out = {}
+for i = 1, #ARGV - 2 do
+  local claim = KEYS[2 * i]
+  local state = false
+  if claim ~= '' then state = redis.call('GET', claim) end
+  if state and state ~= ARGV[2] then out[i] = 0
+  else
+    redis.call('XADD', KEYS[2 * i - 1], '*', '""" + RESULT_FIELD + """', ARGV[i + 2])
+    if claim ~= '' then redis.call('SET', claim, 'done', 'EX', ARGV[1]) end
+    out[i] = 1
+  end
 end
-return #ARGV - 1
+return out
 """
 _ADMISSIONS = [Admission.NEW, Admission.RUNNING, Admission.DONE, Admission.CANCELLED]
 
@@ -193,6 +218,7 @@ class RedisStreamsBackend:
         self._claimed_at: dict[str, float] = {}
         self._ready: set[str] = set()
         self._lease_s = 30.0
+        self.claim_value = "running:" + secrets.token_hex(8)
         self._admit = client.register_script(_ADMIT)
         self._extend = client.register_script(_EXTEND)
         self._release = client.register_script(_RELEASE)
@@ -220,6 +246,16 @@ class RedisStreamsBackend:
                 raise BackendError(f"cannot create group on {self.stream(lane)}: {exc}") from exc
         self._ready.add(lane)
 
+    async def _regroup(self, lane: str, exc: ResponseError) -> None:
+        """The group of ``lane`` is gone (Redis restarted empty, or the stream was deleted): forget
+        that the lane was ready and create stream and group again."""
+        log.warning("consumer group missing; creating it again",
+                    extra={"action": "group_recreated", "lane": lane, "group": self.group, "error": str(exc)})
+        self._ready.discard(lane)
+        self._cursor.pop(lane, None)
+        self._claimed_at.pop(lane, None)
+        await self._ensure(lane)
+
     async def start(self) -> None:
         """Create the streams and the consumer group of every configured lane."""
         try:
@@ -233,23 +269,34 @@ class RedisStreamsBackend:
         await self.client.aclose()
 
     async def receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
-        """Lapsed entries (``XAUTOCLAIM``) then new ones (``XREADGROUP >``), up to ``max_messages``."""
+        """Lapsed entries (``XAUTOCLAIM``) then new ones (``XREADGROUP >``), up to ``max_messages``.
+        A group found missing (``NOGROUP``: Redis restarted empty) is created again and the receive
+        tried once more."""
         self._lease_s = lease_s
         try:
-            await self._ensure(lane)
-            out: list[Delivery] = []
-            now = time.monotonic()
-            if now - self._claimed_at.get(lane, 0.0) >= min(1.0, lease_s / 4):
-                self._claimed_at[lane] = now
-                out = await self._reclaim(lane, max_messages, lease_s)
-            if len(out) < max_messages:
-                found = await self.client.xreadgroup(self.group, self.consumer, {self.stream(lane): ">"},
-                                                     count=max_messages - len(out))
-                for entry_id, fields in stream_entries(found):
-                    out.append(Delivery(lane, request_body(fields), 1, entry_id.decode(), handle=entry_id))
-            return out
+            try:
+                return await self._receive(lane, max_messages, lease_s)
+            except ResponseError as exc:
+                if not group_missing(exc):
+                    raise
+                await self._regroup(lane, exc)
+                return await self._receive(lane, max_messages, lease_s)
         except RedisError as exc:
             raise BackendError(f"redis receive on {lane}: {exc}") from exc
+
+    async def _receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
+        await self._ensure(lane)
+        out: list[Delivery] = []
+        now = time.monotonic()
+        if now - self._claimed_at.get(lane, 0.0) >= min(1.0, lease_s / 4):
+            self._claimed_at[lane] = now
+            out = await self._reclaim(lane, max_messages, lease_s)
+        if len(out) < max_messages:
+            found = await self.client.xreadgroup(self.group, self.consumer, {self.stream(lane): ">"},
+                                                 count=max_messages - len(out))
+            for entry_id, fields in stream_entries(found):
+                out.append(Delivery(lane, request_body(fields), 1, entry_id.decode(), handle=entry_id))
+        return out
 
     async def _reclaim(self, lane: str, count: int, lease_s: float) -> list[Delivery]:
         stream = self.stream(lane)
@@ -325,19 +372,27 @@ class RedisStreamsBackend:
         except RedisError as exc:
             raise BackendError(f"redis nack: {exc}") from exc
 
-    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> None:
-        """Reset the entries' idle time to 0 (``XCLAIM … IDLE 0 … JUSTID``) and extend the claims.
+    async def extend(self, deliveries: Sequence[Delivery], lease_s: float) -> list[Delivery]:
+        """Renew the claims that are still ours (one script call), then reset those entries' idle
+        time to 0 (``XCLAIM … IDLE 0 … JUSTID``); returns the deliveries whose claim is lost: the id
+        is done, or another processor claimed it after our lease lapsed (its entry is left alone).
 
         On Redis a lease is the consumer group's ``XAUTOCLAIM`` idle threshold, the same ``lease_s``
         for every processor: extension renews that lease from now; a longer ``lease_s`` than the
         receivers' is not expressible (Redis clamps delivery times to the present)."""
         if not deliveries:
-            return
+            return []
         try:
-            await self._set_idle(deliveries, 0)
-            keys = [CLAIM_PREFIX + d.request_id for d in deliveries if d.request_id]
-            if keys:
-                await self._extend(keys=keys, args=[int(lease_s * 1000)])
+            claimed = [d for d in deliveries if d.request_id]
+            lost: list[Delivery] = []
+            if claimed:
+                kept = await self._extend(keys=[CLAIM_PREFIX + d.request_id for d in claimed],
+                                          args=[max(1, int(lease_s * 1000)), self.claim_value])
+                lost = [d for d, ok in zip(claimed, kept) if not int(ok)]
+            keep = [d for d in deliveries if d not in lost] if lost else list(deliveries)
+            if keep:
+                await self._set_idle(keep, 0)
+            return lost
         except RedisError as exc:
             raise BackendError(f"redis extend: {exc}") from exc
 
@@ -356,21 +411,23 @@ class RedisStreamsBackend:
             raise BackendError(f"redis dead letter: {exc}") from exc
         await self.ack(deliveries)
 
-    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
+    async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> list[bool]:
         """``XADD`` each result and mark its id done (``SET backfill:claim:{id} done EX
-        dedup_ttl_s``), in one script call: atomic, so a crash leaves both or neither and a
-        redelivered message never yields a second result."""
+        dedup_ttl_s``), in one script call: atomic, so a crash leaves both or neither. A result whose
+        id is done already or claimed by another processor is refused (False in the answer): one
+        result per id across every processor of the pool."""
         if not results:
-            return
+            return []
         keys: list[str] = []
-        args: list[bytes | int] = [max(1, int(self.done_ttl_s))]
+        args: list[bytes | int | str] = [max(1, int(self.done_ttl_s)), self.claim_value]
         for result, queue in results:
             keys += (queue or self.result_stream, CLAIM_PREFIX + result.id if result.id else "")
             args.append(encode_result(result))
         try:
-            await self._publish(keys=keys, args=args)
+            published = await self._publish(keys=keys, args=args)
         except RedisError as exc:
             raise BackendError(f"redis publish: {exc}") from exc
+        return [bool(int(flag)) for flag in published]
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
         """``XADD`` to the lane's stream; returns the entry id."""
@@ -390,7 +447,7 @@ class RedisStreamsBackend:
             batch_id = r.metadata.get("batch_id", "")
             keys += (CLAIM_PREFIX + r.id, cancel_marker_key(batch_id) if batch_id else "")
         try:
-            replies = await self._admit(keys=keys, args=[max(1, int(lease_s * 1000))])
+            replies = await self._admit(keys=keys, args=[max(1, int(lease_s * 1000)), self.claim_value])
         except RedisError as exc:
             raise BackendError(f"redis admit: {exc}") from exc
         return [_ADMISSIONS[int(r)] for r in replies]
@@ -407,11 +464,11 @@ class RedisStreamsBackend:
         return {batch_id for batch_id, flag in zip(ids, flags) if flag}
 
     async def release(self, ids: Sequence[str]) -> None:
-        """Delete running claims."""
+        """Delete our running claims (another processor's claim or a done mark stays)."""
         if not ids:
             return
         try:
-            await self._release(keys=[CLAIM_PREFIX + id for id in ids])
+            await self._release(keys=[CLAIM_PREFIX + id for id in ids], args=[self.claim_value])
         except RedisError as exc:
             raise BackendError(f"redis release: {exc}") from exc
 
