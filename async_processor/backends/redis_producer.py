@@ -82,10 +82,10 @@ class RedisLaneProducer:
         order a message moves (so a message that moves on between two reads is never taken for
         lost): the group's last-delivered id (``XINFO GROUPS``), the entry (``XRANGE id id``), its
         place in the group's pending list (``XPENDING … id id 1``), then its id claim
-        (``backfill:claim:{request_id}``: ``running`` while a processor renews it, ``done`` once
+        (``backfill:claim:{request_id}``: ``running:{token}`` while a processor renews it, ``done`` once
         its result is published).
 
-        ``ANSWERED`` when the claim is ``done``; ``HELD`` when it is ``running`` or the entry is
+        ``ANSWERED`` when the claim is ``done``; ``HELD`` when it is a running claim or the entry is
         pending; ``WAITING`` when the entry is there and not yet delivered (or the group does not
         exist yet); else ``GONE``. An empty ``entry_id`` (never recorded) is judged by its claim alone."""
         if not messages:
@@ -121,7 +121,8 @@ class RedisLaneProducer:
                 pending = isinstance(held, list) and bool(held)
             if request_id and claim == b"done":
                 out.append(Whereabouts.ANSWERED)
-            elif (request_id and claim == b"running") or (present and pending):
+            elif (request_id and isinstance(claim, bytes) and claim.split(b":", 1)[0] == b"running") or (
+                    present and pending):
                 out.append(Whereabouts.HELD)
             elif present and (delivered_up_to is None or _entry_key(entry_id) > delivered_up_to):
                 out.append(Whereabouts.WAITING)

@@ -148,6 +148,7 @@ def test_redis_whereabouts_follow_a_message_from_waiting_to_answered_and_see_a_l
             assert lanes.whereabouts("batch", group, asked) == [Whereabouts.HELD, Whereabouts.HELD,
                                                                 Whereabouts.WAITING]
             assert await backend.admit(sent[:2], 30.0) == [Admission.NEW, Admission.NEW]
+            assert lanes.whereabouts("batch", group, [("", sent[1].id)]) == [Whereabouts.HELD]  # its claim alone
             await backend.publish_results([(error_result(sent[0].id, ErrorCode.CANCELLED, "x"), "")])
             await backend.ack(got[:1])  # XACK + XDEL: the entry is gone, its result is out
             await backend.release([sent[1].id])  # held with no claim: a dead processor's entry, taken over later
