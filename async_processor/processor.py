@@ -12,7 +12,11 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
 - **attempts**: one POST ``{router_url}{endpoint}`` each, with the llm-d headers; a retryable answer
   releases the gate slot and puts the work back with a backoff (:mod:`async_processor.retry`).
   429/503 retry until the deadline; a server error or no answer at all ends the request with its
-  last answer after ``max_error_attempts`` (a poison request never runs to its deadline).
+  last answer after ``max_error_attempts`` (a poison request never runs to its deadline). Each
+  attempt's timeout follows the request (:mod:`async_processor.attempt_timeout`: a base plus a
+  bound per output token asked for, or an idle bound for a stream, within the deadline); an
+  attempt that timed out after reaching the router is not run again: it ends with
+  ``INFERENCE_TIMEOUT`` (or the router's 504 ``upstream_timeout``).
 - **settler**: publishes results in batches (which marks their ids done), then acks (never before).
 - **lease keeper** and **gate refresher**: extend leases of held messages every ``lease/3`` seconds,
   re-read gate signals every ``saturation_poll_s``.
@@ -51,6 +55,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from async_processor.attempt_timeout import attempt_timeout
 from async_processor.backends.base import Admission, Delivery, QueueBackend
 from async_processor.errors import ProcessorError
 from async_processor.gates import AllGates, ConcurrencyGate, Gate, SaturationGate, TenantQuotaGate
@@ -87,6 +92,18 @@ FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
 SESSION_HEADER = "x-session-id"
 TRACEPARENT_HEADER = "traceparent"
+
+
+def router_timed_out(status: int, body: bytes) -> bool:
+    """The router's answer says its own attempt timeout fired (504 ``upstream_timeout``): the
+    engine had the request all that time, so it is not run again."""
+    if status != 504:
+        return False
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "upstream_timeout"
 
 
 @dataclass(eq=False)
@@ -381,20 +398,35 @@ class Processor:
             if not work.body:
                 work.body = orjson.dumps(request.payload)
             work.attempts += 1
-            status, body, retry_after = 0, b"", None
+            bound = attempt_timeout(request.payload, time_left, base_s=self.settings.request_timeout_s,
+                                    per_token_s=self.settings.attempt_per_token_s)
+            status, body, retry_after, timed_out = 0, b"", None, False
             started = time.monotonic()
             try:
                 answer = await self.http.post(self.router_url + request.endpoint, work.body,
                                               request_headers(request, work.lane, time_left),
-                                              min(self.settings.request_timeout_s, time_left))
+                                              bound.total_s, bound.idle_s)
                 status, body = answer.status, answer.body
                 retry_after = parse_retry_after(answer.retry_after)
             except NoAnswer as exc:
                 body = str(exc).encode()
-            self.metrics.attempt_finished(work.lane, status, time.monotonic() - started)
-            if not is_retryable(status):
+                timed_out = exc.timed_out
+            elapsed = time.monotonic() - started
+            self.metrics.attempt_finished(work.lane, status, elapsed)
+            if not is_retryable(status) or router_timed_out(status, body):
+                # an answer, or the router's own attempt timeout (504 upstream_timeout): final
                 self.metrics.answered(work.lane, status)
                 self._finish(work, http_result(request, status, body))
+                return
+            if timed_out and not (bound.capped and elapsed >= bound.total_s * 0.99):
+                # the router had the request for the whole attempt bound: running it again from
+                # scratch would cost as much again, so it ends here (the deadline path is below)
+                self.metrics.answered(work.lane, status)
+                self._finish(work, error_result(
+                    request.id, ErrorCode.INFERENCE_TIMEOUT,
+                    f"no answer within the attempt timeout of "
+                    f"{bound.describe(self.settings.request_timeout_s, self.settings.attempt_per_token_s)}; "
+                    f"not retried: {body.decode(errors='replace')}", request.metadata))
                 return
             if status not in NOT_NOW and work.attempts >= self.settings.max_error_attempts:
                 # a poison request: end it with its last answer instead of retrying to the deadline

@@ -8,9 +8,11 @@ Two implementations, both thin over a well-kept library:
 - :class:`HttpxRouterClient`: over any ``httpx.AsyncClient``; tests use it with
   ``httpx.MockTransport`` (:func:`async_processor.testing.mock_target`).
 
-Only what the processor needs crosses the port: POST bytes with headers and a timeout, GET; the
-answer is status, body bytes and ``Retry-After``. A request that got no HTTP answer (refused, reset,
-timed out) raises :class:`NoAnswer`; any HTTP status, 5xx included, is an :class:`Answer`.
+Only what the processor needs crosses the port: POST bytes with headers, a total timeout and an
+optional idle timeout (the longest silence while the answer streams in), GET; the answer is status,
+body bytes and ``Retry-After``. A request that got no HTTP answer (refused, reset, timed out)
+raises :class:`NoAnswer`, whose ``timed_out`` tells a timeout after the request was sent (the
+router had it) from a failure to connect; any HTTP status, 5xx included, is an :class:`Answer`.
 """
 
 from __future__ import annotations
@@ -34,14 +36,22 @@ class Answer(NamedTuple):
 
 
 class NoAnswer(ProcessorError):
-    """No HTTP answer at all; the message names the cause (``ClientConnectorError: ...``)."""
+    """No HTTP answer at all; the message names the cause (``ClientConnectorError: ...``).
+    ``timed_out``: a timeout fired after the connection was made (the request reached the router),
+    as opposed to a refused, reset or timed-out connection."""
+
+    def __init__(self, message: str, *, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class RouterClient(Protocol):
     """The port. Implementations own their pool and close it in :meth:`aclose`."""
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float) -> Answer:
-        """POST ``body``; ``timeout_s`` bounds the whole attempt (pool wait, connect, send, read)."""
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float,
+                   idle_s: float | None = None) -> Answer:
+        """POST ``body``; ``timeout_s`` bounds the whole attempt (pool wait, connect, send, read),
+        ``idle_s`` (when given) each wait for the next bytes of the answer."""
         ...
 
     async def get(self, url: str, timeout_s: float) -> Answer:
@@ -53,8 +63,14 @@ class RouterClient(Protocol):
         ...
 
 
-def _no_answer(exc: BaseException) -> NoAnswer:
-    return NoAnswer(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+def _no_answer(exc: BaseException, timed_out: bool = False) -> NoAnswer:
+    return NoAnswer(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, timed_out=timed_out)
+
+
+def _aiohttp_timed_out(exc: BaseException) -> bool:
+    """A timeout once connected: aiohttp's total timeout (a bare ``TimeoutError``) or its read
+    timeout; not its connect timeout."""
+    return isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError)
 
 
 class AiohttpRouterClient:
@@ -73,17 +89,18 @@ class AiohttpRouterClient:
         return self._session
 
     async def _send(self, method: str, url: str, body: bytes | None, headers: Mapping[str, str] | None,
-                    timeout_s: float) -> Answer:
+                    timeout_s: float, idle_s: float | None = None) -> Answer:
         try:
             async with self._get_session().request(method, url, data=body, headers=headers,
-                                                   timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                                   timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=idle_s),
                                                    allow_redirects=False) as resp:
                 return Answer(resp.status, await resp.read(), resp.headers.get("Retry-After"))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            raise _no_answer(exc) from exc
+            raise _no_answer(exc, _aiohttp_timed_out(exc)) from exc
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float) -> Answer:
-        return await self._send("POST", url, body, headers, timeout_s)
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float,
+                   idle_s: float | None = None) -> Answer:
+        return await self._send("POST", url, body, headers, timeout_s, idle_s)
 
     async def get(self, url: str, timeout_s: float) -> Answer:
         return await self._send("GET", url, None, None, timeout_s)
@@ -101,15 +118,17 @@ class HttpxRouterClient:
         self.client = client
 
     async def _send(self, method: str, url: str, body: bytes | None, headers: Mapping[str, str] | None,
-                    timeout_s: float) -> Answer:
+                    timeout_s: float, idle_s: float | None = None) -> Answer:
+        timeout = httpx.Timeout(timeout_s, read=idle_s if idle_s is not None else timeout_s)
         try:
-            resp = await self.client.request(method, url, content=body, headers=headers, timeout=timeout_s)
+            resp = await self.client.request(method, url, content=body, headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
-            raise _no_answer(exc) from exc
+            raise _no_answer(exc, isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout))) from exc
         return Answer(resp.status_code, resp.content, resp.headers.get("retry-after"))
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float) -> Answer:
-        return await self._send("POST", url, body, headers, timeout_s)
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float,
+                   idle_s: float | None = None) -> Answer:
+        return await self._send("POST", url, body, headers, timeout_s, idle_s)
 
     async def get(self, url: str, timeout_s: float) -> Answer:
         return await self._send("GET", url, None, None, timeout_s)

@@ -51,7 +51,12 @@ class ProcessorSettings(BaseSettings):
                                     "a server error (500, 502, 504, 408) or not at all; 429/503 retry until the deadline")
     backoff_base_s: float = Field(2.0, gt=0)
     backoff_cap_s: float = Field(60.0, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0, description="one HTTP attempt at most (and the deadline)")
+    request_timeout_s: float = Field(600.0, gt=0, description="base of one attempt's timeout: the whole attempt "
+                                     "for a request naming no max_tokens, the longest silence of a streamed "
+                                     "answer (every attempt also ends at the deadline)")
+    attempt_per_token_s: float = Field(0.25, ge=0, description="added to request_timeout_s per output token "
+                                       "asked for (max_tokens x n) of a non-streamed request: 2.5-25x a "
+                                       "loaded engine's 10-100 ms per token, so only a stall trips it")
     grace_s: float = Field(20.0, ge=0, description="on SIGTERM, in-flight work may finish this long")
     poll_interval_s: float = Field(0.02, gt=0, description="sleep when every lane was empty")
     dedup_ttl_s: float = Field(86400.0, gt=0, description="how long a finished id is remembered")

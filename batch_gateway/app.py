@@ -1,8 +1,10 @@
 """The gateway's app factory: ``create_app(settings)``.
 
-The lifespan owns every client (database engine, file store, task publisher) and puts them on
-``app.state``; nothing is created at import. Every error leaves as OpenAI's envelope
-``{"error": {"message", "type", "param", "code"}}``.
+The lifespan owns every client (database engine, file store, task publisher and the thread that
+hands outbox events to the broker) and puts them on ``app.state``; nothing is created at import.
+Every error leaves as OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``; a
+database that cannot be reached (connection refused or lost, pool exhausted) is a 503 with
+``Retry-After`` (:func:`database_unavailable`), never a 500.
 """
 
 from __future__ import annotations
@@ -11,24 +13,42 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batch_gateway import admin
 from batch_gateway.api import batches, files
-from batch_gateway.errors import GatewayError, error_body
+from batch_gateway.errors import GatewayError, ServiceUnavailableError, error_body
 from batch_gateway.metrics import install_metrics
 from batch_gateway.settings import GatewaySettings
 from batch_gateway.store import queries
 from batch_gateway.store.db import make_engine, make_sessionmaker
 from batch_gateway.store.files import build_file_store
-from batch_gateway.store.outbox import TaskPublisher
+from batch_gateway.store.outbox import OutboxSender, TaskPublisher
 from common.contracts.errors import ErrorType, error_envelope, openai_type_for_status
 from common.tracing import instrument_fastapi
 
 log = logging.getLogger(__name__)
+
+DATABASE_RETRY_AFTER_SECONDS = 5
+"""``Retry-After`` of the 503 answered while Postgres cannot be reached: long enough for a restart
+or a failover to progress, short next to a client's patience."""
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database could not be reached or the connection was lost
+    (SQLAlchemy's ``OperationalError`` / ``InterfaceError`` / pool ``TimeoutError``, psycopg's
+    ``OperationalError`` / ``InterfaceError``, a statement whose connection was invalidated)
+    rather than a bug."""
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError,
+                        psycopg.OperationalError, psycopg.InterfaceError)):
+        return True
+    return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
+
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     """Build the gateway for ``settings``. Serving it (uvicorn) runs the lifespan, which connects
@@ -40,7 +60,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.settings = settings
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.store = build_file_store(settings)
-        app.state.tasks = TaskPublisher.for_redis(settings.redis_url, settings.task_queue)
+        app.state.tasks = TaskPublisher.for_redis(settings.redis_url, settings.task_queue,
+                                                  timeout_seconds=settings.broker_timeout_seconds)
+        app.state.outbox = OutboxSender(app.state.tasks, app.state.sessionmaker).start()
         if settings.api_key:
             with app.state.sessionmaker() as session:
                 queries.add_api_key(session, settings.default_tenant, settings.api_key)
@@ -48,6 +70,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         try:
             yield
         finally:
+            app.state.outbox.close(timeout_seconds=2 * settings.broker_timeout_seconds + 1)
             app.state.tasks.close()
             engine.dispose()
 
@@ -89,5 +112,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         log.exception("unhandled error", extra={"action": "unhandled_error", "path": request.url.path})
         return JSONResponse(error_envelope("The server had an error while processing your request.",
                                             ErrorType.SERVER), status_code=500)
+
+    @app.exception_handler(sa_exc.DBAPIError)
+    @app.exception_handler(sa_exc.TimeoutError)
+    @app.exception_handler(psycopg.Error)
+    async def database_error(request: Request, exc: Exception) -> JSONResponse:
+        if not database_unavailable(exc):
+            return await unexpected(request, exc)
+        log.warning("database unavailable", extra={"action": "database_unavailable", "path": request.url.path,
+                                                   "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__})
+        return await gateway_error(request, ServiceUnavailableError(
+            "The server cannot reach its database at the moment. Please retry after a few seconds.",
+            retry_after_seconds=DATABASE_RETRY_AFTER_SECONDS))
 
     return app

@@ -10,7 +10,8 @@
     ├── NotFoundError                 404 invalid_request_error
     ├── ConflictError                 409 invalid_request_error
     ├── PayloadTooLargeError          413 invalid_request_error
-    └── RateLimitError                429 tokens / token_limit_exceeded (with Retry-After)
+    ├── RateLimitError                429 tokens / token_limit_exceeded (with Retry-After)
+    └── ServiceUnavailableError       503 server_error / service_unavailable (with Retry-After)
 
 :func:`error_body` renders any of them as OpenAI's envelope
 ``{"error": {"message", "type", "param", "code"}}`` (:mod:`common.contracts.errors`);
@@ -95,6 +96,18 @@ class RateLimitError(GatewayError):
     status = 429
     type = ErrorType.TOKENS
     code = "token_limit_exceeded"
+
+
+class ServiceUnavailableError(GatewayError):
+    """503: a store the request needs (Postgres) cannot be reached; nothing was changed, the same
+    request may be sent again after ``Retry-After`` seconds."""
+
+    status = 503
+    type = ErrorType.SERVER
+    code = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_seconds: int = 5):
+        super().__init__(message, headers={"retry-after": str(retry_after_seconds)})
 
 
 def error_body(error: GatewayError) -> dict[str, Any]:

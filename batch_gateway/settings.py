@@ -34,6 +34,11 @@ class GatewaySettings(SharedSettings):
     body_idle_timeout_seconds: float = 60.0
     """An upload whose body sends nothing for this long is answered 408 and discarded."""
 
+    broker_timeout_seconds: float = 2.0
+    """Bound of each broker call the gateway makes (connect, one command's reply) when it hands
+    outbox events to Celery after a commit. Requests never wait on it (the hand-off runs in a
+    thread); it bounds how long a frozen broker holds that thread before the relay takes over."""
+
     admin_key: str | None = Field(default=None, validation_alias="BACKFILL_ADMIN_KEY")
     """Key of the admin dashboard at ``/admin`` (``backfill up --admin-key``); None keeps it closed
     (503). Tenants' API keys never open it."""

@@ -269,7 +269,8 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                                           engine_priority=settings.engine_priority,
                                           max_body_bytes=settings.max_body_bytes,
                                           request_timeout_s=settings.request_timeout_s,
-                                          connect_timeout_s=settings.connect_timeout_s)
+                                          connect_timeout_s=settings.connect_timeout_s,
+                                          request_timeout_per_token_s=settings.request_timeout_per_token_s)
         pool.add_on_down(director.endpoint_down)
         for profile in scheduler.profiles.values():
             profile.plugin_timer = metrics.plugin_timing

@@ -24,7 +24,7 @@ series                                                 type       labels
 ``backfill_router_prefix_hits_total``                  counter    — (a lookup with ≥ 1 block
                                                                   matched somewhere)
 ``backfill_router_time_to_first_byte_seconds``         histogram  ``band``
-``backfill_router_upstream_errors_total``              counter    ``kind`` (connect, stream)
+``backfill_router_upstream_errors_total``              counter    ``kind`` (connect, stream, timeout)
 =====================================================  =========  ===============================
 """
 

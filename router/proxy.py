@@ -60,20 +60,41 @@ class Proxy:
         observer: where answers, first bytes and engine failures are reported.
         engine_priority: add vLLM's ``priority`` field (``-objective priority``) to forwarded bodies.
         max_body_bytes: 413 above this many body bytes.
-        request_timeout_s: a whole forwarded request, seconds (0 = none).
+        request_timeout_s: base of a forwarded request's timeout, seconds (0 = none): the whole
+            request when it names no output budget, the longest silence of a stream.
         connect_timeout_s: connecting to an engine, seconds.
+        request_timeout_per_token_s: added to ``request_timeout_s`` per output token a non-streamed
+            request asks for (``max_tokens`` × ``n``), seconds (see :meth:`timeout_for`).
     """
 
     def __init__(self, *, director: Director, tokenizer: PromptTokenizer, session: aiohttp.ClientSession,
                  observer: RouterObserver, engine_priority: bool = False, max_body_bytes: int = 32 * 1024 * 1024,
-                 request_timeout_s: float = 600.0, connect_timeout_s: float = 2.0) -> None:
+                 request_timeout_s: float = 600.0, connect_timeout_s: float = 2.0,
+                 request_timeout_per_token_s: float = 0.25) -> None:
         self.director = director
         self.tokenizer = tokenizer
         self.session = session
         self.observer = observer
         self.engine_priority = engine_priority
         self.max_body_bytes = max_body_bytes
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s or None, sock_connect=connect_timeout_s)
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_per_token_s = request_timeout_per_token_s
+
+    def timeout_for(self, parsed: ParsedRequest) -> aiohttp.ClientTimeout:
+        """The forwarding timeout of ``parsed``: a stream lives while bytes come (at most
+        ``request_timeout_s`` apart); any other request gets ``request_timeout_s`` plus
+        ``request_timeout_per_token_s`` per output token asked for (``max_tokens`` × ``n``), so
+        a long generation is not cut at a fixed bound. Connecting is always ``connect_timeout_s``."""
+        base = self.request_timeout_s
+        if not base:
+            return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
+        if parsed.stream:
+            return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=base)
+        n = parsed.body.get("n")
+        tokens = (parsed.max_tokens or 0) * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+        return aiohttp.ClientTimeout(total=base + tokens * self.request_timeout_per_token_s,
+                                     sock_connect=self.connect_timeout_s)
 
     # ---- entry point --------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -166,8 +187,16 @@ class _Exchange:
         name = attempt.endpoint.name
         try:
             upstream = await proxy.session.post(name + self.parsed.path, data=self.body, headers=self.headers,
-                                                timeout=proxy.timeout)
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+                                                timeout=proxy.timeout_for(self.parsed))
+        except TimeoutError as exc:
+            if not isinstance(exc, aiohttp.ConnectionTimeoutError):
+                # the engine had the request for the whole timeout: it is not run again elsewhere
+                observer.upstream_error("timeout")
+                return _timed_out(self.parsed)
+            observer.upstream_error("connect")
+            attempt.engine_failed(f"{type(exc).__name__}: {exc}")
+            return None if retry else rejected_response(NO_ENDPOINT)  # nothing ran, may be retried
+        except (aiohttp.ClientConnectionError, OSError) as exc:
             observer.upstream_error("connect")
             attempt.engine_failed(f"{type(exc).__name__}: {exc}")
             return None if retry else rejected_response(NO_ENDPOINT)  # refused: nothing ran, may be retried
@@ -178,7 +207,11 @@ class _Exchange:
             complete = True
         except _ClientGone:
             return self.response  # the client closed its connection: not the engine's fault
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except TimeoutError as exc:  # the whole-request bound, or a stream silent for too long
+            observer.upstream_error("timeout")
+            return await self._end(504, f"the inference endpoint did not answer within the request's "
+                                   f"timeout ({type(exc).__name__})", "upstream_timeout")
+        except (aiohttp.ClientError, OSError) as exc:
             observer.upstream_error("stream")
             attempt.engine_failed(f"{type(exc).__name__}: {exc}")
             return await self._end(502, f"the inference endpoint failed mid-response: {type(exc).__name__}",
@@ -235,6 +268,12 @@ class _Exchange:
             await response.write(b"data: " + event + b"\n\n")
             await response.write_eof()
         return response
+
+
+def _timed_out(parsed: ParsedRequest) -> web.Response:
+    """504 ``upstream_timeout``: no answer within the request's forwarding timeout."""
+    return error_response(504, "the inference endpoint did not answer within the request's timeout "
+                          f"(max_tokens {parsed.max_tokens})", code="upstream_timeout", err_type=ErrorType.SERVER)
 
 
 def rejected_response(rejected: Rejected) -> web.Response:

@@ -49,7 +49,11 @@ class RouterSettings(BaseSettings):
         scrape_interval_s, health_interval_s, unhealthy_after, max_metrics_age_s: see the module doc.
         queue_threshold, kv_threshold: saturation detector thresholds (llm-d defaults 5 and 0.8).
         connect_timeout_s: connecting to an engine, seconds.
-        request_timeout_s: a whole proxied request, seconds (0 = none).
+        request_timeout_s: base of a proxied request's timeout, seconds (0 = none): the whole request
+            when it names no ``max_tokens``, the longest silence of a stream.
+        request_timeout_per_token_s: added to ``request_timeout_s`` per output token a non-streamed
+            request asks for (``max_tokens`` × ``n``); 0.25 s is 2.5-25x a loaded engine's 10-100 ms
+            per token, so only a stalled engine trips it.
         max_body_bytes: largest request body accepted, bytes (413 past it).
         log_level: Python logging level name.
     """
@@ -79,6 +83,7 @@ class RouterSettings(BaseSettings):
     kv_threshold: float = Field(0.8, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
     request_timeout_s: float = Field(600.0, ge=0)
+    request_timeout_per_token_s: float = Field(0.25, ge=0)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     log_level: str = "INFO"
 

@@ -4,6 +4,11 @@ Validation of the input file is asynchronous: create answers ``validating`` and 
 validate task moves the batch on. ``POST /v1/batches`` itself answers 400 only for its own bad
 arguments and 429 ``token_limit_exceeded`` when the tenant's enqueued tokens plus this batch's
 reservation (from its file size) would pass the quota.
+
+Create and cancel never wait on the broker: the change and its outbox row commit together, the
+answer goes out, and the outbox thread (or later the workers' relay) sends the task
+(docs/reliability.md). A database that cannot be reached answers 503 with ``Retry-After``
+(``batch_gateway.app``).
 """
 
 from __future__ import annotations
@@ -140,7 +145,7 @@ async def create_batch(request: Request, tenant: TenantDep, session: SessionDep,
         session.commit()
         log.info("batch created", extra={"action": "batch_created", "batch_id": batch.id,
                                          "tenant": tenant.name})
-        request.app.state.tasks.publish_pending(session)
+        request.app.state.outbox.wake()  # the broker is told off the request (store/outbox.py)
         return batch_object(batch)
 
     return await run_in_threadpool(create)
@@ -185,7 +190,7 @@ def cancel_batch(batch_id: str, request: Request, tenant: TenantDep, session: Se
     if row is None:
         raise _not_found(batch_id)
     session.commit()
-    request.app.state.tasks.publish_pending(session)  # processors drop the batch's queued work now
+    request.app.state.outbox.wake()  # the cancel task goes out now, off the request
     refusal = queries.cancel_refusal(row.status)
     if refusal is not None:
         raise ConflictError(refusal)

@@ -95,6 +95,8 @@ class ErrorCode(enum.StrEnum):
     GATE_DROPPED = "GATE_DROPPED"
     GATE_ERROR = "GATE_ERROR"
     INFERENCE_ERROR = "INFERENCE_ERROR"
+    INFERENCE_TIMEOUT = "INFERENCE_TIMEOUT"
+    """The router had the request for the whole attempt timeout without answering; not retried."""
     INVALID_REQUEST = "INVALID_REQUEST"
 
 
