@@ -100,7 +100,8 @@ def outcome_of(result: ResultMessage, attempt: int, max_attempts: int,
     without its body (:func:`too_large`). No answer: past the
     deadline → ``expired`` / ``batch_expired``; cancelled → ``cancelled`` / ``batch_cancelled``; a
     retryable code before ``max_attempts`` → back to ``pending``; else ``failed`` with
-    ``request_timeout`` (retryable codes) or ``batch_failed`` and the result's message.
+    ``request_timeout`` (retryable codes, and ``INFERENCE_TIMEOUT``: the attempt's timeout passed,
+    never re-run) or ``batch_failed`` and the result's message.
     """
     if not result.error_code and result.status_code:
         if max_response_bytes is not None and len(result.payload) > max_response_bytes // 4:
@@ -123,6 +124,6 @@ def outcome_of(result: ResultMessage, attempt: int, max_attempts: int,
         return CANCELLED
     if result.error_code in RETRYABLE and attempt < max_attempts:
         return HANDED_BACK
-    return RequestChange(RequestState.FAILED,
-                         error_code="request_timeout" if result.error_code in RETRYABLE else "batch_failed",
+    timed_out = result.error_code in RETRYABLE or result.error_code == ErrorCode.INFERENCE_TIMEOUT
+    return RequestChange(RequestState.FAILED, error_code="request_timeout" if timed_out else "batch_failed",
                          error_message=result.error_message or None)

@@ -83,6 +83,12 @@ def test_retryable_codes_hand_back_until_the_last_attempt(code):
                                                                  "engine gone")
 
 
+def test_an_attempt_timeout_ends_the_request_as_request_timeout_without_a_rerun():
+    change = outcome_of(_result(error_code=ErrorCode.INFERENCE_TIMEOUT, error_message="no answer within 9 s"), 1, 3)
+    assert (change.state, change.error_code, change.error_message) == (RequestState.FAILED, "request_timeout",
+                                                                       "no answer within 9 s")
+
+
 def test_other_codes_fail_the_request_at_once():
     change = outcome_of(_result(error_code=ErrorCode.INVALID_REQUEST, error_message=""), 1, 3)
     assert (change.state, change.error_code, change.error_message) == (RequestState.FAILED, "batch_failed", None)
