@@ -390,7 +390,7 @@ def build_router() -> APIRouter:
         moved = queries.cancel_batch(session, row[0].tenant_id, batch_id)
         assert moved is not None  # the batch was just read
         session.commit()
-        request.app.state.tasks.publish_pending(session)
+        request.app.state.outbox.wake()  # the cancel task goes out off the request, as the API's
         refusal = queries.cancel_refusal(moved.status)
         log.info("batch cancel refused" if refusal else "batch cancel",
                  extra={"action": "batch_cancel_refused" if refusal else "batch_cancel", "batch_id": batch_id,
