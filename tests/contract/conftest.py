@@ -161,4 +161,10 @@ def kit(request) -> Kit:
     return _pubsub_kit("pubsub-fake", request.getfixturevalue("pubsub_fake"))
 
 
+@pytest.fixture
+def redis_kit(stores) -> Kit:
+    """A :class:`Kit` for Redis Streams alone (what only Redis has: streams and groups to erase)."""
+    return _redis_kit(stores.redis_url)
+
+
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

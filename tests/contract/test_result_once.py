@@ -9,8 +9,6 @@ consumer (Redis restarted empty) are created again by the next receive.
 
 from __future__ import annotations
 
-import pytest
-
 from async_processor.backends.base import Admission
 from async_processor.testing import eventually
 from common.contracts.queue import decode_request, http_result
@@ -62,10 +60,7 @@ def test_a_renewed_claim_stays_ours(kit):
     kit.run(body)
 
 
-def test_redis_receive_makes_a_lost_group_again(kit):
-    if kit.kind != "redis":
-        pytest.skip("Redis Streams only: a stream and its group erased under the consumer")
-
+def test_redis_receive_makes_a_lost_group_again(redis_kit):
     async def body(kit):
         backend = await kit.make()
         assert await backend.receive("batch", 10, kit.lease_s) == []
@@ -75,4 +70,4 @@ def test_redis_receive_makes_a_lost_group_again(kit):
         await backend.publish_request("batch", message)
         got = await receive_soon(backend, "batch", kit)
         assert decode_request(got[0].body).id == message.id
-    kit.run(body)
+    redis_kit.run(body)
