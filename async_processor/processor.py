@@ -367,15 +367,21 @@ class Processor:
         ids = {id(d) for d in lost}
         current = asyncio.current_task()
         for work in self.buffer.remove([w for w in self.buffer if id(w.delivery) in ids]):
-            work.taken_over = True
-            self.metrics.taken_over(work, "held")
+            self._mark_taken_over(work, "held")
         for work, task in list(self.in_flight.items()):
-            if id(work.delivery) in ids and not work.taken_over:
-                work.taken_over = True
-                self.metrics.taken_over(work, "held" if task is current else "in_flight")
+            if id(work.delivery) in ids and self._mark_taken_over(work, "held" if task is current else "in_flight"):
                 if task is not current:
                     task.cancel()
         self._wake.set()
+
+    def _mark_taken_over(self, work: Work, stage: str) -> bool:
+        """Mark ``work`` as another processor's now and count it once (``stage``: where it was
+        found: ``held``, ``in_flight`` or ``result``); False when it was marked already."""
+        if work.taken_over:
+            return False
+        work.taken_over = True
+        self.metrics.taken_over(work, stage)
+        return True
 
     async def _checked_attempt(self, work: Work) -> None:
         """:meth:`_attempt`, after confirming the claim of work whose lease is stale."""
@@ -484,9 +490,7 @@ class Processor:
         keep = []
         for s in batch:
             if s.work is not None and (s.work.taken_over or id(s.delivery) in lost):
-                if not s.work.taken_over:
-                    s.work.taken_over = True
-                    self.metrics.taken_over(s.work, "result")
+                self._mark_taken_over(s.work, "result")
                 continue
             keep.append(s)
         return keep
@@ -510,9 +514,8 @@ class Processor:
             # message; a refused one of a message not admitted (dead-lettered) is acked as before
             refused = {id(s) for s, ok in zip(publishing, published) if not ok and s.work is not None}
             for s in publishing:
-                if id(s) in refused and s.work is not None and not s.work.taken_over:
-                    s.work.taken_over = True
-                    self.metrics.taken_over(s.work, "result")
+                if id(s) in refused and s.work is not None:
+                    self._mark_taken_over(s.work, "result")
             batch = [s for s in batch if id(s) not in refused]
             try:
                 await self.backend.ack([s.delivery for s in batch if not s.dead_reason])
