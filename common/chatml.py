@@ -3,7 +3,7 @@
 The simulator (``engine_twin``) renders chat and responses prompts with it, and the router's
 ``estimate`` tokenizer backend renders with it too, so with the simulator's built-in 4-byte
 tokenizer the router's estimate bytes ARE the engine's tokens (packed as uint32), and both hash to
-the same prefix blocks. :mod:`router.chat_template` re-exports these names beside the router's
+the same prefix blocks. :mod:`router.chat_template` holds the router's
 Jinja templates.
 """
 

@@ -16,9 +16,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.chatml import render_chat
 from engine_twin.errors import BadRequestError, NotFoundError
 from engine_twin.settings import EngineSimSettings
-from engine_twin.tokenizer import Tokenizer, render_chat
+from engine_twin.tokenizer import Tokenizer
 
 
 @dataclass

@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from common.chatml import render_chat
 from engine_twin.engine import Outcome, SimEngine
 from engine_twin.errors import BadRequestError, EngineSimError, InvalidJSONError
 from engine_twin.protocol import (
@@ -42,7 +43,6 @@ from engine_twin.protocol import (
     usage_block,
 )
 from engine_twin.settings import EngineSimSettings
-from engine_twin.tokenizer import render_chat
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

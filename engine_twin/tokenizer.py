@@ -18,9 +18,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.chatml import CHAT_TEMPLATE_NAME, render_chat
-
-__all__ = ["CHAT_TEMPLATE_NAME", "BuiltinTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "render_chat"]
+__all__ = ["BuiltinTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
 
 
 class Tokenizer(Protocol):

@@ -1,9 +1,6 @@
-"""Chat prompt rendering for the router.
+"""A tokenizer's own chat template for the router (the ONE ChatML rendering, which the ``estimate``
+backend and the engine twin share, is :func:`common.chatml.render_chat`).
 
-* :func:`render_chat` — the ONE ChatML rendering, from :mod:`common.chatml` (shared with the engine
-  twin, ``engine_twin``): the router's ``estimate`` tokenizer backend renders with it, so with the
-  simulator's built-in 4-byte tokenizer the router's estimate bytes ARE the engine's tokens (packed
-  as uint32), and both hash to the same prefix blocks.
 * :class:`JinjaChatTemplate` — a tokenizer's own chat template (``chat_template`` in
   ``tokenizer_config.json``, or a ``chat_template.jinja`` file), rendered with jinja2 the way
   Hugging Face ``transformers`` ``apply_chat_template`` does (sandboxed environment, ``trim_blocks``
@@ -20,10 +17,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common.chatml import CHAT_TEMPLATE_NAME, TEXT_PART_TYPES, content_text, render_chat
+from common.chatml import content_text
 
-__all__ = ["CHAT_TEMPLATE_NAME", "SPECIAL_TOKEN_KEYS", "TEXT_PART_TYPES", "ChatTemplateError", "JinjaChatTemplate",
-           "content_text", "render_chat"]
+__all__ = ["SPECIAL_TOKEN_KEYS", "ChatTemplateError", "JinjaChatTemplate"]
 
 #: Special-token keys of ``tokenizer_config.json`` passed to templates as variables (transformers'
 #: ``SPECIAL_TOKENS_ATTRIBUTES``).

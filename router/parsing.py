@@ -14,7 +14,7 @@ objective's) and :func:`with_stream_usage` (ask the engine for the final usage c
 Paths and what the prompt is:
 
 =========================  ==========================================================================
-``/v1/chat/completions``   ``messages`` rendered with ChatML (:func:`router.chat_template.render_chat`)
+``/v1/chat/completions``   ``messages`` rendered with ChatML (:func:`common.chatml.render_chat`)
 ``/v1/completions``        ``prompt``: a string, strings (joined with ``"\\n"``), token ids, or lists of
                            token ids (concatenated)
 ``/v1/embeddings``         ``input``, the same shapes as ``prompt``
@@ -37,9 +37,9 @@ from typing import Any
 
 import orjson
 
+from common.chatml import TEXT_PART_TYPES, render_chat
 from common.contracts.errors import ErrorType, error_json
 from common.json_types import json_type_name
-from router.chat_template import TEXT_PART_TYPES, render_chat
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

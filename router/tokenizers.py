@@ -5,7 +5,7 @@ backends, chosen by name with :func:`build_tokenizer`:
 
 * ``estimate`` (:class:`EstimateTokenizer`): no tokenizer. The prompt is the UTF-8 bytes of
   ``parsed.prompt_text`` and counts :data:`ESTIMATE_BYTES_PER_TOKEN` bytes per token. Chat is
-  rendered with the same ChatML as the simulator (:func:`router.chat_template.render_chat`), so
+  rendered with the same ChatML as the simulator (:func:`common.chatml.render_chat`), so
   against the simulator's built-in 4-byte tokenizer the bytes are exactly the engine's tokens.
 * ``hf`` (:class:`HFPromptTokenizer`): a ``tokenizers`` tokenizer.json; chat rendered with the
   tokenizer's own Jinja chat template when one sits beside it, else ChatML.
@@ -29,7 +29,8 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from router.chat_template import ChatTemplateError, JinjaChatTemplate, content_text
+from common.chatml import content_text
+from router.chat_template import ChatTemplateError, JinjaChatTemplate
 from router.parsing import ParsedRequest, RequestError
 from router.scheduling.types import ESTIMATE_BYTES_PER_TOKEN, LLMRequest
 

@@ -31,7 +31,8 @@ from typing import Any
 
 import xxhash
 
-from engine_twin.tokenizer import BuiltinTokenizer, render_chat
+from common.chatml import render_chat
+from engine_twin.tokenizer import BuiltinTokenizer
 
 MODEL = "sim-model"
 """The model name every generated body asks for (the simulator's default served name)."""

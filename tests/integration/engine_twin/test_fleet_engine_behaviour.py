@@ -10,10 +10,11 @@ import httpx
 import pytest
 import zmq
 
+from common.chatml import render_chat
 from engine_twin.kv_cache import block_hashes, external_hash, none_hash
 from engine_twin.kv_events import decode_batch
 from engine_twin.launch import sim_engine_argv, wait_ready
-from engine_twin.tokenizer import BuiltinTokenizer, render_chat
+from engine_twin.tokenizer import BuiltinTokenizer
 
 PROMPT = "shared system prompt for the kv event test, long enough for several blocks " * 4
 

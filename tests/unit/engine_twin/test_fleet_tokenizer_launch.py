@@ -5,10 +5,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from common.chatml import render_chat
 from engine_twin.cli import settings_from_args
 from engine_twin.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
 from engine_twin.settings import build_settings
-from engine_twin.tokenizer import BuiltinTokenizer, HFTokenizer, render_chat
+from engine_twin.tokenizer import BuiltinTokenizer, HFTokenizer
 
 
 def test_builtin_tokenizer_round_trips_and_keeps_prefixes():

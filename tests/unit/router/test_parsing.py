@@ -7,7 +7,7 @@ import itertools
 import orjson
 import pytest
 
-from router.chat_template import render_chat
+from common.chatml import render_chat
 from router.parsing import (
     CHAT_PATH,
     COMPLETIONS_PATH,

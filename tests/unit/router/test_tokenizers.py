@@ -12,11 +12,12 @@ import orjson
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
+from common.chatml import render_chat
 from engine_twin.protocol import parse_chat, parse_completion, parse_response
 from engine_twin.server import create_app
 from engine_twin.settings import build_settings
 from engine_twin.tokenizer import BuiltinTokenizer
-from router.chat_template import ChatTemplateError, JinjaChatTemplate, render_chat
+from router.chat_template import ChatTemplateError, JinjaChatTemplate
 from router.parsing import CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, RESPONSES_PATH, RequestError, parse_request
 from router.scheduling.hashing import request_block_keys, tokens_to_bytes
 from router.scheduling.types import LLMRequest

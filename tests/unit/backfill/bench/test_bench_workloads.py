@@ -12,7 +12,8 @@ from backfill.bench.workloads import (
     oracle_reusable_tokens,
     shared_prefix_groups,
 )
-from engine_twin.tokenizer import BuiltinTokenizer, render_chat
+from common.chatml import render_chat
+from engine_twin.tokenizer import BuiltinTokenizer
 
 
 def _req(i: int, tokens: list[int]) -> TimedRequest:
