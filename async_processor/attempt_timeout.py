@@ -19,8 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: Output budget fields, in the order they are looked for.
-TOKEN_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+from common.contracts.openai_request import requested_output_tokens
 
 
 @dataclass(frozen=True)
@@ -47,19 +46,11 @@ class AttemptTimeout:
                 f"{per_token_s:g} s)")
 
 
-def requested_tokens(payload: Mapping[str, Any]) -> int:
-    """Output tokens ``payload`` asks for: its budget field times ``n`` (0 when none is a positive
-    integer)."""
-    budget: int = next((payload[f] for f in TOKEN_FIELDS if _count(payload.get(f))), 0)
-    n = payload.get("n")
-    return budget * (n if isinstance(n, int) and _count(n) else 1)
-
-
 def attempt_timeout(payload: Mapping[str, Any], time_left_s: float, *, base_s: float,
                     per_token_s: float) -> AttemptTimeout:
     """The bound of one attempt of ``payload`` with ``time_left_s`` to its deadline (see the
     module docstring)."""
-    tokens = requested_tokens(payload)
+    tokens = requested_output_tokens(payload)
     if payload.get("stream") is True:
         return AttemptTimeout(time_left_s, min(base_s, time_left_s), tokens, capped=True)
     wanted = base_s + tokens * per_token_s
@@ -67,6 +58,3 @@ def attempt_timeout(payload: Mapping[str, Any], time_left_s: float, *, base_s: f
         return AttemptTimeout(time_left_s, None, tokens, capped=True)
     return AttemptTimeout(wanted, None, tokens, capped=False)
 
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -28,6 +28,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
 from common.contracts.errors import ErrorType, error_json, openai_type_for_status
+from common.contracts.openai_request import requested_output_tokens
 from router.director import DROPPED_REASON, NO_ENDPOINT, Attempt, Director, Interruption, Rejected
 from router.observer import RouterObserver
 from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
@@ -91,8 +92,7 @@ class Proxy:
             return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         if parsed.stream:
             return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=base)
-        n = parsed.body.get("n")
-        tokens = (parsed.max_tokens or 0) * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+        tokens = requested_output_tokens(parsed.body, parsed.max_tokens or 0)
         return aiohttp.ClientTimeout(total=base + tokens * self.request_timeout_per_token_s,
                                      sock_connect=self.connect_timeout_s)
 

@@ -8,8 +8,9 @@ import asyncio
 import httpx
 import pytest
 
-from async_processor.attempt_timeout import attempt_timeout, requested_tokens
+from async_processor.attempt_timeout import attempt_timeout
 from async_processor.router_client import HttpxRouterClient, NoAnswer
+from common.contracts.openai_request import requested_output_tokens as requested_tokens
 
 
 @pytest.mark.parametrize(("payload", "tokens"), [
