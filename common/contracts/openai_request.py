@@ -20,7 +20,7 @@ def requested_output_tokens(body: Mapping[str, Any], budget: int | None = None) 
     tokens: int = budget if budget is not None else next(
         (body[f] for f in OUTPUT_TOKEN_FIELDS if _positive_int(body.get(f))), 0)
     n = body.get("n")
-    choices: int = n if _positive_int(n) else 1
+    choices = int(n) if _positive_int(n) else 1
     return tokens * choices
 
 
