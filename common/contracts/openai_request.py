@@ -5,7 +5,7 @@ Completions and Responses)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 OUTPUT_TOKEN_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 """Output budget fields per choice, in the order they are looked for: Chat Completions'
@@ -20,9 +20,9 @@ def requested_output_tokens(body: Mapping[str, Any], budget: int | None = None) 
     tokens: int = budget if budget is not None else next(
         (body[f] for f in OUTPUT_TOKEN_FIELDS if _positive_int(body.get(f))), 0)
     n = body.get("n")
-    choices = int(n) if _positive_int(n) else 1
+    choices = n if _positive_int(n) else 1
     return tokens * choices
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
