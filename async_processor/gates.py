@@ -27,7 +27,7 @@ from typing import Protocol
 
 from async_processor.lanes import Work
 from async_processor.router_client import NoAnswer, RouterClient
-from common.contracts.router_state import SATURATION_THRESHOLD, parse_pool_saturation
+from common.contracts.router_state import SATURATION_THRESHOLD, parse_gate_saturation
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class SaturationGate:
             answer = await self.client.get(self.url, self.timeout_s)
             if answer.status != 200:
                 raise ValueError(f"status {answer.status}")
-            value = parse_pool_saturation(answer.body)
+            value = parse_gate_saturation(answer.body)
         except (NoAnswer, ValueError) as exc:
             if self.saturation is not None:
                 log.warning("router saturation unreadable; gating closed",

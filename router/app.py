@@ -29,7 +29,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from common.contracts.router_state import BandState, CacheBlocks, EndpointState, RouterState
+from common.contracts.router_state import SATURATION_THRESHOLD, BandState, CacheBlocks, EndpointState, RouterState
 from router.director import Director
 from router.flow_control import FlowControlConfig, FlowController
 from router.kv_index.index import KVBlockIndex
@@ -99,6 +99,13 @@ class RouterRuntime:
             value += excess / (len(candidates) * self.thresholds.queue_threshold)
         return value
 
+    def gate_saturation(self) -> float:
+        """The least saturated healthy endpoint's saturation (1.0 when none is healthy): below 1.0
+        some engine has room for sheddable work (per-engine spare capacity, not the pool's mean)."""
+        assert self.pool is not None
+        now = time.monotonic()
+        return min((endpoint_saturation(ep, now, self.thresholds) for ep in self.pool.candidates()), default=1.0)
+
     def state(self) -> RouterState:
         """The admin state (see :func:`admin_state`)."""
         return admin_state(self)
@@ -113,12 +120,15 @@ def admin_state(rt: RouterRuntime) -> RouterState:
     for state in rt.pool.states.values():
         ep, m = state.endpoint, state.metrics
         age = None if ep.metrics_updated_at is None else now - ep.metrics_updated_at
+        saturation = endpoint_saturation(ep, now, rt.thresholds) if state.healthy else None
         endpoints.append(EndpointState(
             name=ep.name, healthy=state.healthy, models=state.models,
             num_requests_waiting=ep.num_requests_waiting, num_requests_running=ep.num_requests_running,
             kv_cache_usage_perc=ep.kv_cache_usage_perc, in_flight_requests=ep.in_flight_requests,
             in_flight_uncached_tokens=ep.in_flight_uncached_tokens,
-            saturation=endpoint_saturation(ep, now, rt.thresholds) if state.healthy else None,
+            saturation=saturation,
+            gate_open=saturation is not None and saturation < SATURATION_THRESHOLD,
+            headroom=None if saturation is None else max(0.0, 1.0 - saturation),
             metrics_age_s=age, block_size=ep.block_size, num_gpu_blocks=ep.num_gpu_blocks,
             num_cpu_blocks=ep.num_cpu_blocks,
             cache_blocks=CacheBlocks(**per_endpoint_blocks.get(ep.name, {})),
@@ -128,7 +138,7 @@ def admin_state(rt: RouterRuntime) -> RouterState:
         ))
     bands = [BandState(**band) for band in rt.flow.stats()["bands"]] if rt.flow is not None else []
     return RouterState(
-        pool_saturation=rt.saturation(), time=time.time(),
+        pool_saturation=rt.saturation(), gate_saturation=rt.gate_saturation(), time=time.time(),
         decisions_per_s=rt.director.decisions.rate(), profile=rt.director.profile or rt.scheduler.default_profile,
         tokenizer=rt.settings.tokenizer, endpoints=endpoints, bands=bands, index=index_info,
     )

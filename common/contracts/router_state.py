@@ -1,11 +1,15 @@
 """The router's ``GET /admin/state`` JSON: written by the router, read by the processor's saturation
 gate and the admin dashboard. Units: requests, tokens, blocks, seconds; fractions are 0..1::
 
-    {"pool_saturation": float ≥ 0 (≥ 1.0: saturated), "time": Unix s,
+    {"pool_saturation": float ≥ 0 (mean over the endpoints; ≥ 1.0: the pool on average at its limits),
+     "gate_saturation": float ≥ 0 (the least saturated healthy endpoint's; ≥ 1.0: no endpoint has
+                        room, sheddable work is held), "time": Unix s,
      "decisions_per_s": float, "profile": str, "tokenizer": str,
      "endpoints": [{"name", "healthy", "models": [str], "num_requests_waiting", "num_requests_running",
                     "kv_cache_usage_perc", "in_flight_requests", "in_flight_uncached_tokens",
                     "saturation": float | null (null while unhealthy), "metrics_age_s": s | null,
+                    "gate_open": bool (healthy and saturation < 1.0: takes sheddable work now),
+                    "headroom": float | null (max(0, 1 − saturation); null while unhealthy),
                     "block_size", "num_gpu_blocks", "num_cpu_blocks",
                     "cache_blocks": {"gpu", "cpu", "disk"} (blocks the router's prefix index holds),
                     "prefix_cache_hit_rate": float | null (GPU hits ÷ queries, tokens),
@@ -16,7 +20,9 @@ gate and the admin dashboard. Units: requests, tokens, blocks, seconds; fraction
      "index": {"kind": "kv-events" | "approximate" | null, "tiers": {tier: blocks}, …}}
 
 Readers ignore fields they do not know (the models are lenient), so the router may add fields.
-:func:`parse_pool_saturation` is the gate's strict read of the one number it needs.
+:func:`parse_gate_saturation` is the processor gate's strict read of the one number it needs: the
+gate opens when any engine has room (per-engine spare capacity, not the pool's mean, which reads
+1.0 when one engine is full and another idle).
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 SATURATION_THRESHOLD = 1.0
-"""Pool saturation at or above which sheddable (batch) work is held (llm-d's saturation detector:
-1.0 = every endpoint at its queue-depth or KV-use limit)."""
+"""Saturation at or above which an endpoint takes no sheddable (batch) work, and at or above which
+``gate_saturation`` holds it everywhere (llm-d's saturation detector: 1.0 = at the queue-depth or
+KV-use limit)."""
 
 
 class _Lenient(BaseModel):
@@ -57,6 +64,8 @@ class EndpointState(_Lenient):
     in_flight_requests: int = 0
     in_flight_uncached_tokens: int = 0
     saturation: float | None = None
+    gate_open: bool = False
+    headroom: float | None = None
     metrics_age_s: float | None = None
     block_size: int | None = None
     num_gpu_blocks: int | None = None
@@ -91,6 +100,7 @@ class RouterState(_Lenient):
 
     pool_saturation: float
     time: float
+    gate_saturation: float = 1.0
     decisions_per_s: float = 0.0
     profile: str = ""
     tokenizer: str = ""
@@ -100,21 +110,22 @@ class RouterState(_Lenient):
 
     @property
     def gate_open(self) -> bool:
-        """Whether sheddable work may dispatch: saturation below :data:`SATURATION_THRESHOLD`."""
-        return self.pool_saturation < SATURATION_THRESHOLD
+        """Whether sheddable work may dispatch: some endpoint's saturation (``gate_saturation``) is
+        below :data:`SATURATION_THRESHOLD`."""
+        return self.gate_saturation < SATURATION_THRESHOLD
 
 
-def parse_pool_saturation(body: bytes | str) -> float:
-    """``pool_saturation`` of an ``/admin/state`` body, for the saturation gate.
+def parse_gate_saturation(body: bytes | str) -> float:
+    """``gate_saturation`` of an ``/admin/state`` body, for the processor's saturation gate.
 
     Raises:
-        ValueError: the body is not a JSON object, or ``pool_saturation`` is missing, not a number
+        ValueError: the body is not a JSON object, or ``gate_saturation`` is missing, not a number
             (a boolean is not), not finite or negative; a gate reading it fails closed.
     """
     try:
-        value = orjson.loads(body).get("pool_saturation")
+        value = orjson.loads(body).get("gate_saturation")
     except (orjson.JSONDecodeError, AttributeError) as exc:
         raise ValueError(f"not a router state: {exc}") from None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"pool_saturation={value!r}")
+        raise ValueError(f"gate_saturation={value!r}")
     return float(value)

@@ -43,7 +43,7 @@ class FakeRouter:
         if self.mode == "error":
             return PlainTextResponse("boom", status_code=500)
         if self.mode == "garbage":
-            return JSONResponse({"pool_saturation": "high"})
+            return JSONResponse({"pool_saturation": "high", "gate_saturation": "high"})
         self.reads += 1
         # the shape of router.app.admin_state (models a list, saturation null while unhealthy)
         engine = {"name": "engine-0", "healthy": True, "models": ["sim-model"], "num_requests_waiting": 3,
@@ -54,7 +54,7 @@ class FakeRouter:
         hot = {**engine, "name": "engine-1", "models": ["sim-model", "sim-lora"], "kv_cache_usage_perc": 0.95,
                "saturation": 1.7, "prefix_cache_hit_rate": None, "external_prefix_cache_hit_rate": None}
         sick = {**engine, "name": "engine-2", "healthy": False, "saturation": None, "last_error": "refused"}
-        return {"pool_saturation": self.saturation, "time": 1_800_000_000 + TIME_STEP * self.reads,
+        return {"pool_saturation": self.saturation, "gate_saturation": self.saturation, "time": 1_800_000_000 + TIME_STEP * self.reads,
                 "decisions_per_s": 42.0, "endpoints": [engine, hot, sick],
                 "bands": [{"objective": "interactive", "priority": 100, "queued_requests": 0, "queued_bytes": 0,
                            "in_flight": 4, "dispatched_total": 500, "shed_total": {}},

@@ -114,9 +114,9 @@ def test_concurrency_and_tenant_gates_compose_and_release():
 
 
 @pytest.mark.parametrize("answer,open_", [
-    ((200, {"pool_saturation": 0.5}), True), ((200, {"pool_saturation": 1.0}), False),
-    ((200, {"pool_saturation": "low"}), False), ((200, {}), False), ((500, {"pool_saturation": 0.1}), False),
-    ((200, {"pool_saturation": -1}), False), ((200, [1]), False),
+    ((200, {"gate_saturation": 0.5}), True), ((200, {"gate_saturation": 1.0}), False),
+    ((200, {"gate_saturation": "low"}), False), ((200, {}), False), ((500, {"gate_saturation": 0.1}), False),
+    ((200, {"gate_saturation": -1}), False), ((200, [1]), False),
 ])
 def test_saturation_gate_fails_closed(answer, open_):
     import asyncio

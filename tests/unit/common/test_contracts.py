@@ -17,7 +17,7 @@ from common.contracts.queue import (
     pubsub_subscription,
     request_stream,
 )
-from common.contracts.router_state import RouterState, parse_pool_saturation
+from common.contracts.router_state import RouterState, parse_gate_saturation
 
 
 def test_queue_names_follow_the_documented_layout():
@@ -56,29 +56,30 @@ def test_types_for_a_status(status, openai, vllm):
 
 
 @pytest.mark.parametrize(("body", "value"), [
-    (b'{"pool_saturation": 0.25, "endpoints": []}', 0.25),
-    (b'{"pool_saturation": 2}', 2.0),
-    (b'{"pool_saturation": 0}', 0.0),
+    (b'{"gate_saturation": 0.25, "endpoints": []}', 0.25),
+    (b'{"gate_saturation": 2}', 2.0),
+    (b'{"gate_saturation": 0}', 0.0),
 ])
-def test_pool_saturation_is_read(body, value):
-    assert parse_pool_saturation(body) == value
+def test_gate_saturation_is_read(body, value):
+    assert parse_gate_saturation(body) == value
 
 
 @pytest.mark.parametrize("body", [
-    b"", b"[]", b"not json", b'{"pool_saturation": true}', b'{"pool_saturation": "0.1"}',
-    b'{"pool_saturation": -0.5}', b'{"pool_saturation": null}', b"{}",
-    b'{"pool_saturation": 1e309}',
+    b"", b"[]", b"not json", b'{"gate_saturation": true}', b'{"gate_saturation": "0.1"}',
+    b'{"gate_saturation": -0.5}', b'{"gate_saturation": null}', b"{}",
+    b'{"gate_saturation": 1e309}',
 ])
 def test_an_unusable_saturation_is_an_error(body):
     with pytest.raises(ValueError):
-        parse_pool_saturation(body)
+        parse_gate_saturation(body)
 
 
 def test_router_state_is_lenient_and_knows_the_threshold():
     state = RouterState.model_validate_json(orjson.dumps({
-        "pool_saturation": 0.999, "time": 1.0, "future_field": {"x": 1},
+        "pool_saturation": 1.5, "gate_saturation": 0.999, "time": 1.0, "future_field": {"x": 1},
         "endpoints": [{"name": "e1", "healthy": True, "cache_blocks": {"gpu": 3}, "unknown": 1}],
         "bands": [{"objective": "batch", "shed_total": {"evicted": 2, "rejected-capacity": 1}}]}))
     assert state.gate_open and state.endpoints[0].cache_blocks.gpu == 3 and state.endpoints[0].saturation is None
     assert state.bands[0].shed == 3 and state.index == {}
-    assert not state.model_copy(update={"pool_saturation": 1.0}).gate_open
+    assert not state.model_copy(update={"gate_saturation": 1.0}).gate_open  # the gate reads the least saturated engine, not the mean
+    assert not RouterState(pool_saturation=0.1, time=1.0).gate_open  # absent: closed
