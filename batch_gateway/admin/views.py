@@ -543,10 +543,11 @@ def _lanes(request: Request) -> dict:
                "dead": None, "band": band, "rate": rate(name)}
               for name, band in bands.items()]  # objectives the router knows that have no stream
     now = time.time()
-    saturation = {"pool": [(s.state.time, s.state.pool_saturation) for s in samples]}
+    saturation = {"least saturated engine (gate)": [(s.state.time, s.state.gate_saturation) for s in samples],
+                  "pool mean": [(s.state.time, s.state.pool_saturation) for s in samples]}
     charts = [
         line_chart(saturation, title="Fleet saturation", now=now, threshold=SATURATION_THRESHOLD,
-                   y_max=max([1.2] + [v for _, v in saturation["pool"]])),
+                   y_max=max([1.2] + [v for values in saturation.values() for _, v in values])),
         line_chart(per_objective, title="Dispatch rate per objective", unit="requests/s", now=now,
                    width=1280, height=240),  # drawn full width
     ]

@@ -35,6 +35,7 @@ class FakeRouter:
     def __init__(self):
         self.reads = 0
         self.saturation = 1.3
+        self.gate_saturation = 1.3
         self.mode = "ok"
         self.app = FastAPI()
         self.app.get("/admin/state")(self.state)
@@ -48,13 +49,15 @@ class FakeRouter:
         # the shape of router.app.admin_state (models a list, saturation null while unhealthy)
         engine = {"name": "engine-0", "healthy": True, "models": ["sim-model"], "num_requests_waiting": 3,
                   "num_requests_running": 7, "kv_cache_usage_perc": 0.42, "in_flight_requests": 10,
-                  "in_flight_uncached_tokens": 5120, "saturation": 0.9, "metrics_age_s": 0.2,
+                  "in_flight_uncached_tokens": 5120, "saturation": 0.9, "gate_open": True, "headroom": 0.1,
+                  "metrics_age_s": 0.2,
                   "cache_blocks": {"gpu": 812, "cpu": 96, "disk": 0}, "prefix_cache_hit_rate": 0.8,
                   "external_prefix_cache_hit_rate": 0.15, "last_error": None}
         hot = {**engine, "name": "engine-1", "models": ["sim-model", "sim-lora"], "kv_cache_usage_perc": 0.95,
-               "saturation": 1.7, "prefix_cache_hit_rate": None, "external_prefix_cache_hit_rate": None}
-        sick = {**engine, "name": "engine-2", "healthy": False, "saturation": None, "last_error": "refused"}
-        return {"pool_saturation": self.saturation, "gate_saturation": self.saturation, "time": 1_800_000_000 + TIME_STEP * self.reads,
+               "saturation": 1.7, "gate_open": False, "headroom": 0.0, "prefix_cache_hit_rate": None, "external_prefix_cache_hit_rate": None}
+        sick = {**engine, "name": "engine-2", "healthy": False, "saturation": None, "gate_open": False,
+                "headroom": None, "last_error": "refused"}
+        return {"pool_saturation": self.saturation, "gate_saturation": self.gate_saturation, "time": 1_800_000_000 + TIME_STEP * self.reads,
                 "decisions_per_s": 42.0, "endpoints": [engine, hot, sick],
                 "bands": [{"objective": "interactive", "priority": 100, "queued_requests": 0, "queued_bytes": 0,
                            "in_flight": 4, "dispatched_total": 500, "shed_total": {}},
@@ -123,10 +126,17 @@ def test_lanes_page_shows_queues_rates_sheds_gate_and_saturation_over_time(gatew
         assert page.text.count("<svg class=\"chart\"") == 2 and "<polyline" in page.text
         assert 'class="threshold"' in page.text  # the 1.0 line on the saturation chart
 
-        fake_router.saturation = 0.4
-        _wait(client, lambda s: s["router"]["pool_saturation"] == 0.4)
+        assert 'id="gate-saturation">1.30<' in page.text
+        assert _row(page.text, "data-engine", "engine-0")[1:4] == [["open"], ["0.90"], ["10%"]]
+        assert _row(page.text, "data-engine", "engine-1")[1:4] == [["closed"], ["1.70"], ["0%"]]
+        assert _row(page.text, "data-engine", "engine-2")[1:3] == [["unhealthy"], ["—"]]
+
+        # one engine has room while the pool's mean is past the threshold: the gate is open
+        fake_router.gate_saturation = 0.4
+        _wait(client, lambda s: s["router"]["gate_saturation"] == 0.4)
         fragment = client.get("/admin/fragments/lanes", headers=ADMIN).text
         assert "open" in fragment.split('id="gate-state">')[1][:40] and "<html" not in fragment
+        assert 'id="pool-saturation">1.30<' in fragment
 
         state = client.get("/admin/api/state", headers=ADMIN).json()
         assert {q["lane"]: q["length"] for q in state["queues"]} == {"interactive": 1, "async": 0, "batch": 5}
