@@ -7,13 +7,17 @@ One line per request, joined by ``custom_id`` (OpenAI promises no order; we keep
 
 - a 2xx response goes to the **output** file;
 - an HTTP error keeps ``error: null`` and the API error object inside ``response.body.error``
-  (error file);
+  (error file), in OpenAI's words whoever wrote it (the engine's ``BadRequestError`` / ``400``
+  becomes ``invalid_request_error`` / ``context_length_exceeded`` …:
+  :func:`common.contracts.errors.openai_error`);
 - a request that got no HTTP response has ``response: null`` and a top-level ``error``
   ``{code, message}`` — ``batch_expired``, ``batch_cancelled`` (llm-d's extension),
   ``batch_failed``, ``request_timeout`` (error file).
 
-The upstream body is copied byte for byte (it was checked to be JSON when the result was recorded),
-so building a file costs one pass over the rows. Line ids are derived from ``(batch_id, custom_id)``,
+A 2xx body is copied byte for byte (it was checked to be JSON when the result was recorded), so
+building a file costs one pass over the rows; only error bodies are parsed and rewritten (the row
+keeps the engine's own body, for operators). ``request_id`` is the engine's id of the answer (the
+body's ``id``: ``chatcmpl-…``, ``resp_…``), ``""`` when the engine gave none — never a queue id. Line ids are derived from ``(batch_id, custom_id)``,
 so finalising twice writes identical files (RELIABILITY.md promise 4).
 """
 
@@ -21,10 +25,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
-from common.contracts.errors import ErrorType, error_json
+from common.contracts.errors import ErrorType, error_json, openai_error
 
 NO_RESPONSE_MESSAGES = {
     "batch_expired": "This request could not be executed before the completion window expired.",
@@ -60,13 +65,30 @@ class RequestOutcome:
         return self.status_code is not None and 200 <= self.status_code < 300
 
 
-def render_line(batch_id: str, outcome: RequestOutcome) -> bytes:
-    """One output or error line (with its ``\\n``). Raises ``ValueError`` for an outcome with neither
-    a response nor an error code."""
+def error_body(status_code: int, body: bytes | None, *, endpoint: str, model: str | None) -> bytes:
+    """``response.body`` of an HTTP error line: the recorded answer (JSON bytes, or None) in
+    OpenAI's words (:func:`common.contracts.errors.openai_error` with the batch's ``endpoint`` and
+    ``model``); the recorded bytes themselves when they already are."""
+    parsed: Any
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        parsed = body.decode("utf-8", errors="replace") if body else None
+    envelope = openai_error(status_code, parsed, endpoint=endpoint, model=model)
+    return body if body and envelope == parsed else orjson.dumps(envelope)
+
+
+def render_line(batch_id: str, outcome: RequestOutcome, *, endpoint: str, model: str | None) -> bytes:
+    """One output or error line (with its ``\\n``) of a batch of ``endpoint`` and ``model`` (they
+    word the errors: :func:`error_body`). Raises ``ValueError`` for an outcome with neither a
+    response nor an error code."""
     line_id = orjson.dumps(request_line_id(batch_id, outcome.custom_id))
     custom_id = orjson.dumps(outcome.custom_id)
     if outcome.status_code:
-        body = outcome.body if outcome.body else b"null"
+        if outcome.succeeded:
+            body = outcome.body if outcome.body else b"null"
+        else:
+            body = error_body(outcome.status_code, outcome.body, endpoint=endpoint, model=model)
         return b"".join((
             b'{"id":', line_id, b',"custom_id":', custom_id, b',"response":{"status_code":',
             str(int(outcome.status_code)).encode(), b',"request_id":', orjson.dumps(outcome.request_id or ""),

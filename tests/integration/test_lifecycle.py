@@ -328,3 +328,32 @@ def test_an_answer_over_the_response_limit_is_a_line_of_the_error_file(gateway):
     with gateway.session() as session:
         assert session.execute(select(BatchRequest.response_body).where(
             BatchRequest.batch_id == batch.id, BatchRequest.custom_id == "huge")).scalar_one() is None
+
+
+def test_engine_errors_reach_the_error_file_in_openai_s_words_with_the_engine_s_request_id(gateway):
+    ctx = gateway.celery.backfill
+    client, batch = _submit(gateway, [_line("long"), _line("gone"), _line("fine")])
+    proc = StandInProcessor(ctx)
+    lifecycle.feed(ctx)
+    requests = {m.metadata["custom_id"]: m for m in proc.take()}
+    proc.answer(requests["long"], http_result(requests["long"], 400, orjson.dumps({"error": {
+        "message": "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context "
+                   "length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778).",
+        "type": "BadRequestError", "param": "max_tokens", "code": 400}})))
+    proc.answer(requests["gone"], http_result(requests["gone"], 404, b'{"detail":"Not Found"}'))
+    proc.ok(requests["fine"])
+    lifecycle.collect(ctx)
+    assert lifecycle.finalize_due(ctx) == [batch.id]
+
+    done = client.batches.retrieve(batch.id)
+    errors, output = _lines(client, done.error_file_id), _lines(client, done.output_file_id)
+    long = errors["long"]["response"]
+    assert long["status_code"] == 400 and errors["long"]["error"] is None
+    assert {k: long["body"]["error"][k] for k in ("type", "code", "param")} == {
+        "type": "invalid_request_error", "code": "context_length_exceeded", "param": "messages"}
+    gone = errors["gone"]["response"]["body"]["error"]
+    assert (gone["type"], gone["code"]) == ("invalid_request_error", "unknown_url")
+    assert "/v1/chat/completions" in gone["message"] and "'m'" in gone["message"]
+    # the engine's id of an answer, never the queue's message id ({batch_id}:{custom_id}:{attempt})
+    assert output["fine"]["response"]["request_id"] == "chatcmpl-fine"
+    assert {row["response"]["request_id"] for row in errors.values()} == {""}

@@ -79,7 +79,7 @@ def _write_files(ctx: WorkerContext, batch: Batch) -> dict[str, OutputFile]:
                 outcome = RequestOutcome(custom_id, status_code, request_id, body, error_code, error_message)
                 kind = "output" if outcome.succeeded else "errors"
                 succeeded += outcome.succeeded
-                line = render_line(batch.id, outcome)
+                line = render_line(batch.id, outcome, endpoint=batch.endpoint, model=batch.model)
                 uploads[kind].write(line)
                 tallies[kind].add(line)
         if (tallies["output"].lines, tallies["errors"].lines) != (succeeded, total - succeeded) \

@@ -94,8 +94,10 @@ def outcome_of(result: ResultMessage, attempt: int, max_attempts: int,
                max_response_bytes: int | None = None) -> RequestChange:
     """How ``result`` (of delivery ``attempt``, 1-based) changes its request row.
 
-    An HTTP answer → ``succeeded`` (2xx, with its usage) or ``failed`` (its body kept, as JSON);
-    ``request_id`` is the body's ``id`` when a string, else the result's id. An answer longer than
+    An HTTP answer → ``succeeded`` (2xx, with its usage) or ``failed`` (its body kept, as JSON:
+    the engine's own words, put in OpenAI's when the file is written); ``request_id`` is the
+    engine's id of the answer, the body's ``id`` when a string, else None (the result's ``id`` is
+    the queue's, which means nothing to the user). An answer longer than
     ``max_response_bytes`` (UTF-8 bytes; None: no limit) → ``failed`` / ``response_too_large``,
     without its body (:func:`too_large`). No answer: past the
     deadline → ``expired`` / ``batch_expired``; cancelled → ``cancelled`` / ``batch_cancelled``; a
@@ -116,7 +118,7 @@ def outcome_of(result: ResultMessage, attempt: int, max_attempts: int,
             request_id = None
         return RequestChange(RequestState.SUCCEEDED if ok else RequestState.FAILED,
                              status_code=result.status_code,
-                             request_id=request_id if isinstance(request_id, str) else result.id,
+                             request_id=request_id if isinstance(request_id, str) and request_id else None,
                              response_body=body, usage=usage_of(body) if ok else Usage())
     if result.error_code == ErrorCode.DEADLINE_EXCEEDED:
         return EXPIRED

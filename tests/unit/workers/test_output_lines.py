@@ -5,9 +5,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from workers.output import NO_RESPONSE_MESSAGES, RequestOutcome, json_body, render_line, request_line_id
+from workers.output import NO_RESPONSE_MESSAGES, RequestOutcome, error_body, json_body, render_line, request_line_id
 
 LINE_ID = "batch_req_250e949c90b7193a7a9367e3"  # sha256("batch_1\x00c1")[:24], computed once by hand
+CHAT = {"endpoint": "/v1/chat/completions", "model": "m"}
 
 
 def test_line_id_is_derived_from_batch_and_custom_id():
@@ -19,35 +20,64 @@ def test_line_id_is_derived_from_batch_and_custom_id():
 
 def test_a_response_line_copies_the_body_byte_for_byte():
     body = b'{"id":"chatcmpl-1", "object":"chat.completion"}'  # the space is kept: no re-encoding
-    line = render_line("batch_1", RequestOutcome("c1", 200, "req-9", body, None))
+    line = render_line("batch_1", RequestOutcome("c1", 200, "req-9", body, None), **CHAT)
     assert line == (b'{"id":"' + LINE_ID.encode() + b'","custom_id":"c1","response":{"status_code":200,'
                     b'"request_id":"req-9","body":{"id":"chatcmpl-1", "object":"chat.completion"}},"error":null}\n')
     assert orjson.loads(line)["response"]["body"]["id"] == "chatcmpl-1"
 
 
 def test_an_http_error_keeps_error_null_and_a_missing_body_or_id_is_filled():
-    line = orjson.loads(render_line("batch_1", RequestOutcome("c1", 404, None, None, None)))
+    line = orjson.loads(render_line("batch_1", RequestOutcome("c1", 404, None, None, None), **CHAT))
     assert line == {"id": LINE_ID, "custom_id": "c1",
-                    "response": {"status_code": 404, "request_id": "", "body": None}, "error": None}
+                    "response": {"status_code": 404, "request_id": "",
+                                 "body": {"error": {"message": "HTTP 404", "type": "invalid_request_error",
+                                                    "param": None, "code": None}}}, "error": None}
+
+
+def test_an_engine_error_is_written_in_openai_s_words():
+    vllm = (b'{"error": {"message": "\'max_tokens\' or \'max_completion_tokens\' is too large: 8000. This '
+            b'model\'s maximum context length is 4096 tokens and your request has 2778 input tokens (8000 > '
+            b'4096 - 2778).", "type": "BadRequestError", "param": "max_tokens", "code": 400}}')
+    line = orjson.loads(render_line("batch_1", RequestOutcome("c1", 400, None, vllm, None), **CHAT))
+    error = line["response"]["body"]["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded",
+                                                              "messages")
+    assert error["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large: 8000.")
+    assert line["error"] is None and line["response"]["status_code"] == 400
+
+
+def test_an_error_already_in_openai_s_words_is_copied_byte_for_byte():
+    body = b'{"error": {"message": "m", "type": "invalid_request_error", "param": null, "code": "unknown_url"}}'
+    assert error_body(404, body, **CHAT) == body
+    line = render_line("batch_1", RequestOutcome("c1", 404, None, body, None), **CHAT)
+    assert body in line
+
+
+def test_an_endpoint_the_engine_lacks_names_the_endpoint_and_the_model():
+    body = orjson.loads(error_body(404, b'{"detail":"Not Found"}', endpoint="/v1/responses", model="llama-3"))
+    error = body["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "unknown_url")
+    assert "/v1/responses" in error["message"] and "'llama-3'" in error["message"]
+    assert "404 Not Found" in error["message"]
 
 
 def test_no_response_gives_a_top_level_error_with_the_default_or_given_message():
-    line = orjson.loads(render_line("batch_1", RequestOutcome("c1", None, None, None, "batch_expired")))
+    line = orjson.loads(render_line("batch_1", RequestOutcome("c1", None, None, None, "batch_expired"), **CHAT))
     assert line == {"id": LINE_ID, "custom_id": "c1", "response": None,
                     "error": {"code": "batch_expired", "message": NO_RESPONSE_MESSAGES["batch_expired"]}}
-    line = orjson.loads(render_line("batch_1", RequestOutcome("c1", 0, None, None, "batch_failed", "boom")))
+    line = orjson.loads(render_line("batch_1", RequestOutcome("c1", 0, None, None, "batch_failed", "boom"), **CHAT))
     assert line["error"] == {"code": "batch_failed", "message": "boom"}
-    line = orjson.loads(render_line("batch_1", RequestOutcome("c1", None, None, None, "weird_code")))
+    line = orjson.loads(render_line("batch_1", RequestOutcome("c1", None, None, None, "weird_code"), **CHAT))
     assert line["error"] == {"code": "weird_code", "message": "weird_code"}
 
 
 def test_an_outcome_with_neither_response_nor_error_is_refused():
     with pytest.raises(ValueError, match="neither a response nor an error"):
-        render_line("batch_1", RequestOutcome("c1", None, None, None, None))
+        render_line("batch_1", RequestOutcome("c1", None, None, None, None), **CHAT)
 
 
 def test_custom_ids_are_json_escaped():
-    line = render_line("b", RequestOutcome('a"\n\\b', None, None, None, "batch_cancelled"))
+    line = render_line("b", RequestOutcome('a"\n\\b', None, None, None, "batch_cancelled"), **CHAT)
     assert orjson.loads(line)["custom_id"] == 'a"\n\\b'
     assert line.count(b"\n") == 1 and line.endswith(b"\n")
 

@@ -53,17 +53,20 @@ def test_an_http_error_fails_keeping_its_body_and_counting_no_usage():
     body = {"error": {"message": "no such model", "type": "invalid_request_error"}, "usage": {"prompt_tokens": 9}}
     change = outcome_of(_result(status_code=404, payload=orjson.dumps(body).decode()), 1, 3)
     assert change.state == RequestState.FAILED
-    assert (change.status_code, change.request_id, change.error_code) == (404, "res-1", None)  # no body id
+    # no body id: no request id (the result's id is the queue message's, never shown to the user)
+    assert (change.status_code, change.request_id, change.error_code) == (404, None, None)
     assert orjson.loads(change.response_body) == body
     assert change.usage == Usage()
 
 
 def test_a_non_json_answer_is_wrapped_and_a_non_string_id_is_not_used():
     change = outcome_of(_result(status_code=502, payload="<html>bad gateway</html>"), 1, 3)
-    assert change.state == RequestState.FAILED and change.request_id == "res-1"
+    assert change.state == RequestState.FAILED and change.request_id is None
     assert orjson.loads(change.response_body)["error"]["type"] == "server_error"
     change = outcome_of(_result(status_code=200, payload='{"id": 7}'), 1, 3)
-    assert change.state == RequestState.SUCCEEDED and change.request_id == "res-1"
+    assert change.state == RequestState.SUCCEEDED and change.request_id is None
+    change = outcome_of(_result(status_code=200, payload='{"id": ""}'), 1, 3)
+    assert change.request_id is None
 
 
 def test_deadline_and_cancel_end_the_request_whatever_the_attempt():
