@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from batch_gateway.store.db import make_engine, make_sessionmaker
 from batch_gateway.store.files import FileStore, build_file_store
 from batch_gateway.store.outbox import TaskPublisher
+from workers.fleet import FleetModels
 from workers.metrics import WorkerMetrics
 from workers.queue import BatchQueue
 from workers.settings import WorkerSettings
@@ -37,6 +38,7 @@ class WorkerContext:
         if os.getpid() != self._pid:  # inherited from the parent: start afresh
             self.__dict__.pop("sessionmaker", None)
             self.__dict__.pop("queue", None)
+            self.__dict__.pop("fleet", None)
             self._pid = os.getpid()
 
     @cached_property
@@ -60,6 +62,12 @@ class WorkerContext:
         return BatchQueue(self.settings.redis_url, pool=self.settings.pool,
                           result_stream=self.settings.result_stream, consumer=f"collector-{os.getpid()}",
                           processor_group=self.settings.processor_group)
+
+    @cached_property
+    def fleet(self) -> FleetModels:
+        """The models the fleet serves (the router's ``/v1/models``, cached briefly)."""
+        return FleetModels(self.settings.router_url, timeout_seconds=self.settings.fleet_models_timeout_seconds,
+                           cache_seconds=self.settings.fleet_models_cache_seconds)
 
     def webhook_client(self, timeout_seconds: float) -> httpx.Client:
         """One HTTP client for webhook deliveries, kept for the life of the process."""

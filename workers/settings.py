@@ -71,6 +71,18 @@ files older than ``temp_file_max_age_seconds``); ``validation_stale_seconds``: a
     """A local file store's write in progress (``DATA_DIR/files/tmp``) untouched for this long is
     an orphan (its writer died) and is removed, at start and every ``purge_interval_seconds``
     (an upload writes every few milliseconds, so one hour idle is never a live one)."""
+    router_url: str | None = Field(default=None, validation_alias=AliasChoices(
+        "BACKFILL_WORKER_ROUTER_URL", "BACKFILL_ROUTER_URL"))
+    """The router (``http://host:port``) whose ``GET /v1/models`` says which models the fleet serves:
+    validation fails a batch whose model none serves (``model_not_found``). None (the default outside
+    ``backfill up``, which sets ``BACKFILL_ROUTER_URL``): not asked, and such a batch's lines end with
+    the engines' 404s."""
+    fleet_models_timeout_seconds: float = Field(default=2.0, gt=0)
+    """Bound of one ``/v1/models`` request (the router answers from memory in milliseconds); past it
+    validation goes on without the check."""
+    fleet_models_cache_seconds: float = Field(default=10.0, ge=0)
+    """How long one ``/v1/models`` answer (or a failure to get one) is reused: a burst of batches asks
+    once, and a model an engine starts serving is seen within this long."""
     metrics_port: int = Field(default=0, ge=0, le=65535, validation_alias=AliasChoices(
         "BACKFILL_WORKER_METRICS_PORT", "BACKFILL_METRICS_PORT"))
     """Port of ``/metrics`` and ``/health`` served by ``backfill worker`` (0: none; the Kubernetes

@@ -120,7 +120,8 @@ class LineError:
     """One entry of a failed batch's ``errors.data[]``: OpenAI's ``{code, message, param, line}``.
 
     ``code`` is one of ``invalid_json_line``, ``duplicate_custom_id``, ``url_mismatch``,
-    ``model_mismatch``, ``empty_file``, ``too_many_tasks``, ``invalid_request``. ``line`` is 1-based,
+    ``model_mismatch``, ``empty_file``, ``too_many_tasks``, ``invalid_request`` (and, from the
+    validate step, ``model_not_found``, ``token_limit_exceeded``, ``validation_error``). ``line`` is 1-based,
     or ``None`` for file-level errors (``empty_file``). ``param`` names the offending field
     (``custom_id``, ``method``, ``url``, ``body``, ``body.model``, ``body.stream``, ``body.n``,
     ``body.max_tokens``, ``body.max_completion_tokens``, ``body.max_output_tokens``) or is ``None``.
@@ -138,7 +139,7 @@ class ValidationReport:
 
     ``requests`` holds every request line in file order when the file is valid and is empty as soon as
     any error is found. ``errors`` is in line order, at most ``max_errors`` long; empty means valid.
-    ``model`` is the first ``body.model`` seen (``None`` if none). ``bytes_read`` counts the bytes
+    ``model`` is the first ``body.model`` seen (``None`` if none), on line ``model_line``. ``bytes_read`` counts the bytes
     consumed from ``chunks`` (all of them unless validation stopped early at ``too_many_tasks`` or at
     ``max_errors``). ``est_tokens`` is the sum of ``est_tokens`` over every line that passed its checks
     (kept even when ``requests`` is emptied by an error), the batch's enqueued-token estimate.
@@ -147,6 +148,7 @@ class ValidationReport:
     requests: list[RequestLine] = field(default_factory=list)
     errors: list[LineError] = field(default_factory=list)
     model: str | None = None
+    model_line: int | None = None
     bytes_read: int = 0
     est_tokens: int = 0
 
@@ -500,7 +502,7 @@ class _Checker:
             return
         report = self.report
         if report.model is None:
-            report.model = model
+            report.model, report.model_line = model, line_no
         elif model != report.model:
             self.error(
                 "model_mismatch",
@@ -587,6 +589,15 @@ def _show(value: Any) -> str:
     if isinstance(value, str):
         return f"'{_clip(value)}'"
     return json_type_name(value)
+
+
+def model_not_found(model: str, line: int | None, served: Iterable[str]) -> LineError:
+    """The ``errors.data[]`` entry of a batch whose ``model`` (first seen on ``line``) no engine of
+    the fleet serves; the message lists what is served (sorted, the first 20)."""
+    names = sorted(served)
+    shown = ", ".join(f"'{_clip(n)}'" for n in names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    return LineError("model_not_found", f"The model '{_clip(model)}' does not exist or is not served by any engine "
+                     f"of this deployment; models served now: {shown or 'none'}.", line, "body.model")
 
 
 # --------------------------------------------------------------------------------------------------

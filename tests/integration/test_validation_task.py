@@ -156,3 +156,66 @@ def test_validation_that_keeps_failing_fails_the_batch_and_stale_ones_are_resent
         session.commit()
     assert tasks.resend_stale_validations(gateway.celery.backfill) == 1
     assert gateway.wait_status(second.id, ("in_progress",)).status == "in_progress"
+
+
+class FakeRouter:
+    """The router's ``GET /v1/models`` and nothing else (OpenAI's list shape), counting calls."""
+
+    def __init__(self, models: list[str]):
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        self.models = models
+        self.calls = 0
+
+        async def models_route(request):
+            self.calls += 1
+            return JSONResponse({"object": "list", "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "backfill"} for m in self.models]})
+
+        self.app = Starlette(routes=[Route("/v1/models", models_route)])
+
+
+@pytest.fixture
+def fake_router(gateway):
+    from backfill.up import free_port
+    from tests.conftest import serve
+
+    router = FakeRouter(["served-model"])
+    port = free_port()
+    with serve(router.app, port):
+        gateway.celery.backfill.settings.router_url = f"http://127.0.0.1:{port}"
+        yield router
+
+
+def test_a_model_no_engine_serves_fails_the_batch_at_validation(gateway, fake_router):
+    client = gateway.client()
+    data = b"\n" + b"\n".join(_line(f"r{i}", model="gpt-4o-mini") for i in range(50)) + b"\n"
+    batch = client.batches.create(input_file_id=_upload(client, data).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = gateway.wait_status(batch.id, ("in_progress", "failed"))
+    assert done.status == "failed"
+    assert len(done.errors.data) == 1
+    error = done.errors.data[0]
+    assert (error.code, error.line, error.param) == ("model_not_found", 2, "body.model")  # line 1 is blank
+    assert "'gpt-4o-mini'" in error.message and "'served-model'" in error.message
+    with gateway.session() as session:  # nothing was queued
+        assert session.execute(select(BatchRequest).where(BatchRequest.batch_id == batch.id)).first() is None
+
+    # a served model runs; the list is asked once for both batches (cached briefly)
+    ok = client.batches.create(input_file_id=_upload(client, _line("a", model="served-model")).id,
+                               endpoint="/v1/chat/completions", completion_window="24h")
+    assert gateway.wait_status(ok.id, ("in_progress", "failed")).status == "in_progress"
+    assert fake_router.calls == 1
+
+
+def test_a_fleet_that_cannot_be_asked_leaves_the_model_to_the_engines(gateway, caplog):
+    from backfill.up import free_port
+
+    gateway.celery.backfill.settings.router_url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    client = gateway.client()
+    batch = client.batches.create(input_file_id=_upload(client, _line("a", model="gpt-4o-mini")).id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    assert gateway.wait_status(batch.id, ("in_progress", "failed")).status == "in_progress"
+    assert any(getattr(r, "action", None) == "fleet_models_unknown" for r in caplog.records)

@@ -1,7 +1,10 @@
 """The validate step: stream the input file once through
-:func:`workers.validation.validate_batch_file`; on success write one request row per
-``custom_id`` (one COPY) and move the batch ``validating → in_progress`` in the same transaction;
-otherwise move it to ``failed`` with ``errors.data[]``. Re-running it is harmless: it acts only on a
+:func:`workers.validation.validate_batch_file`, then ask the fleet whether it serves the file's
+model (:class:`workers.fleet.FleetModels`; a batch for a model no engine serves fails with
+``model_not_found`` at the model's first line, and when the fleet cannot be asked the batch runs
+and its lines end with the engines' 404s), then check the tenant's enqueued-token quota; on
+success write one request row per ``custom_id`` (one COPY) and move the batch ``validating →
+in_progress`` in the same transaction; otherwise move it to ``failed`` with ``errors.data[]``. Re-running it is harmless: it acts only on a
 batch still ``validating``, and the rows and the transition commit together.
 """
 
@@ -17,7 +20,7 @@ from batch_gateway.store.quota import token_limit_message
 from batch_gateway.store.states import BatchStatus
 from batch_gateway.store.task_names import VALIDATE_BATCH_TASK
 from workers.context import WorkerContext
-from workers.validation import LineError, ValidationReport, validate_batch_file
+from workers.validation import LineError, ValidationReport, model_not_found, validate_batch_file
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,10 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> str:
         report = ValidationReport(requests=[], model=None, bytes_read=0, est_tokens=0, errors=[
             LineError("invalid_request", "The input file's content could not be read.", None, "input_file_id")
         ])
+
+    if report.ok and report.model is not None and (served := ctx.fleet.served()) is not None \
+            and report.model not in served:
+        report.errors = [model_not_found(report.model, report.model_line, served)]
 
     with ctx.session() as session:
         if not report.ok:

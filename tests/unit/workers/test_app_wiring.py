@@ -37,3 +37,14 @@ def test_building_apps_does_not_stack_worker_ready_handlers():
     for _ in range(3):
         create_celery(_settings())
     assert len(worker_ready.receivers) == before
+
+
+def test_the_router_url_comes_from_backfill_up_s_variable_or_the_worker_s_own(monkeypatch):
+    base = {"database_url": "postgresql://x@h/db", "redis_url": "redis://h"}
+    monkeypatch.delenv("BACKFILL_WORKER_ROUTER_URL", raising=False)
+    monkeypatch.delenv("BACKFILL_ROUTER_URL", raising=False)
+    assert WorkerSettings(**base).router_url is None
+    monkeypatch.setenv("BACKFILL_ROUTER_URL", "http://127.0.0.1:9001")  # what `backfill up` sets
+    assert WorkerSettings(**base).router_url == "http://127.0.0.1:9001"
+    monkeypatch.setenv("BACKFILL_WORKER_ROUTER_URL", "http://router:8000")
+    assert WorkerSettings(**base).router_url == "http://router:8000"
