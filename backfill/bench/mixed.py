@@ -45,7 +45,7 @@ throughput (requests of A, B and C counted done by the gateway during the window
 (the ratio is then a lower bound, flagged); a small batch unfinished at ``--small-timeout`` counts
 at its age then (also flagged).
 
-Time: with the defaults (time scale 1, the model's own) a run takes about 3–4 minutes, of which the
+Time: with the defaults (time scale 1, the model's own) a run takes about 3–5 minutes, of which the
 stack's start is ~20 s; ``--quick`` (a test's run) halves model time and shortens every step to
 about a minute in all.
 """
