@@ -236,11 +236,14 @@ def _wait_processor_groups(stack: Stack) -> None:
     from backfill.queue_check import wait_for_groups
     from common.contracts.queue import request_stream
 
-    settings = build_settings(redis_url=stack.env["REDIS_URL"])
+    redis_url = stack.env.get("BACKFILL_PROCESSOR_REDIS_URL") or stack.env["REDIS_URL"]  # as the child reads it
+    settings = build_settings(redis_url=redis_url)
+    if settings.backend != "redis":  # Pub/Sub subscriptions: the processor's /health tells
+        return
     streams = [request_stream(lane, settings.pool, settings.stream_prefix) for lane in settings.lanes]
     log = stack.data_dir / "logs" / "processor.log"
     try:
-        wait_for_groups(stack.env["REDIS_URL"], streams, settings.consumer_group, timeout_s=READY_TIMEOUT_SECONDS,
+        wait_for_groups(redis_url, streams, settings.consumer_group, timeout_s=READY_TIMEOUT_SECONDS,
                         failed=lambda: f"processor exited during start-up; see {log}"
                         if stack.children["processor"].poll() is not None else None)
     except (RuntimeError, TimeoutError) as exc:
