@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import sys
+from typing import NoReturn
 
 import click
 
@@ -21,11 +22,17 @@ def _flag(value: str) -> bool:
     return value.lower() in ("1", "true", "yes", "on")
 
 
+class _ClickStyleParser(argparse.ArgumentParser):
+    """argparse with click's usage errors (``Error: …``, a pointer to ``--help``, exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise click.UsageError(message.replace("unrecognized arguments", "no such option"))
+
+
 def sim_parser() -> argparse.ArgumentParser:
     """The argument parser of ``backfill engine-sim`` (every settings field, vLLM names first).
     Every option has a help text; ``--help`` prints them in click's style (:func:`sim_help`)."""
-    p = argparse.ArgumentParser(prog="backfill engine-sim", description="One simulated vLLM engine.",
-                                add_help=False)
+    p = _ClickStyleParser(prog="backfill engine-sim", description="One simulated vLLM engine.", add_help=False)
     add = p.add_argument
     add("--host", help="address to bind")
     add("--port", type=int, help="HTTP port")

@@ -111,3 +111,9 @@ def test_engine_sim_help_explains_every_option_in_clicks_style():
         assert action.help, f"{action.option_strings} has no help"
         assert action.option_strings[-1] in result.output
     assert "[default: 16]" in result.output  # defaults come from EngineSimSettings
+
+
+def test_engine_sim_usage_errors_are_clicks():
+    result = _invoke("engine-sim", "--bogus")
+    assert result.exit_code == 2
+    assert "Error: no such option: --bogus" in result.output and "Traceback" not in result.output
