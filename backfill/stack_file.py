@@ -6,7 +6,7 @@ key, Redis and the database of the stack on their ``--data-dir`` (default ``.dat
 
 The file is one JSON object (mode 0600: it holds the API key of the ``default`` tenant)::
 
-    {"status": "running", "pid": 1234, "started_at": "2026-12-01T22:00:00+00:00",
+    {"status": "running", "pid": 1234, "pid_started": 1764626400.12, "started_at": "2026-12-01T22:00:00+00:00",
      "gateway_url": "http://127.0.0.1:8000/v1", "admin_url": "http://127.0.0.1:8000/admin" | null,
      "api_key": "sk-bf-…", "router_url": "http://127.0.0.1:…" | null, "engine_urls": [...],
      "redis_url": "unix:///…/redis/redis.sock", "celery_broker_url": "redis+socket:///…/redis/redis.sock",
@@ -14,8 +14,8 @@ The file is one JSON object (mode 0600: it holds the API key of the ``default`` 
      "health": {"gateway": "http://…/health", "processor": "http://…/health", …},
      "data_dir": "/abs/data", "logs": "/abs/data/logs"}
 
-A file whose ``pid`` no longer runs (the stack was killed with SIGKILL) is reported as stale, never
-used.
+A file whose ``pid`` no longer runs (the stack was killed with SIGKILL), or now belongs to another
+process (``pid_started``, the process's start time, differs), is reported as stale, never used.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def write_stack(data_dir: Path, info: dict[str, Any]) -> Path:
     tmp = path.with_name(f".{STACK_FILE}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
-        json.dump({"status": "running", "pid": os.getpid(), **info}, handle, indent=2)
+        json.dump({"status": "running", "pid": os.getpid(), "pid_started": _started(os.getpid()), **info},
+                  handle, indent=2)
         handle.write("\n")
     os.replace(tmp, path)
     return path
@@ -79,6 +80,16 @@ def load_stack(data_dir: Path) -> dict[str, Any]:
     if not isinstance(info, dict) or info.get("status") != "running":
         raise NoStack(f"{path} does not describe a running stack; {start}")
     pid = info.get("pid")
-    if not isinstance(pid, int) or not psutil.pid_exists(pid):
+    if not isinstance(pid, int) or not psutil.pid_exists(pid) or info.get("pid_started") not in (None, _started(pid)):
         raise NoStack(f"{path} is stale: the stack that wrote it (pid {pid}) is not running; {start}")
     return info
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started (``psutil``'s ``create_time``), to tell a reused pid apart."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None

@@ -78,6 +78,9 @@ def test_stack_file_is_private_removed_by_its_writer_and_stale_once_its_writer_d
         load_stack(tmp_path)
     remove_stack(tmp_path)  # not ours: left alone
     assert path.exists()
+    path.write_text(json.dumps({**info, "pid_started": 1.0}))  # our pid, but another process's start time
+    with pytest.raises(NoStack, match="stale"):
+        load_stack(tmp_path)
     write_stack(tmp_path, info)
     remove_stack(tmp_path)
     assert not path.exists()
