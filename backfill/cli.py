@@ -1,5 +1,8 @@
 """The ``backfill`` command line.
 
+Client commands (``submit``, ``batches``, ``files``, ``enqueue``, ``keys``) find the stack that
+``backfill up`` runs on their ``--data-dir`` (default ``.data``) through its ``stack.json``.
+
 Every service and tool is a subcommand. Each lives in its own package and is imported only when it
 is run, so ``backfill --help`` stays fast and one broken optional dependency never breaks the rest:
 
@@ -9,6 +12,8 @@ is run, so ``backfill --help`` stays fast and one broken optional dependency nev
     backfill worker        the Celery worker; ``backfill beat`` its scheduler
     backfill keys create   print a new API key for a tenant
     backfill submit FILE   upload a batch file, create a batch (``--wait``: follow it, download)
+    backfill batches …     list, show, cancel, download batches; ``backfill files …`` the same for files
+    backfill enqueue       put one request on a queue lane of the stack (``--wait``: print its result)
     backfill demo [FILE]   start the stack, run a batch file through it, stop
     backfill engine-sim    one simulated vLLM engine; ``backfill engine`` a real one
     backfill bench NAME    benchmarks (see docs/benchmarks.md)
@@ -31,12 +36,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tenants": ("backfill.commands:tenants_group", "Manage tenants' webhooks and quotas."),
     "submit": ("backfill.submit:submit_command", "Upload a batch file and create a batch."),
     "demo": ("backfill.submit:demo_command", "Start the stack, run an example batch, stop."),
+    "batches": ("backfill.batches:batches_group", "List, show, cancel and download batches."),
+    "files": ("backfill.batches:files_group", "List, show, download and delete files."),
     "bench": ("backfill.bench:bench_group", "Run a benchmark."),
     "router": ("router.cli:router_command", "Serve the router (flow control + prefix-aware scheduling)."),
     "engine-sim": ("engine_twin.cli:engine_sim_command", "Serve one simulated vLLM engine."),
     "engine": ("engine_twin.cli:engine_command", "Run a real vLLM engine for the fleet."),
     "processor": ("async_processor.cli:processor_command", "Pump queued requests to the router, publish results."),
-    "enqueue": ("async_processor.cli:enqueue_command", "Put one request on a queue lane (--wait: print its result)."),
+    "enqueue": ("backfill.enqueue:enqueue_command", "Put one request on a queue lane (--wait: print its result)."),
 }
 
 

@@ -1,8 +1,9 @@
 """Service subcommands: ``migrate``, ``gateway``, ``worker``, ``beat``, ``keys``.
 
 ``gateway``, ``worker`` and ``beat`` read ``DATABASE_URL`` / ``REDIS_URL`` (``backfill up`` sets
-them for its children). ``migrate`` and ``keys`` start the embedded stores under ``--data-dir``
-when ``DATABASE_URL`` is not set, so they work on a fresh machine too.
+them for its children). ``migrate``, ``keys`` and ``tenants`` use ``DATABASE_URL``, else the
+database of the stack running on ``--data-dir`` (its ``stack.json``), else start the embedded
+stores under ``--data-dir``, so they work on a fresh machine too.
 """
 
 from __future__ import annotations
@@ -26,10 +27,20 @@ DATA_DIR_OPTION = click.option(
 
 @contextlib.contextmanager
 def database_url(data_dir: Path) -> Iterator[str]:
-    """``DATABASE_URL`` if set, else the URL of an embedded PostgreSQL under ``data_dir`` (migrated
-    to the newest revision, as ``backfill up`` would) that is stopped on exit."""
+    """``DATABASE_URL`` if set, else the database of the ``backfill up`` stack running on
+    ``data_dir`` (its ``stack.json``), else the URL of an embedded PostgreSQL under ``data_dir``
+    (migrated to the newest revision, as ``backfill up`` would) that is stopped on exit."""
     if os.environ.get("DATABASE_URL"):
         yield os.environ["DATABASE_URL"]
+        return
+    from backfill.stack_file import NoStack, load_stack
+
+    try:
+        running = load_stack(data_dir).get("database_url")
+    except NoStack:
+        running = None
+    if isinstance(running, str) and running:
+        yield running
         return
     from backfill.stores import start_stores
     from migrations.config import upgrade
@@ -186,15 +197,18 @@ def keys_create(tenant: str, data_dir: Path) -> None:
 @click.option("--tenant", help="Only this tenant's keys.")
 @DATA_DIR_OPTION
 def keys_list(tenant: str | None, data_dir: Path) -> None:
-    """List API keys (their first 12 characters — fewer for a short key, so a key is never shown
-    whole), tenant and state."""
+    """List API keys as a table: tenant, key (its first 12 characters — fewer for a short key, so a
+    key is never shown whole), state, and when it was created and revoked (UTC)."""
+    from backfill.output import echo_table, format_time
     from batch_gateway.store import queries
 
+    rows = []
     with _session(data_dir) as session:
         for name, prefix, created_at, revoked_at in queries.list_api_keys(session, tenant):
-            state = "revoked" if revoked_at else "active"
             shown = prefix if len(prefix) >= 12 else prefix[: len(prefix) // 2]  # a short key is stored whole
-            click.echo(f"{name}\t{shown}…\t{state}\tcreated {created_at}")
+            rows.append((name, f"{shown}…", "revoked" if revoked_at else "active", format_time(created_at),
+                         format_time(revoked_at)))
+    echo_table(("TENANT", "KEY", "STATE", "CREATED", "REVOKED"), rows)
 
 
 @keys_group.command("revoke")

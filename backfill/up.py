@@ -4,9 +4,13 @@ Starts the stores (embedded PostgreSQL and Redis under ``--data-dir`` unless ``D
 ``REDIS_URL`` are set), applies migrations, starts ``--engines`` simulated vLLM engines (or uses the
 real ones given with ``--engine-url``), the router in front of them, the async processor (sending
 to the router, gated on its saturation), the Celery worker, beat and the gateway as child
-processes, waits until the gateway, the router and the engines answer, and prints one line
-beginning ``backfill ready`` with ``gateway=http://HOST:PORT/v1``, ``router=http://…`` and the
-``metrics=`` URLs. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then SIGKILL after
+processes, waits until the gateway, the router and the engines answer (each from the port of the
+child that was started for it, not from another process that took the port) and the processor has
+created its consumer groups, writes the endpoints to ``DATA_DIR/stack.json``
+(:mod:`backfill.stack_file`, removed on exit) and prints one line beginning ``backfill ready`` with
+``gateway=http://HOST:PORT/v1``, ``router=http://…``, ``redis=`` (the embedded Redis listens on
+``DATA_DIR/redis/redis.sock``), ``broker=`` (the same Redis as a Celery broker URL, for Flower) and
+the ``metrics=`` URLs. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then SIGKILL after
 the grace period) and the stores, and exits 0; children also get SIGTERM from the
 kernel if ``backfill up`` itself is killed. One stack at a time may use a data directory (a lock
 file), and a busy port is refused before anything starts. A child that dies on its own is
@@ -73,6 +77,43 @@ class Stack:
                 urls.append(f"{service}:http://{host}:{port}/metrics")
         return ",".join(urls)
 
+    def metrics(self) -> dict[str, str]:
+        """``{service: URL}`` of :meth:`metrics_urls`."""
+        return dict(item.split(":", 1) for item in self.metrics_urls().split(",") if item)
+
+    def health_urls(self) -> dict[str, str]:
+        """``{service: URL}`` of every ``/health`` endpoint of the stack (the worker and the
+        processor serve theirs on their metrics ports)."""
+        urls = {"gateway": f"{self.gateway_url.removesuffix('/v1')}/health"}
+        if self.router_url:
+            urls["router"] = f"{self.router_url}/health"
+        urls.update({service: url.removesuffix("/metrics") + "/health" for service, url in self.metrics().items()
+                     if service in ("worker", "processor")})
+        return urls
+
+    @property
+    def broker_url(self) -> str:
+        """The Celery broker URL of the stack's Redis in kombu's spelling (``redis+socket://…`` for
+        a unix socket), the form Celery tools such as Flower accept."""
+        from batch_gateway.store.outbox import celery_broker_url
+
+        return celery_broker_url(self.env["REDIS_URL"])
+
+    def describe(self, database_url: str) -> dict:
+        """What ``stack.json`` records (see :mod:`backfill.stack_file`)."""
+        from datetime import UTC, datetime
+
+        base = self.gateway_url.removesuffix("/v1")
+        return {
+            "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "gateway_url": self.gateway_url,
+            "admin_url": f"{base}/admin" if self.env.get("BACKFILL_ADMIN_KEY") else None,
+            "api_key": self.api_key, "router_url": self.router_url, "engine_urls": self.engine_urls,
+            "redis_url": self.env["REDIS_URL"], "celery_broker_url": self.broker_url,
+            "database_url": database_url, "metrics": self.metrics(), "health": self.health_urls(),
+            "data_dir": str(self.data_dir), "logs": str(self.data_dir / "logs"),
+        }
+
     def dead_child(self) -> str | None:
         """The name of a child that exited, if any."""
         for name, proc in self.children.items():
@@ -135,19 +176,78 @@ def _backfill(*args: str) -> list[str]:
     return [sys.executable, "-m", "backfill", *args]
 
 
-def _wait_ready(url: str, stack: Stack, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+def _holds_port(proc: subprocess.Popen, port: int) -> bool:
+    """Whether ``proc`` (or one of its children) listens on TCP ``port``."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        for member in (root, *root.children(recursive=True)):
+            for conn in member.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                    return True
+    except psutil.Error:
+        return False
+    return False
+
+
+def _port_holder(port: int) -> str:
+    """Who listens on ``port``, as far as this user may see (``pid N (cmdline)``), for messages."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error, OSError):
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                return f"pid {conn.pid} ({' '.join(psutil.Process(conn.pid).cmdline())[:120]})"
+    return "another process"
+
+
+def _wait_ready(url: str, stack: Stack, timeout: float = READY_TIMEOUT_SECONDS, *, owner: str | None = None) -> None:
+    """Poll ``url`` until it answers 200. With ``owner`` (a child's name), the answer counts only
+    when that child holds the URL's port: a stack whose port was taken by another process between
+    the free-port check and the bind must not report the other process as ready. Raises
+    ``click.ClickException`` when a child dies (naming its log and, for ``owner``, the port's holder)
+    or after ``timeout`` seconds."""
+    port = httpx.URL(url).port
     deadline = time.monotonic() + timeout
+    answered_by_other = False
     while time.monotonic() < deadline:
         dead = stack.dead_child()
         if dead:
+            why = (f"; port {port} answers but is held by {_port_holder(port)}"
+                   if dead == owner and answered_by_other and port else "")
             raise click.ClickException(
-                f"{dead} exited during start-up; see {stack.data_dir / 'logs' / (dead + '.log')}"
+                f"{dead} exited during start-up{why}; see {stack.data_dir / 'logs' / (dead + '.log')}"
             )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=1.0).status_code == 200:
-                return
+                if owner is None or port is None or _holds_port(stack.children[owner], port):
+                    return
+                answered_by_other = True
         time.sleep(0.2)
-    raise click.ClickException(f"{url} did not answer within {timeout:.0f} s")
+    held = f" (port {port} is held by {_port_holder(port)})" if answered_by_other and port else ""
+    raise click.ClickException(f"{url} did not answer within {timeout:.0f} s{held}")
+
+
+def _wait_processor_groups(stack: Stack) -> None:
+    """Wait until the processor has created its consumer group on every lane it reads, so that
+    ``backfill enqueue`` right after the ready line finds a reader."""
+    from async_processor.settings import build_settings
+    from backfill.queue_check import wait_for_groups
+    from common.contracts.queue import request_stream
+
+    redis_url = stack.env.get("BACKFILL_PROCESSOR_REDIS_URL") or stack.env["REDIS_URL"]  # as the child reads it
+    settings = build_settings(redis_url=redis_url)
+    if settings.backend != "redis":  # Pub/Sub subscriptions: the processor's /health tells
+        return
+    streams = [request_stream(lane, settings.pool, settings.stream_prefix) for lane in settings.lanes]
+    log = stack.data_dir / "logs" / "processor.log"
+    try:
+        wait_for_groups(redis_url, streams, settings.consumer_group, timeout_s=READY_TIMEOUT_SECONDS,
+                        failed=lambda: f"processor exited during start-up; see {log}"
+                        if stack.children["processor"].poll() is not None else None)
+    except (RuntimeError, TimeoutError) as exc:
+        raise click.ClickException(f"{exc} (see {log})" if isinstance(exc, TimeoutError) else str(exc)) from None
 
 
 def start_engines(stack: Stack, count: int, served_model_names: list[str],
@@ -182,7 +282,7 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     stack.env["BACKFILL_ROUTER_URL"] = stack.router_url  # the gateway's dashboard reads its admin JSON
     stack.start("router", router_argv(port, stack.engine_urls, host=host, engine_priority=simulated,
                                       extra=["--log-level", "INFO"]))
-    _wait_ready(f"{stack.router_url}/health", stack)
+    _wait_ready(f"{stack.router_url}/health", stack, owner="router")
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -255,6 +355,7 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
     """Start the stack, yield it once the gateway and the engines answer, and stop everything on
     exit. ``engines`` simulated engines serve ``served_model_names`` unless ``engine_urls`` name
     real ones. ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one)."""
+    from backfill.stack_file import remove_stack, write_stack
     from migrations.config import upgrade
 
     data_dir = data_dir.resolve()
@@ -286,9 +387,13 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
             stack.start("worker", _backfill("worker", "--log-level", "INFO"))
             stack.start("beat", _backfill("beat", "--data-dir", str(data_dir), "--log-level", "INFO"))
             stack.start("gateway", _backfill("gateway", "--host", host, "--port", str(port), "--log-level", "info"))
-            _wait_ready(f"http://{host}:{port}/health", stack)
+            _wait_ready(f"http://{host}:{port}/health", stack, owner="gateway")
+            if "processor" in stack.children:
+                _wait_processor_groups(stack)
+            write_stack(data_dir, stack.describe(stores.database_url))
             yield stack
         finally:
+            remove_stack(data_dir)
             stack.stop()
 
 
@@ -335,8 +440,8 @@ def up_command(data_dir: Path, host: str, port: int, api_key: str | None, admin_
             admin = stack.gateway_url.removesuffix("/v1") + "/admin" if admin_key else "-"  # closed without a key
             click.echo(f"backfill ready gateway={stack.gateway_url} admin={admin} api_key={stack.api_key} "
                        f"router={stack.router_url or '-'} engines={','.join(stack.engine_urls) or '-'} "
-                       f"redis={stack.env['REDIS_URL']} data_dir={stack.data_dir} logs={stack.data_dir / 'logs'} "
-                       f"metrics={stack.metrics_urls()}", err=False)
+                       f"redis={stack.env['REDIS_URL']} broker={stack.broker_url} data_dir={stack.data_dir} logs={stack.data_dir / 'logs'} "
+                       f"metrics={stack.metrics_urls()} stack_file={stack.data_dir / 'stack.json'}", err=False)
             sys.stdout.flush()
             while True:
                 failing = stack.restart_dead()

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import sys
+from typing import NoReturn
 
 import click
 
@@ -21,45 +22,98 @@ def _flag(value: str) -> bool:
     return value.lower() in ("1", "true", "yes", "on")
 
 
+class _ClickStyleParser(argparse.ArgumentParser):
+    """argparse with click's usage errors (``Error: …``, a pointer to ``--help``, exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise click.UsageError(message.replace("unrecognized arguments", "no such option"))
+
+
 def sim_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``backfill engine-sim`` (every settings field, vLLM names first)."""
-    p = argparse.ArgumentParser(prog="backfill engine-sim", description="One simulated vLLM engine.")
+    """The argument parser of ``backfill engine-sim`` (every settings field, vLLM names first).
+    Every option has a help text; ``--help`` prints them in click's style (:func:`sim_help`)."""
+    p = _ClickStyleParser(prog="backfill engine-sim", description="One simulated vLLM engine.", add_help=False)
     add = p.add_argument
-    add("--host", help="bind address (default 127.0.0.1)")
-    add("--port", type=int, help="HTTP port (default 8000)")
-    add("--served-model-name", nargs="+", dest="served_model_name", help="names this engine serves")
-    add("--model", help="accepted for vLLM compatibility; used as the served name when none is given")
-    add("--tokenizer", help="path of a tokenizers tokenizer.json (default: built-in 4-byte tokenizer)")
-    add("--block-size", type=int)
-    add("--max-num-seqs", type=int)
-    add("--max-num-batched-tokens", type=int, help="token budget of one engine step (default 8192)")
-    add("--max-model-len", type=int)
-    add("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, dest="num_gpu_blocks")
+    add("--host", help="address to bind")
+    add("--port", type=int, help="HTTP port")
+    add("--served-model-name", nargs="+", dest="served_model_name", metavar="NAME",
+        help="model names this engine serves (several, separated by spaces, as vLLM takes them)")
+    add("--model", help="accepted for vLLM compatibility; the served name when --served-model-name is not given")
+    add("--tokenizer", metavar="PATH", help="tokenizer.json of a Hugging Face tokenizer (default: a built-in "
+        "tokenizer of one token per 4 bytes)")
+    add("--block-size", type=int, help="tokens per KV cache block (vLLM's --block-size)")
+    add("--max-num-seqs", type=int, help="requests running at once; more wait (vLLM's --max-num-seqs)")
+    add("--max-num-batched-tokens", type=int, help="token budget of one engine step")
+    add("--max-model-len", type=int, help="context length in tokens; longer requests are refused with 400, as vLLM")
+    add("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, dest="num_gpu_blocks",
+        help="KV cache blocks on the GPU")
     add("--cpu-offload-blocks", type=int, help="CPU tier size in blocks (0 = none)")
     add("--disk-offload-blocks", type=int, help="disk tier size in blocks (0 = none)")
     add("--hash-seed", help="NONE_HASH seed, as PYTHONHASHSEED for vLLM (default: that variable, else random)")
-    add("--kv-events-config", help="vLLM KV events JSON, e.g. "
+    add("--kv-events-config", metavar="JSON", help="vLLM KV events JSON (default: events off), e.g. "
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'')
-    add("--kv-events-layout", choices=["map", "array"], help="event encoding (default map)")
-    add("--scheduling-policy", choices=["fcfs", "priority"])
-    add("--enable-prompt-tokens-details", action="store_true", default=None)
+    add("--kv-events-layout", choices=["map", "array"], help="encoding of the KV events")
+    add("--scheduling-policy", choices=["fcfs", "priority"], help="fcfs, or priority (lower `priority` first, "
+        "as vLLM's --scheduling-policy priority)")
+    add("--enable-prompt-tokens-details", action="store_true", default=None,
+        help="report usage.prompt_tokens_details.cached_tokens")
     add("--enable-prefix-caching", action="store_true", help="always on; accepted for vLLM compatibility")
     add("--prefix-caching-hash-algo", choices=["sha256_cbor"], help="only sha256_cbor is simulated")
-    add("--max-logprobs", type=int)
+    add("--max-logprobs", type=int, help="most logprobs a request may ask for")
     add("--time-scale", type=float, help="wall-clock seconds per model second (0 = never sleep)")
-    add("--prefill-overhead-ms", type=float)
-    add("--prefill-tokens-per-s", type=float)
-    add("--itl-ms", type=float)
-    add("--itl-load-factor", type=float)
-    add("--cpu-load-ms-per-block", type=float)
-    add("--disk-load-ms-per-block", type=float)
-    add("--default-max-tokens", type=int)
-    add("--embedding-dim", type=int)
-    add("--failure-rate", type=float)
-    add("--seed", type=int)
-    add("--engine-index", help="value of the `engine` metric label (default 0)")
-    add("--log-level", default="warning")
+    add("--prefill-overhead-ms", type=float, help="fixed time of a prefill, milliseconds")
+    add("--prefill-tokens-per-s", type=float, help="prefill speed, tokens per second")
+    add("--itl-ms", type=float, help="inter-token latency of an idle engine, milliseconds")
+    add("--itl-load-factor", type=float, help="inter-token latency multiplier at a full batch (max-num-seqs running), rising "
+        "linearly from 1 when idle")
+    add("--cpu-load-ms-per-block", type=float, help="time to load one block from the CPU tier, milliseconds")
+    add("--disk-load-ms-per-block", type=float, help="time to load one block from the disk tier, milliseconds")
+    add("--default-max-tokens", type=int, help="output tokens of a request that names no max_tokens")
+    add("--embedding-dim", type=int, help="length of the vectors /v1/embeddings returns")
+    add("--failure-rate", type=float, help="fraction of requests answered 500 (0 to 1)")
+    add("--seed", type=int, help="seed of the random source of --failure-rate")
+    add("--engine-index", help="value of the `engine` metric label")
+    add("--log-level", default="warning", help="uvicorn log level")
+    add("-h", "--help", action="store_true", help="Show this message and exit.")
     return p
+
+
+_TYPE_NAMES: dict[object, str] = {int: "INTEGER", float: "FLOAT"}
+"""click's metavar of an argparse ``type`` (anything else is TEXT)."""
+
+
+def sim_help() -> str:
+    """``backfill engine-sim --help`` in click's layout: usage, description, every option with its
+    help and default (the defaults of :class:`~engine_twin.settings.EngineSimSettings`)."""
+    from engine_twin.settings import EngineSimSettings
+
+    fields = EngineSimSettings.model_fields
+    formatter = click.HelpFormatter()
+    formatter.write_usage("backfill engine-sim", "[OPTIONS]")
+    formatter.write_paragraph()
+    with formatter.indentation():
+        formatter.write_text("One simulated vLLM engine: vLLM's OpenAI server endpoints, metrics and KV events, "
+                             "answering with filler text (not a model's) at the latency of the settings below. "
+                             "Flags take vLLM's formats; every option can also be set as "
+                             "BACKFILL_ENGINE_SIM_<NAME> (e.g. BACKFILL_ENGINE_SIM_BLOCK_SIZE=64).")
+    rows = []
+    for action in sim_parser()._actions:
+        if not action.option_strings:
+            continue
+        flags = ", ".join(action.option_strings)
+        if action.nargs != 0:
+            metavar = action.metavar or ("[" + "|".join(action.choices) + "]" if action.choices else
+                                         _TYPE_NAMES.get(action.type, "TEXT"))
+            flags += f" {metavar}" + (" ..." if action.nargs == "+" else "")
+        default = fields[action.dest].get_default(call_default_factory=True) if action.dest in fields else action.default
+        text = action.help or ""
+        if default not in (None, "", False) and isinstance(default, str | int | float | list) and action.dest != "help":
+            shown = " ".join(default) if isinstance(default, list) else default
+            text += f"  [default: {shown}]"
+        rows.append((flags, text))
+    with formatter.section("Options"):
+        formatter.write_dl(rows)
+    return formatter.getvalue()
 
 
 def settings_from_args(args: list[str]):
@@ -67,7 +121,7 @@ def settings_from_args(args: list[str]):
     from engine_twin.settings import build_settings
 
     ns = vars(sim_parser().parse_args(args))
-    for ignored in ("enable_prefix_caching", "prefix_caching_hash_algo", "log_level"):
+    for ignored in ("enable_prefix_caching", "prefix_caching_hash_algo", "log_level", "help"):
         ns.pop(ignored)
     model = ns.pop("model")
     if not ns.get("served_model_name") and model:
@@ -84,6 +138,9 @@ def engine_sim_command(args: tuple[str, ...]) -> None:
 
     from engine_twin.server import create_app
 
+    if "-h" in args or "--help" in args:
+        click.echo(sim_help(), nl=False)
+        return
     settings = settings_from_args(list(args))
     log_level = sim_parser().parse_args(list(args)).log_level
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"

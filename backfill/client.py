@@ -1,0 +1,109 @@
+"""How a client command reaches a gateway: the ``--data-dir`` / ``--base-url`` / ``--api-key``
+options, the ``openai`` client they make, and clear errors instead of tracebacks.
+
+The gateway URL and API key are, in this order: ``--base-url`` / ``--api-key`` (or
+``BACKFILL_BASE_URL`` / ``BACKFILL_API_KEY``); the stack recorded in ``DATA_DIR/stack.json`` by
+``backfill up`` (:mod:`backfill.stack_file`); ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``. Without
+any of them the command fails, naming what it looked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+DEFAULT_DATA_DIR = Path(".data")
+"""``backfill up``'s default ``--data-dir`` (client commands look for its ``stack.json`` there)."""
+
+
+def data_dir_option(help_text: str = "Data directory of the `backfill up` stack to talk to (its stack.json)."):
+    """``--data-dir`` with ``backfill up``'s default and environment variable."""
+    return click.option("--data-dir", type=click.Path(path_type=Path), default=DEFAULT_DATA_DIR, show_default=True,
+                        envvar="BACKFILL_DATA_DIR", help=help_text)
+
+
+def gateway_options(func: Callable) -> Callable:
+    """``--data-dir``, ``--base-url`` and ``--api-key`` (see the module docstring for the order)."""
+    func = click.option("--api-key", envvar="BACKFILL_API_KEY",
+                        help="API key (default: the stack's, else OPENAI_API_KEY).")(func)
+    func = click.option("--base-url", envvar="BACKFILL_BASE_URL",
+                        help="Gateway URL ending in /v1 (default: the stack's, else OPENAI_BASE_URL).")(func)
+    return data_dir_option()(func)
+
+
+def with_gateway(func: Callable) -> Callable:
+    """:func:`gateway_options`, resolved by :func:`find_gateway` into one ``gateway`` argument."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args, data_dir: Path, base_url: str | None, api_key: str | None, **kwargs):
+        return func(*args, gateway=find_gateway(data_dir, base_url, api_key), **kwargs)
+
+    return gateway_options(wrapper)
+
+
+@dataclass
+class Gateway:
+    """Where the gateway is and the key to use."""
+
+    base_url: str
+    api_key: str
+
+    def client(self, max_retries: int = 2):
+        """The ``openai`` client of this gateway."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=max_retries)
+
+
+def find_gateway(data_dir: Path, base_url: str | None, api_key: str | None) -> Gateway:
+    """Resolve the gateway URL and key (module docstring). Raises ``click.ClickException`` when one
+    of them is found nowhere, with the reason the stack file gave."""
+    from backfill.stack_file import NoStack, load_stack
+
+    stack: dict[str, Any] = {}
+    reason = ""
+    if not (base_url and api_key):
+        try:
+            stack = load_stack(data_dir)
+        except NoStack as exc:
+            reason = str(exc)
+    url = base_url or stack.get("gateway_url") or os.environ.get("OPENAI_BASE_URL")
+    key = api_key or stack.get("api_key") or os.environ.get("OPENAI_API_KEY")
+    if not url:
+        raise click.ClickException(f"no gateway to talk to: {reason}; or give --base-url")
+    if not key:
+        raise click.ClickException(f"no API key for {url}: {reason or 'none given'}; give --api-key")
+    return Gateway(base_url=url.rstrip("/"), api_key=key)
+
+
+@contextlib.contextmanager
+def api_errors(base_url: str) -> Iterator[None]:
+    """Turn the ``openai`` client's errors into ``click.ClickException`` (exit status 1, no
+    traceback): a connection error names ``base_url``; an API error gives its status and message."""
+    import openai
+
+    try:
+        yield
+    except openai.APIConnectionError as exc:
+        cause = exc.__cause__ or exc
+        raise click.ClickException(f"cannot reach the gateway at {base_url}: {cause}") from None
+    except openai.APIStatusError as exc:
+        raise click.ClickException(f"{base_url} answered {exc.status_code}: {_message(exc)}") from None
+    except openai.APIError as exc:
+        raise click.ClickException(f"{base_url}: {exc}") from None
+
+
+def _message(exc) -> str:
+    body = exc.body if isinstance(exc.body, dict) else {}
+    error = body.get("error", body) if isinstance(body, dict) else {}
+    if isinstance(error, dict) and error.get("message"):
+        code = error.get("code")
+        return f"{error['message']}" + (f" ({code})" if code else "")
+    return str(exc.message)
