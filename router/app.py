@@ -73,8 +73,9 @@ class RouterRuntime:
         scrapes with the scrape-lag credit per endpoint, and the requests flow control released
         whose handlers have not forwarded them yet (one dispatch step may release several before
         any reaches an engine) placed on the least saturated endpoints
-        (:func:`router.scheduling.saturation.fleet_saturation`). Flow control's gate, the
-        ``spare-capacity-filter`` and ``/admin/state`` all read this one computation."""
+        (:func:`router.scheduling.saturation.fleet_saturation`). Flow control's gate and
+        ``/admin/state`` read this one computation, so the dashboard shows what the gate does; the
+        ``spare-capacity-filter`` reads the same per-endpoint detector (:meth:`scheduling_saturation`)."""
         assert self.pool is not None
         candidates = self.pool.candidates()
         pending = 0

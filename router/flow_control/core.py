@@ -35,9 +35,9 @@ The model is llm-d's flow control (gateway-api-inference-extension ``pkg/epp/flo
   detector; ROUTING.md), re-read before every dispatch because the router's signal counts its own
   dispatches since the last scrape. The router passes the per-engine gate, the least saturated
   engine's value (``router/scheduling/saturation.py``): sheddable work dispatches while any engine
-  has room, and the scheduler's ``spare-capacity-filter`` sends it there. A band with ``bypass_saturation`` dispatches while saturated as
-  long as it has fewer than ``max_in_flight`` in flight (ROUTING.md: the highest band may go to an
-  engine's own queue up to a bound).
+  has room, and the scheduler's ``spare-capacity-filter`` sends it there. A band with
+  ``bypass_saturation`` dispatches while saturated as long as it has fewer than ``max_in_flight``
+  in flight (ROUTING.md: the highest band may go to an engine's own queue up to a bound).
 * **Eviction** (optional; llm-d's evictor): when the highest band with an eligible item is held
   back by saturation alone, the most recently dispatched in-flight item of the lowest sheddable band
   below it is evicted (llm-d orders victims lowest priority first, newest dispatch first: the least

@@ -30,8 +30,8 @@ pool's mean does (one full engine at 2.0 and one idle at 0.0 average 1.0 while h
 idle). :func:`pool_saturation`, the mean, stays for the metric and the dashboard.
 
 The router computes these in one place (``RouterRuntime.endpoint_saturations`` in
-``router/app.py``) for flow control, the ``spare-capacity-filter`` and ``/admin/state``, so the
-dashboard shows exactly what the gate does.
+``router/app.py``) for flow control and ``/admin/state``, so the dashboard shows exactly what the
+gate does; the ``spare-capacity-filter`` reads :func:`endpoint_saturation` with the same thresholds.
 """
 
 from __future__ import annotations
