@@ -1,10 +1,7 @@
 """Load scorers: spread requests by the engines' scraped metrics and the router's own counters.
 
-* ``queue-scorer``: min-max normalised waiting requests — ``(max − w) / (max − min)`` over the
-  candidates, 1.0 for all when they are equal (llm-d). ``w`` is ``vllm:num_requests_waiting`` plus
-  the router's in-flight requests the last scrape does not show beyond the engine's free slots
-  (:func:`router.scheduling.saturation.effective_waiting`; llm-d reads the scraped queue alone),
-  so a burst between two scrapes (50 ms) does not all land on the engine that looked emptiest.
+* ``queue-scorer``: min-max normalised ``vllm:num_requests_waiting`` — ``(max − w) / (max − min)``
+  over the candidates, 1.0 for all when they are equal (llm-d).
 * ``kv-cache-utilization-scorer``: ``1 − vllm:kv_cache_usage_perc`` (llm-d).
 * ``token-load-scorer``: ``1 − min(1, in-flight uncached prompt tokens / queueThresholdTokens)``
   (llm-d; the in-flight count is the router's :attr:`Endpoint.in_flight_uncached_tokens`).
@@ -19,7 +16,6 @@ from pydantic import Field
 
 from router.scheduling.interfaces import PluginHandle
 from router.scheduling.plugins.params import PluginParams, parse_params
-from router.scheduling.saturation import effective_waiting
 from router.scheduling.types import CycleState, Endpoint, LLMRequest
 
 QUEUE_SCORER_TYPE = "queue-scorer"
@@ -41,7 +37,7 @@ class QueueScorer:
 
     def score(self, state: CycleState, request: LLMRequest, endpoints: Sequence[Endpoint]) -> list[float]:
         """``(max − waiting) / (max − min)`` per endpoint; 1.0 for every endpoint when all are equal."""
-        waiting = [effective_waiting(ep) for ep in endpoints]
+        waiting = [ep.num_requests_waiting for ep in endpoints]
         lo, hi = min(waiting, default=0), max(waiting, default=0)
         if hi == lo:
             return [1.0] * len(endpoints)
