@@ -41,7 +41,8 @@ Where the defaults come from:
   dozen engines) — set it near 5 × the number of engines.
 * ``async``/``batch`` are sheddable and gated by saturation: they run on spare capacity only.
 * ``tenant_max_queued`` 2,500 for ``async``/``batch``: a quarter of the band, so one flooding tenant
-  cannot fill the band's queue and turn the others' requests into ``rejected-capacity`` (F11).
+  cannot fill the band's queue and turn the others' requests into ``rejected-capacity`` (F11);
+  it binds only when the band is configured to queue (``ttl_s`` > 0).
 * ``eviction`` off: llm-d's default evictor is the no-op one; evicting wastes the victim's work.
 * ``eviction_interval_s`` 1 s: ours; about the time an abort takes to show in scraped engine metrics,
   so one eviction's effect is seen before the next.
