@@ -10,7 +10,7 @@ Routes:
 ``GET /v1/models``              models served by healthy endpoints (OpenAI list shape)
 ``GET /health``                 200 ``{"status": "ok", …}`` with ≥ 1 healthy endpoint, else 503
 ``GET /admin/state``            the admin JSON (:func:`admin_state`); the async processor's
-                                saturation gate reads ``pool_saturation`` from it
+                                saturation gate reads ``gate_saturation`` from it
 ``GET /metrics``                Prometheus (:mod:`router.metrics`)
 ==============================  ==============================================================
 
@@ -39,8 +39,9 @@ from router.pool import EndpointPool, KubernetesSource
 from router.proxy import Proxy, error_response
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
-from router.scheduling.saturation import SaturationThresholds, endpoint_saturation, pool_saturation
+from router.scheduling.saturation import SaturationThresholds, endpoint_saturation, fleet_saturation, gate_saturation
 from router.scheduling.scheduler import Scheduler
+from router.scheduling.types import Endpoint
 from router.settings import RouterSettings
 from router.tokenizers import EngineTokenizer, PromptTokenizer, build_tokenizer
 
@@ -57,7 +58,7 @@ class RouterRuntime:
         self.settings = settings
         self.thresholds = SaturationThresholds(
             queue_threshold=settings.queue_threshold, kv_threshold=settings.kv_threshold,
-            max_metrics_age_s=settings.max_metrics_age_s)
+            max_metrics_age_s=settings.max_metrics_age_s, in_flight_credit=True)
         self.pool: EndpointPool | None = None
         self.scheduler: Scheduler | None = None
         self.flow: FlowController | None = None
@@ -67,44 +68,39 @@ class RouterRuntime:
         self.director: Director | None = None
         self.proxy: Proxy | None = None
 
-    def saturation(self) -> float:
-        """Pool saturation now: the detector's value from the last scrapes, plus credit for the
-        requests those scrapes cannot show yet.
-
-        Unseen requests are those the router forwarded beyond what an endpoint reports (``in
-        flight − (waiting + running)``, llm-d's scrape-lag credit) plus those flow control has
-        released whose handlers have not been scheduled yet (one dispatch step may release
-        several before any reaches an engine). Not all of them will queue: an endpoint seen
-        running ``peak_running`` requests at once has about ``peak_running − running`` free
-        slots. Only the unseen requests beyond the pool's free slots count, as waiting requests
-        spread over the candidates. Without the free-slot allowance a fast engine (hundreds of
-        requests/s) is capped at ``queue_threshold`` new requests per scrape interval; without
-        the credit a burst overshoots by everything released within one scrape interval.
-        """
+    def endpoint_saturations(self) -> dict[str, float]:
+        """Every healthy endpoint's saturation now, by name: the detector's value from the last
+        scrapes with the scrape-lag credit per endpoint, and the requests flow control released
+        whose handlers have not forwarded them yet (one dispatch step may release several before
+        any reaches an engine) placed on the least saturated endpoints
+        (:func:`router.scheduling.saturation.fleet_saturation`). Flow control's gate and
+        ``/admin/state`` read this one computation, so the dashboard shows what the gate does; the
+        ``spare-capacity-filter`` reads the same per-endpoint detector (:meth:`scheduling_saturation`)."""
         assert self.pool is not None
         candidates = self.pool.candidates()
-        value = pool_saturation(candidates, time.monotonic(), self.thresholds)
-        if not candidates:
-            return value
-        unseen = free = 0
-        forwarded = 0
-        for ep in candidates:
-            forwarded += ep.in_flight_requests
-            unseen += max(0, ep.in_flight_requests - (ep.num_requests_waiting + ep.num_requests_running))
-            free += max(0, ep.peak_running - ep.num_requests_running)
+        pending = 0
         if self.flow is not None:
-            unseen += max(0, self.flow.in_flight_requests - forwarded)
-        excess = unseen - free
-        if excess > 0:
-            value += excess / (len(candidates) * self.thresholds.queue_threshold)
-        return value
+            pending = max(0, self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates))
+        values = fleet_saturation(candidates, time.monotonic(), self.thresholds, pending)
+        return {ep.name: value for ep, value in zip(candidates, values)}
+
+    def saturation(self) -> float:
+        """Pool saturation: the mean of :meth:`endpoint_saturations` (1.0 with no healthy
+        endpoint), for the metric and the dashboard; the gate is :meth:`gate_saturation`."""
+        values = self.endpoint_saturations()
+        return sum(values.values()) / len(values) if values else 1.0
 
     def gate_saturation(self) -> float:
         """The least saturated healthy endpoint's saturation (1.0 when none is healthy): below 1.0
-        some engine has room for sheddable work (per-engine spare capacity, not the pool's mean)."""
-        assert self.pool is not None
-        now = time.monotonic()
-        return min((endpoint_saturation(ep, now, self.thresholds) for ep in self.pool.candidates()), default=1.0)
+        some engine has room for sheddable work (per-engine spare capacity, not the pool's mean).
+        Flow control dispatches on this value."""
+        return gate_saturation(list(self.endpoint_saturations().values()))
+
+    def scheduling_saturation(self, endpoint: Endpoint) -> float:
+        """One endpoint's saturation with the scrape-lag credit, for the ``spare-capacity-filter``
+        (the request being placed is already counted by its endpoint's in-flight counters once
+        forwarded; pending ones are not placed here)."""
+        return endpoint_saturation(endpoint, time.monotonic(), self.thresholds)
 
     def state(self) -> RouterState:
         """The admin state (see :func:`admin_state`)."""
@@ -116,11 +112,12 @@ def admin_state(rt: RouterRuntime) -> RouterState:
     assert rt.pool is not None and rt.scheduler is not None and rt.director is not None
     now = time.monotonic()
     per_endpoint_blocks, index_info = _index_view(rt)
+    saturations = rt.endpoint_saturations()
     endpoints = []
     for state in rt.pool.states.values():
         ep, m = state.endpoint, state.metrics
         age = None if ep.metrics_updated_at is None else now - ep.metrics_updated_at
-        saturation = endpoint_saturation(ep, now, rt.thresholds) if state.healthy else None
+        saturation = saturations.get(ep.name) if state.healthy else None
         endpoints.append(EndpointState(
             name=ep.name, healthy=state.healthy, models=state.models,
             num_requests_waiting=ep.num_requests_waiting, num_requests_running=ep.num_requests_running,
@@ -138,7 +135,8 @@ def admin_state(rt: RouterRuntime) -> RouterState:
         ))
     bands = [BandState(**band) for band in rt.flow.stats()["bands"]] if rt.flow is not None else []
     return RouterState(
-        pool_saturation=rt.saturation(), gate_saturation=rt.gate_saturation(), time=time.time(),
+        pool_saturation=sum(saturations.values()) / len(saturations) if saturations else 1.0,
+        gate_saturation=gate_saturation(list(saturations.values())), time=time.time(),
         decisions_per_s=rt.director.decisions.rate(), profile=rt.director.profile or rt.scheduler.default_profile,
         tokenizer=rt.settings.tokenizer, endpoints=endpoints, bands=bands, index=index_info,
     )
@@ -245,7 +243,7 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
         pool = rt.pool = EndpointPool(control, scrape_interval_s=settings.scrape_interval_s,
                                       health_interval_s=settings.health_interval_s,
                                       unhealthy_after=settings.unhealthy_after, on_change=kick)
-        handle = PluginHandle()
+        handle = PluginHandle(saturation=rt.scheduling_saturation)
         if settings.kv_events_bind:
             rt.index = KVBlockIndex(block_size_tokens=64, max_blocks=settings.index_max_blocks)
             rt.subscriber = KVEventSubscriber(rt.index, bind=settings.kv_events_bind)
@@ -263,7 +261,7 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
         flow_config = FlowControlConfig.from_file(settings.flow_control) if settings.flow_control \
             else FlowControlConfig()
         if settings.flow_control_enabled:
-            rt.flow = FlowController(flow_config, saturation=rt.saturation,
+            rt.flow = FlowController(flow_config, saturation=rt.gate_saturation,
                                      has_endpoints=lambda: bool(pool.candidates()))
         objective_priority = {band.objective: band.priority for band in flow_config.bands}
         tokenizer_path = str(settings.tokenizer_path) if settings.tokenizer_path else None
@@ -274,7 +272,9 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
         metrics = rt.metrics = RouterMetrics(rt.state)
         director = rt.director = Director(pool=pool, scheduler=scheduler, profile=settings.profile, flow=rt.flow,
                                           observer=metrics, objective_priority=objective_priority,
-                                          default_objective=flow_config.default_objective)
+                                          default_objective=flow_config.default_objective,
+                                          sheddable_objectives=frozenset(
+                                              band.objective for band in flow_config.bands if band.sheddable))
         rt.proxy = app[PROXY_KEY] = Proxy(director=director, tokenizer=tokenizer, session=forward, observer=metrics,
                                           engine_priority=settings.engine_priority,
                                           max_body_bytes=settings.max_body_bytes,

@@ -192,11 +192,13 @@ class Director:
         observer: where what happens is reported (the Prometheus series).
         objective_priority: objective name → priority (llm-d convention, higher first).
         default_objective: the objective of a request that names none (or an unknown one).
+        sheddable_objectives: objectives whose flow-control band is sheddable (the scheduler's
+            ``spare-capacity-filter`` places them on engines with room only).
     """
 
     def __init__(self, *, pool: EndpointPool, scheduler: Scheduler, profile: str | None,
                  flow: FlowController | None, observer: RouterObserver, objective_priority: dict[str, int],
-                 default_objective: str) -> None:
+                 default_objective: str, sheddable_objectives: frozenset[str] = frozenset()) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.profile = profile
@@ -204,6 +206,7 @@ class Director:
         self.observer = observer
         self.objective_priority = objective_priority
         self.default_objective = default_objective
+        self.sheddable_objectives = sheddable_objectives
         self.decisions = DecisionRate()
         self._attempts: dict[str, set[Attempt]] = {}  # endpoint name → tries running there
 
@@ -217,6 +220,7 @@ class Director:
         """What the scheduler reads of the request, with its objective's priority."""
         llm_request = to_llm_request(parsed, prompt, self.objective_priority[objective])
         llm_request.objective = objective
+        llm_request.sheddable = objective in self.sheddable_objectives
         return llm_request
 
     def precheck(self, parsed: ParsedRequest) -> Rejected | None:
@@ -295,8 +299,10 @@ class Director:
             attempt = Attempt(task, self.pool, share)
             self._attempts.setdefault(result.endpoint.name, set()).add(attempt)
             retry = number == 0
+            completed = False
             try:
                 response = await forwarder.send(attempt, retry)
+                completed = response is not None
             except asyncio.CancelledError:
                 if attempt.reason is None:
                     raise  # the client went away
@@ -310,7 +316,7 @@ class Director:
                     continue
                 return await forwarder.interrupted(attempt, ENDPOINT_DOWN)
             finally:
-                self.pool.finished(attempt.share)
+                self.pool.finished(attempt.share, completed=completed)
                 self._attempts.get(result.endpoint.name, set()).discard(attempt)
                 self.scheduler.response_complete(llm_request, result, attempt.cached_tokens)
             if response is not None:

@@ -14,8 +14,14 @@ series                                                 type       labels
 ``backfill_router_flow_queue_requests``                gauge      ``band``
 ``backfill_router_flow_queue_bytes``                   gauge      ``band``
 ``backfill_router_flow_wait_seconds``                  histogram  ``band``
-``backfill_router_pool_saturation``                    gauge      —
+``backfill_router_pool_saturation``                    gauge      — (mean over the endpoints)
+``backfill_router_gate_saturation``                    gauge      — (the least saturated endpoint:
+                                                                  < 1.0 lets sheddable work go)
 ``backfill_router_endpoint_healthy``                   gauge      ``endpoint``
+``backfill_router_endpoint_saturation``                gauge      ``endpoint`` (healthy ones; with
+                                                                  the scrape-lag credit)
+``backfill_router_endpoint_gate_open``                 gauge      ``endpoint`` (1: takes sheddable
+                                                                  work now)
 ``backfill_router_endpoint_in_flight_requests``        gauge      ``endpoint``
 ``backfill_router_endpoint_in_flight_tokens``          gauge      ``endpoint`` (uncached prompt
                                                                   tokens)
@@ -131,9 +137,16 @@ class _LiveCollector(Collector):
         state = self._state()
         yield _gauge("backfill_router_pool_saturation", "Pool saturation (1.0 = at the thresholds).", {},
                      [((), state.pool_saturation)])
+        yield _gauge("backfill_router_gate_saturation",
+                     "The least saturated healthy endpoint's saturation (< 1.0: sheddable work may dispatch).", {},
+                     [((), state.gate_saturation)])
         eps = state.endpoints
         yield _gauge("backfill_router_endpoint_healthy", "1 when the endpoint is a candidate.", ("endpoint",),
                      [((e.name,), 1.0 if e.healthy else 0.0) for e in eps])
+        yield _gauge("backfill_router_endpoint_saturation", "The endpoint's saturation (1.0 = at a threshold).",
+                     ("endpoint",), [((e.name,), e.saturation) for e in eps if e.saturation is not None])
+        yield _gauge("backfill_router_endpoint_gate_open", "1 when the endpoint takes sheddable work now.",
+                     ("endpoint",), [((e.name,), 1.0 if e.gate_open else 0.0) for e in eps])
         yield _gauge("backfill_router_endpoint_in_flight_requests", "Requests forwarded and not finished.",
                      ("endpoint",), [((e.name,), e.in_flight_requests) for e in eps])
         yield _gauge("backfill_router_endpoint_in_flight_tokens", "Uncached prompt tokens of in-flight requests.",

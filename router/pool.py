@@ -151,13 +151,14 @@ class InFlight:
     endpoint goes down the pool resets its counters; the shares taken before no longer count.
     """
 
-    __slots__ = ("endpoint", "tokens", "counted", "generation")
+    __slots__ = ("endpoint", "tokens", "counted", "generation", "started_at")
 
-    def __init__(self, endpoint: Endpoint, tokens: int, generation: int) -> None:
+    def __init__(self, endpoint: Endpoint, tokens: int, generation: int, started_at: float) -> None:
         self.endpoint = endpoint
         self.tokens = tokens
         self.counted = True
         self.generation = generation
+        self.started_at = started_at
 
 
 class EndpointPool:
@@ -170,6 +171,9 @@ class EndpointPool:
             detector's clock).
         on_change: called with no argument whenever fresh metrics arrived or the candidate set
             changed (flow control re-checks saturation).
+        duration_ewma_alpha: weight of the newest completed request in each endpoint's
+            ``mean_request_duration_s`` (0 < alpha ≤ 1; default 0.1, ours: about the last ten
+            requests, so a change of load shows within a few seconds on a busy engine).
     """
 
     def __init__(
@@ -181,7 +185,11 @@ class EndpointPool:
         unhealthy_after: int = 2,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[], None] | None = None,
+        duration_ewma_alpha: float = 0.1,
     ) -> None:
+        if not 0.0 < duration_ewma_alpha <= 1.0:
+            raise ValueError(f"duration_ewma_alpha must be in (0, 1], got {duration_ewma_alpha}")
+        self.duration_ewma_alpha = duration_ewma_alpha
         self._session = session
         self.scrape_interval_s = scrape_interval_s
         self.health_interval_s = health_interval_s
@@ -264,7 +272,7 @@ class EndpointPool:
         """A request was forwarded to ``endpoint`` with ``uncached_tokens`` of prefill work."""
         endpoint.in_flight_requests += 1
         endpoint.in_flight_uncached_tokens += uncached_tokens
-        return InFlight(endpoint, uncached_tokens, self._generation.get(endpoint.name, 0))
+        return InFlight(endpoint, uncached_tokens, self._generation.get(endpoint.name, 0), self.clock())
 
     def first_chunk(self, share: InFlight) -> None:
         """The request's prefill is over: remove its uncached tokens (idempotent)."""
@@ -273,11 +281,19 @@ class EndpointPool:
             ep.in_flight_uncached_tokens = max(0, ep.in_flight_uncached_tokens - share.tokens)
         share.tokens = 0
 
-    def finished(self, share: InFlight) -> None:
-        """The request ended there: remove it from the endpoint's counters (once)."""
+    def finished(self, share: InFlight, completed: bool = False) -> None:
+        """The request ended there: remove it from the endpoint's counters (once). With
+        ``completed`` (the engine answered it to the end) its duration since :meth:`started` goes
+        into the endpoint's ``mean_request_duration_s``."""
         self.first_chunk(share)
         if self._counts(share):
-            share.endpoint.in_flight_requests = max(0, share.endpoint.in_flight_requests - 1)
+            ep = share.endpoint
+            ep.in_flight_requests = max(0, ep.in_flight_requests - 1)
+            if completed:
+                duration = max(0.0, self.clock() - share.started_at)
+                mean = ep.mean_request_duration_s
+                ep.mean_request_duration_s = duration if mean is None else \
+                    mean + self.duration_ewma_alpha * (duration - mean)
         share.counted = False
 
     def _counts(self, share: InFlight) -> bool:
@@ -394,6 +410,7 @@ class EndpointPool:
             state.endpoint.in_flight_uncached_tokens = 0
             state.endpoint.metrics_updated_at = None
             state.endpoint.peak_running = 0  # it may come back as another engine
+            state.endpoint.mean_request_duration_s = None
         for hook in self._on_down:
             try:
                 hook(name)

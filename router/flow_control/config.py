@@ -6,6 +6,9 @@ YAML (or a dict) of this shape; every field is optional and defaults to the valu
     eviction: false                    # evict sheddable in-flight work for a blocked higher band
     eviction_interval_s: 1.0           # at most one eviction per this many seconds
     poll_interval_s: 0.01              # saturation re-read period while something waits
+    tenant_weights: {}                 # fairness id → DRR weight (share of its band's dispatches)
+    default_tenant_weight: 1.0         # weight of a fairness id not in tenant_weights
+    deadline_at_risk_s: 1.0            # a queued item this close to its deadline goes first
     bands:
     - objective: interactive           # x-llm-d-inference-objective value
       priority: 100                    # higher dispatches first (llm-d convention)
@@ -27,20 +30,28 @@ Where the defaults come from:
 * ``max_queued_requests`` 10,000 per band: ours; at llm-d's byte limit that is 100 kB per request, and
   it keeps a queue scan (stats, shutdown) cheap.
 * ``interactive`` TTL 30 s: ours; an interactive caller left waiting longer is better served by a
-  429 and its own retry than by a router queue. ``async``/``batch`` TTL 600 s: the default request
-  timeout of OpenAI's Python client, which the processor's traffic resembles; a request queued
-  longer would have been given up by such a client anyway, and the processor re-sends with its own
-  deadline (``x-llm-d-slo-ttft-ms``) so nothing is lost but queue space.
+  429 and its own retry than by a router queue. ``async``/``batch`` TTL 0, "never queue": sheddable
+  work that cannot dispatch now (no engine has room) is answered at once with 429
+  ``rejected-saturated`` and ``Retry-After: 1``, so it never sits in the router's queue holding a
+  slot of the async processor, which holds and re-sends it itself (issue 12: batch attempts spent
+  7 of their 12 s parked here). ``Retry-After`` is whole seconds (RFC 9110 delta-seconds; the
+  processor would parse a fraction, other clients may not).
 * ``interactive`` bypasses saturation up to 64 in flight: ROUTING.md lets the highest band reach the
   engines' own queues "up to a bound"; 64 is ours (llm-d's per-engine queue threshold of 5 × about a
   dozen engines) — set it near 5 × the number of engines.
 * ``async``/``batch`` are sheddable and gated by saturation: they run on spare capacity only.
 * ``tenant_max_queued`` 2,500 for ``async``/``batch``: a quarter of the band, so one flooding tenant
-  cannot fill the band's queue and turn the others' requests into ``rejected-capacity`` (F11).
+  cannot fill the band's queue and turn the others' requests into ``rejected-capacity`` (F11);
+  it binds only when the band is configured to queue (``ttl_s`` > 0).
 * ``eviction`` off: llm-d's default evictor is the no-op one; evicting wastes the victim's work.
 * ``eviction_interval_s`` 1 s: ours; about the time an abort takes to show in scraped engine metrics,
   so one eviction's effect is seen before the next.
 * ``poll_interval_s`` 10 ms: ours; well below llm-d's 200 ms metrics-staleness bound.
+* ``tenant_weights`` empty, ``default_tenant_weight`` 1: every tenant an equal share (llm-d's
+  round-robin fairness is the equal-weight case of the deficit round-robin used here).
+* ``deadline_at_risk_s`` 1 s: ours; the ``Retry-After`` the router advertises and about the
+  processor's shortest backoff, so an item with less than that left would not survive another
+  round of waiting for its turn. 0 turns the override off (an item past its deadline is shed).
 """
 
 from __future__ import annotations
@@ -91,8 +102,8 @@ def default_bands() -> list[BandConfig]:
     tenant_max_queued = DEFAULT_MAX_QUEUED_REQUESTS // 4
     return [
         BandConfig(objective="interactive", priority=100, ttl_s=30.0, bypass_saturation=True, max_in_flight=64),
-        BandConfig(objective="async", priority=10, ttl_s=600.0, sheddable=True, tenant_max_queued=tenant_max_queued),
-        BandConfig(objective="batch", priority=-10, ttl_s=600.0, sheddable=True, tenant_max_queued=tenant_max_queued),
+        BandConfig(objective="async", priority=10, ttl_s=0.0, sheddable=True, tenant_max_queued=tenant_max_queued),
+        BandConfig(objective="batch", priority=-10, ttl_s=0.0, sheddable=True, tenant_max_queued=tenant_max_queued),
     ]
 
 
@@ -100,8 +111,8 @@ class FlowControlConfig(BaseModel):
     """The flow controller's configuration (module docstring: shape and defaults).
 
     Raises:
-        pydantic.ValidationError: duplicate objectives or priorities, no band, or a
-            ``default_objective`` that names no band.
+        pydantic.ValidationError: duplicate objectives or priorities, no band, a
+            ``default_objective`` that names no band, or a tenant weight that is not positive.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -111,6 +122,9 @@ class FlowControlConfig(BaseModel):
     eviction: bool = False
     eviction_interval_s: float = Field(default=1.0, ge=0)
     poll_interval_s: float = Field(default=0.01, gt=0)
+    tenant_weights: dict[str, float] = Field(default_factory=dict)
+    default_tenant_weight: float = Field(default=1.0, gt=0)
+    deadline_at_risk_s: float = Field(default=1.0, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> FlowControlConfig:
@@ -122,7 +136,14 @@ class FlowControlConfig(BaseModel):
             raise ValueError(f"duplicate band priority in {priorities}")
         if self.default_objective not in objectives:
             raise ValueError(f"default_objective {self.default_objective!r} is not one of {objectives}")
+        bad = {k: v for k, v in self.tenant_weights.items() if not v > 0}
+        if bad:
+            raise ValueError(f"tenant_weights must be positive: {bad}")
         return self
+
+    def tenant_weight(self, fairness_id: str) -> float:
+        """The DRR weight of ``fairness_id`` (``tenant_weights``, else ``default_tenant_weight``)."""
+        return self.tenant_weights.get(fairness_id, self.default_tenant_weight)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> FlowControlConfig:

@@ -20,7 +20,7 @@ the policy and its llm-d sources); this module only runs it: on every ``admit`` 
 request that can go at once is dispatched without a task switch), on ``kick()``, on ``release()``,
 and on a timer every ``poll_interval_s`` while anything waits — saturation comes from scraped
 metrics, so nothing else would tell the controller that room appeared, and TTLs must be enforced.
-The saturation callable is re-read before every dispatch; if it raises, the pool counts as
+The saturation callable is re-read before every dispatch; if it raises, every engine counts as
 saturated (fail closed, as the detector does for stale metrics).
 
 Status: drops are 429; when ``has_endpoints`` is given and returns False at the time of the drop,
@@ -122,8 +122,10 @@ class FlowController:
 
     Args:
         config: the configuration.
-        saturation: the pool's saturation, ≥ 0; dispatch only while < 1.0 (``router.scheduling.
-            saturation.pool_saturation`` plus the dispatches since the last scrape). Must be cheap.
+        saturation: the gate's saturation, ≥ 0; dispatch only while < 1.0. The router passes
+            ``RouterRuntime.gate_saturation``: the least saturated engine's value with the
+            dispatches since the last scrape counted (``router/scheduling/saturation.py``), so
+            sheddable work goes while any engine has room. Must be cheap.
         clock: seconds, monotonic; ``FlowItem.deadline`` is on this clock.
         has_endpoints: optional; False at a drop's time makes it a 503 instead of 429.
     """

@@ -11,30 +11,40 @@ The model is llm-d's flow control (gateway-api-inference-extension ``pkg/epp/flo
 * **Flows** keyed by fairness id (tenant) inside a band: llm-d's flow key is (fairness id, priority).
 * **Inter-band: strict priority.** Each dispatch takes from the highest band that has something
   eligible; a band whose flows are all at their tenant quota is skipped (work conserving).
-* **Inter-flow: round-robin** over the band's flows with queued work; a flow with nothing eligible
-  (at its ``tenant_max_in_flight``) is skipped and keeps no credit (llm-d's round-robin fairness
-  policy).
+* **Inter-flow: weighted deficit round-robin** (Shreedhar & Varghese, 1995; cost one request) over
+  the band's flows with queued work, each tenant's weight from the config's ``tenant_weights``
+  (default 1): over a round a flow of weight 2 dispatches twice as often as one of weight 1; a
+  flow with nothing eligible (at its ``tenant_max_in_flight``) is skipped and keeps no credit.
+  With equal weights this is llm-d's round-robin fairness policy.
+* **Deadline at risk**: before the DRR turn, the band's earliest-deadline queued item goes first
+  when its deadline is within ``deadline_at_risk_s`` of ``now`` (its flow below quota); it is
+  charged to its flow's deficit, so fairness is overridden only while a deadline is at risk.
 * **Intra-flow: earliest deadline first**, FIFO on equal deadlines; items without a deadline come
   after those with one, FIFO among themselves (llm-d's EDF ordering policy).
 * **Capacity**: per-band ``max_queued_requests`` / ``max_queued_bytes``; an item that would exceed
   either is rejected at once (``rejected-capacity``; llm-d rejects over-capacity the same way).
 * **TTL**: an item waiting longer than its band's ``ttl_s`` or past its own ``deadline`` is shed
-  (``rejected-ttl-expired``). A band with ``ttl_s`` 0 never queues: what it cannot dispatch in the
-  step that admitted it is shed as ``rejected-saturated``. Expiry is strict: at ``now > expiry``.
+  (``rejected-ttl-expired``). Expiry is strict: at ``now > expiry``. A band with ``ttl_s`` 0 never
+  queues: what it cannot dispatch in the first step after it was enqueued is shed at the end of
+  that step as ``rejected-saturated`` (``rejected-quota`` when its tenant is at
+  ``tenant_max_in_flight``) — the default for the sheddable ``async`` and ``batch`` bands.
 * **Tenant quota** per band: a flow with ``tenant_max_in_flight`` requests in flight is not
   dispatched (its items wait, subject to TTL); a tenant with ``tenant_max_queued`` items waiting in
   the band gets ``rejected-quota`` at once (ours; llm-d has per-band limits only).
 * **Saturation gating**: a dispatch happens only while ``saturation() < 1.0`` (llm-d's saturation
   detector; ROUTING.md), re-read before every dispatch because the router's signal counts its own
-  dispatches since the last scrape. A band with ``bypass_saturation`` dispatches while saturated as
-  long as it has fewer than ``max_in_flight`` in flight (ROUTING.md: the highest band may go to an
-  engine's own queue up to a bound).
+  dispatches since the last scrape. The router passes the per-engine gate, the least saturated
+  engine's value (``router/scheduling/saturation.py``): sheddable work dispatches while any engine
+  has room, and the scheduler's ``spare-capacity-filter`` sends it there. A band with
+  ``bypass_saturation`` dispatches while saturated as long as it has fewer than ``max_in_flight``
+  in flight (ROUTING.md: the highest band may go to an engine's own queue up to a bound).
 * **Eviction** (optional; llm-d's evictor): when the highest band with an eligible item is held
   back by saturation alone, the most recently dispatched in-flight item of the lowest sheddable band
   below it is evicted (llm-d orders victims lowest priority first, newest dispatch first: the least
   work lost). Each eviction is charged to one waiting item of the blocked band (its oldest not yet
   charged), so there is at most one eviction per blocked item, and at most one per
-  ``eviction_interval_s``.
+  ``eviction_interval_s``. A blocked band with ``ttl_s`` 0 causes none: its item is shed in the
+  same step, before the room an eviction makes could show.
 
 Retry-After (``retry_after_for``): 1 s for ``rejected-saturated``, ``rejected-capacity``,
 ``rejected-ttl-expired``, ``evicted`` and ``rejected-context-cancelled`` — room appears as soon as
@@ -144,16 +154,19 @@ def retry_after_for(reason: DropReason, band: BandConfig) -> float:
 
 
 class _Flow:
-    """One tenant's queue in one band: an EDF heap of ``(deadline, seq, ticket)``."""
+    """One tenant's queue in one band: an EDF heap of ``(deadline, seq, ticket)``, its DRR weight
+    and deficit (requests it may still dispatch in its current turn)."""
 
-    __slots__ = ("key", "heap", "queued", "in_flight", "in_ring")
+    __slots__ = ("key", "heap", "queued", "in_flight", "in_ring", "weight", "deficit")
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, weight: float) -> None:
         self.key = key
         self.heap: list[tuple[float, int, Ticket]] = []
         self.queued = 0
         self.in_flight = 0
         self.in_ring = False
+        self.weight = weight
+        self.deficit = 0.0
 
     def head(self) -> Ticket | None:
         heap = self.heap
@@ -163,9 +176,11 @@ class _Flow:
 
 
 class _Band:
-    """One priority band: its flows, the round-robin ring, queued and in-flight tickets, counters."""
+    """One priority band: its flows, the DRR ring, queued and in-flight tickets, counters, and a
+    heap of its queued tickets' deadlines (for deadline-at-risk)."""
 
-    __slots__ = ("config", "flows", "ring", "queued", "queued_bytes", "in_flight", "dispatched_total", "shed")
+    __slots__ = ("config", "flows", "ring", "queued", "queued_bytes", "in_flight", "dispatched_total", "shed",
+                 "deadlines")
 
     def __init__(self, config: BandConfig) -> None:
         self.config = config
@@ -176,27 +191,71 @@ class _Band:
         self.in_flight: dict[int, Ticket] = {}  # by seq, in dispatch order: the last is the newest
         self.dispatched_total = 0
         self.shed: Counter[DropReason] = Counter()
+        self.deadlines: list[tuple[float, int, Ticket]] = []  # queued tickets with a deadline (lazy)
 
     def can_bypass(self) -> bool:
         cfg = self.config
         return cfg.bypass_saturation and cfg.max_in_flight is not None and len(self.in_flight) < cfg.max_in_flight
 
-    def select(self, take: bool) -> Ticket | None:
-        """The next eligible ticket by round-robin over flows, or None. Flows at their in-flight
-        quota are skipped (moved to the back). With ``take`` the ticket leaves its flow's heap and
-        its flow stays at the front of the ring; :meth:`FlowControlCore._dispatch` moves it back."""
+    def at_quota(self, flow: _Flow) -> bool:
+        """The flow has ``tenant_max_in_flight`` requests in flight (not dispatched until one ends)."""
         quota = self.config.tenant_max_in_flight
+        return quota is not None and flow.in_flight >= quota
+
+    def has_eligible(self) -> bool:
+        """Some flow has queued work and is below its in-flight quota."""
+        return any(not self.at_quota(flow) for flow in self.ring)
+
+    def at_risk(self, now: float, at_risk_s: float) -> Ticket | None:
+        """The band's earliest-deadline queued ticket if its deadline is within ``at_risk_s`` of
+        ``now`` and its flow is below quota, else None."""
+        heap = self.deadlines
+        while heap and heap[0][2].state is not TicketState.QUEUED:
+            heapq.heappop(heap)
+        if not heap or heap[0][0] - now > at_risk_s:
+            return None
+        ticket = heap[0][2]
+        flow = ticket._flow
+        return ticket if flow is not None and not self.at_quota(flow) else None
+
+    def select(self, now: float, at_risk_s: float) -> Ticket | None:
+        """Take the next ticket: one whose deadline is at risk (:meth:`at_risk`) first, else by
+        deficit round-robin over the flows, or None when every flow is at its in-flight quota.
+
+        DRR (Shreedhar & Varghese, 1995) with a cost of one request: a flow whose turn starts
+        (at the front with a deficit below 1) adds its weight to its deficit; it dispatches while
+        the deficit is at least 1, then goes to the back keeping the remainder. A flow at its
+        quota is skipped and loses its deficit (no credit, as llm-d's round-robin). An at-risk
+        ticket is charged to its flow's deficit (which may go negative: the flow repays it in
+        later turns). The ticket leaves its flow's heap; :meth:`FlowControlCore._dispatch` ends
+        the flow's turn when its deficit is spent.
+        """
+        ticket = self.at_risk(now, at_risk_s)
+        if ticket is not None:
+            flow = ticket._flow
+            assert flow is not None and flow.head() is ticket
+            heapq.heappop(flow.heap)
+            flow.deficit -= 1.0
+            return ticket
+        if not self.has_eligible():
+            return None
         ring = self.ring
-        for _ in range(len(ring)):
+        while True:  # ends: every pass over an eligible flow adds its weight (> 0) to its deficit
             flow = ring[0]
-            if quota is not None and flow.in_flight >= quota:
+            if self.at_quota(flow):
+                flow.deficit = 0.0
                 ring.rotate(-1)
                 continue
-            ticket = flow.head()
-            if take:
-                heapq.heappop(flow.heap)
-            return ticket
-        return None
+            if flow.deficit < 1.0:
+                flow.deficit += flow.weight
+                if flow.deficit < 1.0:
+                    ring.rotate(-1)
+                    continue
+            head = flow.head()
+            assert head is not None
+            heapq.heappop(flow.heap)
+            flow.deficit -= 1.0
+            return head
 
     def forget_if_idle(self, flow: _Flow) -> None:
         if flow.queued == 0 and flow.in_flight == 0 and not flow.in_ring and self.flows.get(flow.key) is flow:
@@ -300,8 +359,9 @@ class FlowControlCore:
         if band.queued_bytes + item.byte_size > cfg.max_queued_bytes:
             raise self._reject(band, DropReason.CAPACITY, f"queue full ({cfg.max_queued_bytes} bytes)")
         if flow is None:
-            flow = band.flows[item.fairness_id] = _Flow(item.fairness_id)
-        expires_at = min(now + cfg.ttl_s if cfg.ttl_s is not None else math.inf,
+            flow = band.flows[item.fairness_id] = _Flow(item.fairness_id, self.config.tenant_weight(item.fairness_id))
+        ttl = cfg.ttl_s if cfg.ttl_s else None  # 0: never queues, shed at the end of the next step
+        expires_at = min(now + ttl if ttl is not None else math.inf,
                          item.deadline if item.deadline is not None else math.inf)
         seq = next(self._seq)
         ticket = Ticket(item, cfg, seq, now, expires_at, _flow=flow)
@@ -314,6 +374,8 @@ class FlowControlCore:
         band.queued_bytes += item.byte_size
         if expires_at < math.inf:
             heapq.heappush(self._expiry, (expires_at, seq, ticket))
+        if item.deadline is not None:
+            heapq.heappush(band.deadlines, (item.deadline, seq, ticket))
         return ticket
 
     def cancel(self, ticket: Ticket) -> bool:
@@ -345,7 +407,7 @@ class FlowControlCore:
 
         Returns:
             ``(ticket, drop)`` pairs, earliest expiry first; ``drop.reason`` is
-            ``rejected-ttl-expired``, or ``rejected-saturated`` for a band with ``ttl_s`` 0.
+            ``rejected-ttl-expired`` (a band with ``ttl_s`` 0 sheds in :meth:`step` instead).
         """
         shed: list[tuple[Ticket, RequestDropped]] = []
         heap = self._expiry
@@ -355,9 +417,7 @@ class FlowControlCore:
                 continue
             band = self._by_objective[ticket.band.objective]
             self._unqueue(band, ticket, TicketState.DROPPED)
-            if band.config.ttl_s == 0:
-                drop = self._reject(band, DropReason.SATURATED, "no room to run the request now")
-            elif ticket.item.deadline is not None and ticket.expires_at == ticket.item.deadline:
+            if ticket.item.deadline is not None and ticket.expires_at == ticket.item.deadline:
                 drop = self._reject(band, DropReason.TTL_EXPIRED, "the request's deadline passed while it waited")
             else:
                 drop = self._reject(band, DropReason.TTL_EXPIRED, f"waited longer than the TTL ({band.config.ttl_s} s)")
@@ -365,20 +425,42 @@ class FlowControlCore:
         if len(heap) > 1024 and len(heap) > 4 * self.queued_requests:  # drop entries of dispatched tickets
             self._expiry = [e for e in heap if e[2].state is TicketState.QUEUED]
             heapq.heapify(self._expiry)
+        for band in self._bands:
+            if len(band.deadlines) > 1024 and len(band.deadlines) > 4 * len(band.queued):
+                band.deadlines = [e for e in band.deadlines if e[2].state is TicketState.QUEUED]
+                heapq.heapify(band.deadlines)
         return shed
 
     def step(self, now: float, saturation: Callable[[], float]) -> StepResult:
-        """Shed what expired, then dispatch as much as the bands, quotas and saturation allow.
+        """Shed what expired, dispatch as much as the bands, quotas and saturation allow, then shed
+        what a band with ``ttl_s`` 0 could not dispatch (``rejected-saturated``, or
+        ``rejected-quota`` when its tenant was at ``tenant_max_in_flight``).
 
         Args:
             now: current time, seconds.
-            saturation: the pool's saturation (< 1.0: room; NaN counts as saturated); called before
-                every dispatch, so it may count the dispatches made so far in this step.
+            saturation: the gate's saturation — in the router the least saturated engine's (room
+                on some engine: < 1.0; NaN counts as saturated); called before every dispatch, so
+                it may count the dispatches made so far in this step.
 
         Returns:
             What was shed, evicted and dispatched (dispatched tickets are now ``in_flight``).
         """
         result = StepResult(expired=self.expire(now))
+        self._dispatch_all(now, saturation, result)
+        for band in self._bands:
+            if band.config.ttl_s == 0 and band.queued:
+                for ticket in list(band.queued.values()):
+                    quota_bound = ticket._flow is not None and band.at_quota(ticket._flow)
+                    self._unqueue(band, ticket, TicketState.DROPPED)
+                    if quota_bound:
+                        drop = self._reject(band, DropReason.QUOTA, "the tenant's in-flight quota is reached")
+                    else:
+                        drop = self._reject(band, DropReason.SATURATED, "no engine has room for the request now")
+                    result.expired.append((ticket, drop))
+        return result
+
+    def _dispatch_all(self, now: float, saturation: Callable[[], float], result: StepResult) -> None:
+        at_risk_s = self.config.deadline_at_risk_s
         while self.queued_requests:
             saturated = not saturation() < 1.0
             chosen: Ticket | None = None
@@ -387,20 +469,20 @@ class FlowControlCore:
                 if not band.queued:
                     continue
                 if saturated and not band.can_bypass():
-                    if self.config.eviction and not blocked_seen and band.select(take=False) is not None:
+                    if self.config.eviction and not blocked_seen and band.has_eligible():
                         blocked_seen = True  # the highest band held back by saturation alone
-                        victim = self._maybe_evict(band, now)
-                        if victim is not None:
-                            result.evicted.append(victim)
+                        if band.config.ttl_s != 0:  # a band that never queues would not wait for the room
+                            victim = self._maybe_evict(band, now)
+                            if victim is not None:
+                                result.evicted.append(victim)
                     continue
-                chosen = band.select(take=True)
+                chosen = band.select(now, at_risk_s)
                 if chosen is not None:
                     self._dispatch(band, chosen, now)
                     result.dispatched.append(chosen)
                     break
             if chosen is None:
                 break
-        return result
 
     def drain(self, reason: DropReason, message: str, status: int = 429) -> list[tuple[Ticket, RequestDropped]]:
         """Drop every waiting ticket with ``reason`` (shutdown). Returns ``(ticket, drop)`` pairs."""
@@ -432,6 +514,7 @@ class FlowControlCore:
         flow.queued -= 1
         if flow.queued == 0:  # leaves the ring: O(1) on dispatch (it is at the front), O(flows) otherwise
             flow.heap.clear()
+            flow.deficit = 0.0  # DRR: an emptied flow keeps no deficit
             if band.ring[0] is flow:
                 band.ring.popleft()
             else:
@@ -442,8 +525,9 @@ class FlowControlCore:
 
     def _dispatch(self, band: _Band, ticket: Ticket, now: float) -> None:
         self._unqueue(band, ticket, TicketState.IN_FLIGHT)
-        if ticket._flow is not None and ticket._flow.in_ring:
-            band.ring.rotate(-1)  # the flow had its turn: to the back
+        flow = ticket._flow
+        if flow is not None and flow.in_ring and band.ring[0] is flow and flow.deficit < 1.0:
+            band.ring.rotate(-1)  # its turn is spent: to the back
         ticket.dispatched_at = now
         band.in_flight[ticket.seq] = ticket
         assert ticket._flow is not None

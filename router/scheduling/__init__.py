@@ -7,11 +7,13 @@ names and parameters. See ``router/scheduling/README.md`` for the plugins and
 * :func:`~router.scheduling.config.load_config` / :func:`~router.scheduling.config.build_scheduler`
 * :class:`~router.scheduling.scheduler.Scheduler` (``schedule`` → ``pre_request`` →
   ``response_complete``)
-* :func:`~router.scheduling.saturation.pool_saturation` for flow control's gate.
+* :func:`~router.scheduling.saturation.fleet_saturation` and
+  :func:`~router.scheduling.saturation.gate_saturation` for flow control's per-engine gate
+  (:func:`~router.scheduling.saturation.pool_saturation`: the mean, for display).
 """
 
 from pathlib import Path
 
-#: The shipped default config (prefix-cache 3, queue 1, kv-cache-utilization 1, max-score picker,
-#: plus a ``round-robin`` baseline profile).
+#: The shipped default config (spare-capacity filter, prefix-cache affinity filter, token-load 2,
+#: queue 2, no-hit-lru 1, max-score picker, plus a ``round-robin`` baseline profile).
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default-config.yaml")

@@ -118,6 +118,11 @@ class PluginHandle:
             inject a seeded ``random.Random`` for reproducible decisions.
         clock: seconds on a monotonic clock (TTLs, metric ages); injectable for tests.
         prefix_index: the precise prefix index, required by ``precise-prefix-cache-producer``.
+        saturation: one endpoint's saturation now (≥ 0; < 1.0: room for sheddable work), the
+            router's detector with its thresholds and scrape-lag credit (``RouterRuntime.
+            scheduling_saturation``); None: ``spare-capacity-filter`` uses
+            :func:`router.scheduling.saturation.endpoint_saturation` with llm-d's thresholds, the
+            credit on, on ``clock``.
         plugins: instances built so far, by instance name (a plugin may look up one declared
             before it).
     """
@@ -125,4 +130,5 @@ class PluginHandle:
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
     prefix_index: PrefixIndex | None = None
+    saturation: Callable[[Endpoint], float] | None = None
     plugins: dict[str, object] = field(default_factory=dict)

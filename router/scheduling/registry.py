@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from router.scheduling.interfaces import PluginHandle
-from router.scheduling.plugins import affinity_filter, load, no_hit_lru, pickers, prefix, session
+from router.scheduling.plugins import affinity_filter, load, no_hit_lru, pickers, prefix, session, spare_capacity
 
 PluginFactory = Callable[[str, Mapping[str, Any] | None, PluginHandle], object]
 
@@ -26,6 +26,7 @@ def builtin_factories() -> dict[str, PluginFactory]:
         prefix.PRECISE_PRODUCER_TYPE: prefix.build_precise_producer,
         # filters
         affinity_filter.AFFINITY_FILTER_TYPE: affinity_filter.build_affinity_filter,
+        spare_capacity.SPARE_CAPACITY_FILTER_TYPE: spare_capacity.build_spare_capacity_filter,
         # scorers
         prefix.PREFIX_SCORER_TYPE: prefix.build_prefix_scorer,
         load.QUEUE_SCORER_TYPE: load.build_queue_scorer,

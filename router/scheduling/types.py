@@ -51,8 +51,12 @@ class Endpoint:
             engine to compute (not served from its prefix cache) and whose prefill has not ended
             yet (no first streamed chunk), in tokens: the endpoint's queued prefill work.
         peak_running: the most requests the endpoint has been seen running at once (scraped);
-            a lower bound of its batch size, which the router uses to tell how many requests it
-            sent since the last scrape will have started rather than queued.
+            a lower bound of its batch size (``max_num_seqs``), which the router uses to tell how
+            many requests it sent since the last scrape will have started rather than queued.
+        mean_request_duration_s: exponentially weighted mean of the durations, in seconds, of
+            the requests the router forwarded there that completed (forward → end of the
+            response, so engine queueing included); None before the first. The pool keeps it
+            (:meth:`router.pool.EndpointPool.finished`).
     """
 
     name: str
@@ -66,6 +70,7 @@ class Endpoint:
     in_flight_requests: int = 0
     in_flight_uncached_tokens: int = 0
     peak_running: int = 0
+    mean_request_duration_s: float | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -82,6 +87,8 @@ class LLMRequest:
         session_id: the session the request belongs to (a session header), or None.
         objective: the objective name (``interactive``, ``async``, ``batch``…) or None.
         priority: the objective's priority, llm-d's convention (higher is more important).
+        sheddable: the objective's flow-control band is sheddable (runs on spare capacity only;
+            ``router/flow_control/config.py``); set by the director.
         cache_salt: vLLM's ``cache_salt``: requests with different salts never share cache blocks,
             so the salt is mixed into the hash seed.
         block_key_cache: memo of hashed block keys, keyed by (block size in tokens, block cap);
@@ -95,6 +102,7 @@ class LLMRequest:
     session_id: str | None = None
     objective: str | None = None
     priority: int = 0
+    sheddable: bool = False
     cache_salt: str | None = None
     block_key_cache: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
 

@@ -95,20 +95,34 @@ def test_new_prefixes_spread_over_the_pool(client: openai.OpenAI, stack: RouterS
     assert per_engine == [2, 2, 2], per_engine  # no-hit LRU: each cold prefix to the least recently used
 
 
+def _hog(url: str, n: int) -> list[threading.Thread]:
+    """``n`` long requests straight to one engine (not through the router), in threads."""
+    def hog() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # the engine is stopped under it at the end
+            httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"model": "sim-model", "prompt": "x", "max_tokens": 400})
+
+    threads = [threading.Thread(target=hog, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _wait_waiting(s: RouterStack, url: str, at_least: int) -> dict:
+    deadline = time.monotonic() + 15
+    while True:
+        state = s.state()
+        if next(e for e in state["endpoints"] if e["name"] == url)["num_requests_waiting"] >= at_least:
+            return state
+        assert time.monotonic() < deadline, f"{url} never showed {at_least} waiting"
+        time.sleep(0.05)
+
+
 def test_a_saturated_engine_is_avoided(tmp_path: Path) -> None:
     # engine 0 runs one sequence at a time, slowly: a few direct requests fill its waiting queue
     slow = {"time_scale": 1.0, "max_num_seqs": 1}
     with RouterStack(tmp_path, engines=2, engine_options=[slow, {}]) as s:
-        busy = s.engine_urls[0]
-
-        def hog() -> None:
-            with contextlib.suppress(httpx.HTTPError):  # the engine is stopped under it at the end
-                httpx.post(f"{busy}/v1/completions", timeout=60,
-                           json={"model": "sim-model", "prompt": "x", "max_tokens": 400})
-
-        hogs = [threading.Thread(target=hog, daemon=True) for _ in range(6)]
-        for t in hogs:
-            t.start()
+        _hog(s.engine_urls[0], 6)
         deadline = time.monotonic() + 10
         while not any(e["num_requests_waiting"] >= 3 for e in s.state()["endpoints"]):
             assert time.monotonic() < deadline, "the slow engine never showed a waiting queue"
@@ -120,6 +134,35 @@ def test_a_saturated_engine_is_avoided(tmp_path: Path) -> None:
         after = s.served_counts()
         assert after[1] - before[1] == 4  # all on the idle engine
         assert after[0] == before[0] or after[0] - before[0] <= 1  # hogs may finish, none of ours ran there
+
+
+def test_the_gate_is_per_engine_and_batch_with_no_room_gets_an_immediate_429(tmp_path: Path) -> None:
+    # two engines running one sequence at a time, slowly; direct requests fill their waiting queues
+    slow = {"time_scale": 1.0, "max_num_seqs": 1}
+    with RouterStack(tmp_path, engines=2, engine_options=[slow, slow]) as s:
+        full, idle = s.engine_urls
+        _hog(full, 11)
+        state = _wait_waiting(s, full, 10)  # saturation 10 / 5 = 2.0 there, 0 on the idle engine
+        by_name = {e["name"]: e for e in state["endpoints"]}
+        assert state["pool_saturation"] >= 0.9  # the mean reads (about) saturated ...
+        assert state["gate_saturation"] < 0.5  # ... but the gate is per engine: open
+        assert (by_name[full]["gate_open"], by_name[idle]["gate_open"]) == (False, True)
+        batch = {"x-llm-d-inference-objective": "batch"}
+        body = {"model": "sim-model", "prompt": "batch line", "max_tokens": 4}
+        before = s.served_counts()
+        answer = httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=30)
+        assert answer.status_code == 200
+        assert [a - b for a, b in zip(s.served_counts(), before)] == [0, 1]  # on the engine with room
+        _hog(idle, 6)
+        state = _wait_waiting(s, idle, 5)
+        assert state["gate_saturation"] >= 1.0 and not any(e["gate_open"] for e in state["endpoints"])
+        refused = httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=30)
+        assert refused.status_code == 429
+        assert refused.headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "rejected-saturated"
+        bands = {b["objective"]: b for b in s.state()["bands"]}
+        assert bands["batch"]["queued_requests"] == 0 and bands["batch"]["shed_total"]["rejected-saturated"] == 1
 
 
 def test_bad_input_gets_openai_error_envelopes(stack: RouterStack) -> None:
@@ -185,7 +228,9 @@ def test_admin_state_and_metrics(stack: RouterStack, client: openai.OpenAI) -> N
     for series in ("backfill_router_requests_total", "backfill_router_decision_duration_seconds_bucket",
                    "backfill_router_pool_saturation", "backfill_router_endpoint_in_flight_requests",
                    "backfill_router_flow_queue_requests", "backfill_router_prefix_index_blocks",
-                   "backfill_router_dispatched_total", "backfill_router_prefix_lookups_total"):
+                   "backfill_router_dispatched_total", "backfill_router_prefix_lookups_total",
+                   "backfill_router_gate_saturation", "backfill_router_endpoint_saturation",
+                   "backfill_router_endpoint_gate_open"):
         assert series in text, series
     assert 'backfill_router_requests_total{code="200",objective="interactive"}' in text
 

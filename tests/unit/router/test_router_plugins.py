@@ -18,6 +18,7 @@ from router.scheduling.plugins.pickers import (
 )
 from router.scheduling.plugins.prefix import build_approx_producer, build_precise_producer, build_prefix_scorer
 from router.scheduling.plugins.session import build_session_affinity
+from router.scheduling.plugins.spare_capacity import SpareCapacityOutcome, build_spare_capacity_filter
 from router.scheduling.scheduler import SchedulingResult
 from router.scheduling.types import CycleState, Endpoint, PrefixMatchInfo, prefix_match_key
 
@@ -270,3 +271,52 @@ def test_random_and_round_robin_pickers():
         "http://e0", "http://e1", "http://e2", "http://e0"]
     rnd = build_random_picker("r", None, handle(seed=1))
     assert {rnd.pick(CycleState(), eps, [9, 0, 0]).name for _ in range(60)} == {ep.name for ep in eps}
+
+
+def test_affinity_wait_adds_the_slot_wait_by_littles_law():
+    eps = endpoints(1, num_requests_running=4, num_requests_waiting=3, peak_running=4, in_flight_requests=9)
+    ep = eps[0]
+    info = PrefixMatchInfo(4, 64, {ep.name: 4})
+    aff = affinity()
+    ep.mean_request_duration_s = 2.8
+    # ahead for a slot: 3 waiting + (9 − 7 unseen − 0 free slots) = 5; slots free every 2.8 s / 9 in the engine
+    assert aff.slot_wait_ms(ep) == pytest.approx(5 * 2800 / 9)
+    assert aff.estimated_wait_ms(ep, info, 256) == pytest.approx(5 * 2800 / 9)  # fully cached: no prefill
+    ep.mean_request_duration_s = None  # not measured yet: defaultRequestDurationMs
+    assert aff.slot_wait_ms(ep) == pytest.approx(5 * 2000 / 9)
+    assert affinity(defaultRequestDurationMs=0).slot_wait_ms(ep) == 0.0
+    free = endpoints(1, num_requests_running=2, peak_running=4, in_flight_requests=3, mean_request_duration_s=2.0)[0]
+    assert aff.slot_wait_ms(free) == 0.0  # 1 unseen request, 2 free slots: nobody waits for a slot
+
+
+# --- spare-capacity filter ---------------------------------------------------------------------------
+
+
+def spare_filter(levels: dict[str, float], **params):
+    return build_spare_capacity_filter("spare", params, handle(saturation=lambda ep: levels[ep.name]))
+
+
+def test_spare_capacity_filter_keeps_engines_with_room_for_sheddable_work_only():
+    eps = endpoints(3)
+    levels = {"http://e0": 2.0, "http://e1": 0.4, "http://e2": 1.0}
+    state = CycleState()
+    assert spare_filter(levels).filter(state, request(sheddable=True), eps) == [eps[1]]
+    assert state.read("spare-capacity-outcome/spare") == SpareCapacityOutcome.KEPT_SPARE
+    assert spare_filter(levels).filter(CycleState(), request(priority=-1), eps) == [eps[1]]
+    assert spare_filter(levels).filter(CycleState(), request(priority=10), eps) == eps  # not sheddable
+    assert spare_filter(levels, saturationThreshold=1.5).filter(CycleState(), request(sheddable=True), eps) == eps[1:]
+    full = {name: 1.0 for name in levels}
+    state = CycleState()
+    assert spare_filter(full).filter(state, request(sheddable=True), eps) == eps  # never empties the set
+    assert state.read("spare-capacity-outcome/spare") == SpareCapacityOutcome.NONE_SPARE
+
+
+def test_spare_capacity_filter_defaults_to_the_detector_with_the_in_flight_credit():
+    clock = FakeClock()
+    eps = endpoints(2, metrics_updated_at=clock.now, peak_running=4, num_requests_running=4)
+    eps[0].in_flight_requests = 4 + 5  # 5 the scrape does not show, no free slot: saturation 1.0
+    eps[1].in_flight_requests = 4
+    spare = build_spare_capacity_filter("spare", None, handle(clock=clock))
+    assert spare.filter(CycleState(), request(sheddable=True), eps) == [eps[1]]
+    clock.now += 1.0  # metrics 1 s old: both stale, saturated: keep both
+    assert spare.filter(CycleState(), request(sheddable=True), eps) == eps

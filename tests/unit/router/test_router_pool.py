@@ -1,4 +1,5 @@
-"""The endpoint pool's pure parts: parsing an engine's /metrics, Kubernetes pod readiness."""
+"""The endpoint pool's pure parts: parsing an engine's /metrics, Kubernetes pod readiness, the
+in-flight counters and the measured request durations."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from router.director import DecisionRate
-from router.pool import parse_engine_metrics, ready_pod_urls
+from router.pool import EndpointPool, parse_engine_metrics, ready_pod_urls
+from router.scheduling.types import Endpoint
 
 #: Lines as a real vLLM 0.32 (CPU build) printed them, two data-parallel ranks, plus noise.
 VLLM_TEXT = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -105,3 +107,24 @@ def test_engines_from_the_environment_split_on_spaces_and_commas(monkeypatch) ->
     monkeypatch.setenv("BACKFILL_ROUTER_ENGINES", "http://a:8000 http://b:8000,http://c:8000/")
     assert build_settings().engines == ["http://a:8000", "http://b:8000", "http://c:8000"]
     assert build_settings(engines=["http://d:1"]).engines == ["http://d:1"]  # the command line wins
+
+
+def test_completed_requests_feed_the_endpoints_duration_ewma() -> None:
+    clock = SimpleNamespace(now=0.0)
+    pool = EndpointPool(None, clock=lambda: clock.now, duration_ewma_alpha=0.5)  # type: ignore[arg-type]
+    ep = Endpoint("http://e")
+    first, second, aborted = pool.started(ep, 100), pool.started(ep, 50), pool.started(ep, 10)
+    assert (ep.in_flight_requests, ep.in_flight_uncached_tokens) == (3, 160)
+    clock.now = 2.0
+    pool.finished(first, completed=True)
+    assert ep.mean_request_duration_s == 2.0
+    clock.now = 4.0
+    pool.finished(second, completed=True)
+    pool.finished(second, completed=True)  # once only
+    assert ep.mean_request_duration_s == pytest.approx(2.0 + 0.5 * (4.0 - 2.0))
+    clock.now = 100.0
+    pool.finished(aborted)  # not completed (cancelled, evicted, failed): no sample
+    assert ep.mean_request_duration_s == pytest.approx(3.0)
+    assert (ep.in_flight_requests, ep.in_flight_uncached_tokens) == (0, 0)
+    with pytest.raises(ValueError):
+        EndpointPool(None, duration_ewma_alpha=0.0)  # type: ignore[arg-type]

@@ -1,9 +1,22 @@
-"""Pool saturation: max(waiting / 5, kv / 0.8) per endpoint, averaged; stale metrics saturated."""
+"""Saturation: max(waiting / 5, kv / 0.8) per endpoint; stale metrics saturated; the scrape-lag
+credit per endpoint; the per-engine gate (least saturated) against the pool's mean; the router's
+runtime reading one computation for flow control and /admin/state."""
+
+import time
+from types import SimpleNamespace
 
 import pytest
 
-from router.scheduling.saturation import SaturationThresholds, endpoint_saturation, pool_saturation
+from router.app import RouterRuntime
+from router.scheduling.saturation import (
+    SaturationThresholds,
+    endpoint_saturation,
+    fleet_saturation,
+    gate_saturation,
+    pool_saturation,
+)
 from router.scheduling.types import Endpoint
+from router.settings import RouterSettings
 
 NOW = 100.0
 
@@ -43,3 +56,60 @@ def test_in_flight_credit_adds_dispatches_the_scrape_does_not_show_yet():
     ep = fresh(num_requests_waiting=1, num_requests_running=2, in_flight_requests=6)
     assert endpoint_saturation(ep, NOW) == pytest.approx(0.2)
     assert endpoint_saturation(ep, NOW, SaturationThresholds(in_flight_credit=True)) == pytest.approx((1 + 3) / 5)
+
+
+CREDIT = SaturationThresholds(in_flight_credit=True)
+
+
+def test_in_flight_credit_spends_the_engines_free_slots_first():
+    # seen running 4 at once, running 2 now: 2 free slots; 5 forwarded, 2 shown → 3 unseen, 1 waits
+    ep = fresh(num_requests_running=2, peak_running=4, in_flight_requests=5)
+    assert endpoint_saturation(ep, NOW, CREDIT) == pytest.approx(1 / 5)
+    ep.in_flight_requests = 4  # 2 unseen fit the 2 free slots
+    assert endpoint_saturation(ep, NOW, CREDIT) == 0.0
+
+
+def test_the_gate_opens_on_one_idle_engine_while_the_mean_reads_saturated():
+    full = Endpoint("http://full", metrics_updated_at=NOW, num_requests_running=4, num_requests_waiting=10,
+                    peak_running=4, in_flight_requests=14)
+    idle = Endpoint("http://idle", metrics_updated_at=NOW, peak_running=4)
+    values = fleet_saturation([full, idle], NOW, CREDIT)
+    assert values == [pytest.approx(2.0), 0.0]
+    assert pool_saturation([full, idle], NOW, CREDIT) == pytest.approx(1.0)  # the mean: "closed"
+    assert gate_saturation(values) == 0.0  # per engine: open, the idle one has room
+    assert gate_saturation([]) == 1.0
+
+
+def test_pending_requests_fill_free_slots_then_queue_on_the_least_saturated_engines():
+    a = Endpoint("http://a", metrics_updated_at=NOW, num_requests_running=4, peak_running=4, in_flight_requests=4)
+    b = Endpoint("http://b", metrics_updated_at=NOW, num_requests_running=1, peak_running=4, in_flight_requests=1)
+    stale = Endpoint("http://stale", metrics_updated_at=NOW - 10)
+    # b has 3 free slots: 3 pending go there free; the next 10 queue, 5 on each engine, in turn
+    assert fleet_saturation([a, b, stale], NOW, CREDIT, pending=3) == [0.0, 0.0, 1.0]
+    assert fleet_saturation([a, b, stale], NOW, CREDIT, pending=13) == [pytest.approx(1.0), pytest.approx(1.0), 1.0]
+    assert gate_saturation(fleet_saturation([a, b], NOW, CREDIT, pending=12)) == pytest.approx(4 / 5)
+
+
+class FakePool:
+    def __init__(self, endpoints: list[Endpoint]) -> None:
+        self.eps = endpoints
+
+    def candidates(self) -> list[Endpoint]:
+        return self.eps
+
+
+def test_router_runtime_gates_flow_control_per_engine_and_counts_released_requests():
+    now = time.monotonic() + 60  # fresh for the test's duration
+    full = Endpoint("http://full", metrics_updated_at=now, num_requests_running=4, num_requests_waiting=10,
+                    peak_running=4, in_flight_requests=14)
+    idle = Endpoint("http://idle", metrics_updated_at=now, peak_running=4)
+    rt = RouterRuntime(RouterSettings(engines=[]))
+    rt.pool = FakePool([full, idle])  # type: ignore[assignment]
+    assert rt.saturation() == pytest.approx(1.0)
+    assert rt.gate_saturation() == 0.0
+    # flow control released 4 + 5 the scheduler has not forwarded yet: the idle engine's 4 slots,
+    # then 5 waiting there → no engine has room
+    rt.flow = SimpleNamespace(in_flight_requests=14 + 9)  # type: ignore[assignment]
+    assert rt.endpoint_saturations() == {"http://full": pytest.approx(2.0), "http://idle": pytest.approx(1.0)}
+    assert rt.gate_saturation() == pytest.approx(1.0)
+    assert rt.scheduling_saturation(idle) == 0.0  # placement reads the engine itself

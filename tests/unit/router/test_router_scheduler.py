@@ -1,9 +1,10 @@
 """The scheduler end to end on pure data: repeated prefixes stick, new ones spread, load counts."""
 
+import random
 from collections import Counter
 
 import pytest
-from scheduling_helpers import InMemoryPrefixIndex, endpoints, prompt, request, scheduler_from
+from scheduling_helpers import FakeClock, InMemoryPrefixIndex, endpoints, prompt, request, scheduler_from
 
 from router.scheduling import DEFAULT_CONFIG_PATH
 from router.scheduling.config import build_scheduler, load_config, parse_config
@@ -11,6 +12,7 @@ from router.scheduling.errors import NoCandidatesError
 from router.scheduling.hashing import request_block_keys
 from router.scheduling.interfaces import PluginHandle
 from router.scheduling.registry import builtin_factories
+from router.scheduling.types import PrefixMatchInfo
 
 SPREAD_CONFIG = """
 plugins:
@@ -151,3 +153,98 @@ def test_a_filter_removing_every_endpoint_raises_no_candidates():
     config = parse_config("plugins: [{type: drop-all}]\nschedulingProfiles: [{name: p, plugins: [{pluginRef: drop-all}]}]")
     with pytest.raises(NoCandidatesError, match="drop-all"):
         build_scheduler(config, PluginHandle(), factories).schedule(request(), endpoints(2))
+
+
+# --- placement on a slot-bound fleet (issue 12) ------------------------------------------------------
+
+SHARED = prompt(77, 1280)  # a shared system prompt: 20 blocks of 64 tokens
+
+
+def batch_line(n: int) -> list[int]:
+    """One line of a shared-prefix batch: the shared prompt and 64 tokens of its own."""
+    return SHARED + prompt(5000 + n, 64)
+
+
+class SlotBoundFleet:
+    """Engines with ``max_num_seqs`` slots that never finish a request (the worst case for
+    placement): each placement is forwarded and then scraped at once, as the pool would."""
+
+    def __init__(self, n: int, max_num_seqs: int = 4, duration_s: float | None = 2.0) -> None:
+        self.clock = FakeClock()
+        self.pool = endpoints(n, block_size=16, num_gpu_blocks=4096)
+        self.max_num_seqs = max_num_seqs
+        for ep in self.pool:
+            ep.mean_request_duration_s = duration_s
+            self.scrape(ep)
+
+    def scrape(self, ep) -> None:
+        ep.num_requests_running = min(ep.in_flight_requests, self.max_num_seqs)
+        ep.num_requests_waiting = ep.in_flight_requests - ep.num_requests_running
+        ep.peak_running = max(ep.peak_running, ep.num_requests_running)
+        ep.metrics_updated_at = self.clock.now
+
+    def place(self, scheduler, tokens, **fields):
+        req = request(tokens, **fields)
+        result = route(scheduler, req, self.pool)
+        ep = result.endpoint
+        info = result.state.first(PrefixMatchInfo)
+        ep.in_flight_requests += 1
+        ep.in_flight_uncached_tokens += info.uncached_tokens(ep.name, req.prompt_tokens)
+        self.scrape(ep)
+        return result
+
+    def default_scheduler(self, **affinity_params):
+        config = load_config(DEFAULT_CONFIG_PATH)
+        if affinity_params:
+            for plugin in config.plugins:
+                if plugin.type == "prefix-cache-affinity-filter":
+                    plugin.parameters = {**(plugin.parameters or {}), **affinity_params}
+        return build_scheduler(config, PluginHandle(rng=random.Random(3), clock=self.clock))
+
+
+def test_a_full_sticky_engine_with_waiting_requests_sends_the_request_to_an_idle_one():
+    fleet = SlotBoundFleet(2)
+    scheduler = fleet.default_scheduler()
+    home = fleet.place(scheduler, batch_line(0)).endpoint
+    idle = fleet.pool[1 - fleet.pool.index(home)]
+    # the measured state of issue 12: home runs 4 (all its slots) with 3 waiting; only a little
+    # prefill is queued there (1,332 tokens ≈ 84 ms < maxTTFTPenaltyMs 150)
+    home.in_flight_requests, home.in_flight_uncached_tokens = 7, 1332
+    fleet.scrape(home)
+    result = fleet.place(scheduler, batch_line(1))
+    assert result.endpoint is idle
+    assert result.state.read("affinity-outcome/prefix-cache-affinity-filter") == "load_override"
+    # the same state without the slot term sticks to the full engine (the defect)
+    blind = SlotBoundFleet(2, duration_s=None)
+    scheduler = blind.default_scheduler(defaultRequestDurationMs=0)
+    home = blind.place(scheduler, batch_line(0)).endpoint
+    home.in_flight_requests, home.in_flight_uncached_tokens = 7, 1332
+    blind.scrape(home)
+    assert blind.place(scheduler, batch_line(1)).endpoint is home
+
+
+def test_a_shared_prefix_batch_is_balanced_over_slot_bound_engines():
+    fleet = SlotBoundFleet(2)
+    scheduler = fleet.default_scheduler()
+    chosen = Counter(fleet.place(scheduler, batch_line(n)).endpoint.name for n in range(40))
+    assert sorted(chosen.values()) == [20, 20], chosen  # both sticky after the spill: load decides
+    assert all(ep.num_requests_waiting == 16 for ep in fleet.pool)
+    # without the slot term the batch piles onto one engine (prefill wait alone stays under 150 ms)
+    blind = SlotBoundFleet(2, duration_s=None)
+    scheduler = blind.default_scheduler(defaultRequestDurationMs=0)
+    piled = Counter(blind.place(scheduler, batch_line(n)).endpoint.name for n in range(40))
+    assert max(piled.values()) >= 35, piled
+
+
+def test_sheddable_work_goes_only_to_an_engine_with_spare_capacity():
+    fleet = SlotBoundFleet(2)
+    scheduler = fleet.default_scheduler(maxTTFTPenaltyMs=0)  # affinity alone would always stick
+    home = fleet.place(scheduler, batch_line(0)).endpoint
+    spare = fleet.pool[1 - fleet.pool.index(home)]
+    home.in_flight_requests = 4 + 5  # 5 waiting: saturation 1.0
+    fleet.scrape(home)
+    assert fleet.place(scheduler, batch_line(1)).endpoint is home  # interactive: sticky
+    for fields in ({"sheddable": True}, {"priority": -10}):
+        result = fleet.place(scheduler, batch_line(2), **fields)
+        assert result.endpoint is spare
+        assert result.state.read("spare-capacity-outcome/spare-capacity-filter") == "kept_spare"

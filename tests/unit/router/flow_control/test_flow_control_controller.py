@@ -266,3 +266,25 @@ def test_f11_flooding_batch_tenant_against_interactive_traffic():
         assert all(b["queued_requests"] == 0 for b in stats["bands"])
         await controller.stop()
     run(scenario)
+
+
+def test_shipped_sheddable_bands_answer_at_once_never_queue():
+    """The default config: batch and async dispatch at once on a real clock when some engine has
+    room, and get an immediate 429 ``rejected-saturated`` with ``Retry-After: 1`` when none has."""
+    async def scenario():
+        level = Level(0.5)
+        controller = FlowController(FlowControlConfig(), level)  # time.monotonic: enqueue and step differ
+        await controller.start()
+        admission = await controller.admit(item("b-room", objective="batch"))
+        admission.release()
+        level.value = 1.0
+        for objective in ("batch", "async"):
+            with pytest.raises(RequestDropped) as exc:
+                await asyncio.wait_for(controller.admit(item(f"{objective}-full", objective=objective)), 1.0)
+            assert (exc.value.status, exc.value.reason) == (429, DropReason.SATURATED)
+            assert exc.value.headers() == {"Retry-After": "1", "x-llm-d-request-dropped-reason": "rejected-saturated"}
+            assert band_stats(controller.stats(), objective)["queued_requests"] == 0
+        interactive = asyncio.create_task(controller.admit(item("i", objective="interactive")))
+        (await interactive).release()  # the top band still bypasses up to its bound
+        await controller.stop()
+    run(scenario)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from flow_control_helpers import Slots, band_stats, config, full_pool, ids, item, open_pool
 
-from router.flow_control import DropReason, FlowControlCore, RequestDropped, TicketState
+from router.flow_control import DropReason, FlowControlConfig, FlowControlCore, RequestDropped, TicketState
 
 
 def test_strict_priority_between_bands():
@@ -96,9 +96,20 @@ def test_item_deadline_sheds_before_the_band_ttl_and_a_past_deadline_rejects_at_
 def test_a_band_with_zero_ttl_never_queues():
     core = FlowControlCore(config(batch={"ttl_s": 0.0}))
     core.enqueue(item("now-or-never"), now=1.0)
-    assert core.step(1.0, full_pool).expired == []  # it had its chance in the admitting step
-    [(_, drop)] = core.step(1.01, full_pool).expired
-    assert drop.reason is DropReason.SATURATED
+    [(_, drop)] = core.step(1.5, full_pool).expired  # its one chance: the first step after enqueue
+    assert (drop.reason, drop.headers()["Retry-After"]) == (DropReason.SATURATED, "1")
+    assert core.queued_requests == 0
+    core.enqueue(item("room"), now=2.0)
+    assert ids(core.step(2.5, open_pool).dispatched) == ["room"]  # later than enqueue: still dispatched
+
+
+def test_a_zero_ttl_band_sheds_quota_bound_items_as_quota():
+    core = FlowControlCore(config(batch={"ttl_s": 0.0, "tenant_max_in_flight": 1}))
+    core.enqueue(item("a1"), now=0.0)
+    core.enqueue(item("a2"), now=0.0)
+    result = core.step(0.1, open_pool)
+    assert ids(result.dispatched) == ["a1"]
+    assert [(t.item.request_id, d.reason) for t, d in result.expired] == [("a2", DropReason.QUOTA)]
 
 
 @pytest.mark.parametrize("limits, sizes", [
@@ -260,3 +271,67 @@ def test_flow_item_validation():
         item("neg", size=-1)
     with pytest.raises(ValueError):
         item("nan", deadline=float("nan"))
+
+
+def one_per_step(core: FlowControlCore, times: list[float]) -> list[str]:
+    """Dispatch one item per step at each of ``times`` (one slot, freed after each step)."""
+    out = []
+    for now in times:
+        result = core.step(now, Slots(core, capacity=1))
+        out += ids(result.dispatched)
+        for ticket in result.dispatched:
+            core.release(ticket)
+    return out
+
+
+def test_weighted_deficit_round_robin_gives_each_tenant_its_weights_share():
+    cfg = config().model_copy(update={"tenant_weights": {"heavy": 2.0, "light": 0.5}})
+    core = FlowControlCore(cfg)
+    for n in range(40):
+        for tenant in ("heavy", "plain", "light"):
+            core.enqueue(item(f"{tenant}{n}", tenant=tenant), now=0.0)
+    order = [rid.rstrip("0123456789") for rid in one_per_step(core, [float(t) for t in range(35)])]
+    # per round of two turns: heavy 2 + 2, plain 1 + 1, light 0.5 + 0.5 → 4 : 2 : 1
+    assert order[:7] == ["heavy", "heavy", "plain", "heavy", "heavy", "plain", "light"]
+    assert (order.count("heavy"), order.count("plain"), order.count("light")) == (20, 10, 5)
+
+
+def test_default_weight_one_is_plain_round_robin_and_weights_must_be_positive():
+    core = FlowControlCore(config())
+    for n in range(3):
+        core.enqueue(item(f"a{n}", tenant="a"), now=0.0)
+        core.enqueue(item(f"b{n}", tenant="b"), now=0.0)
+    assert one_per_step(core, [0.0, 1.0, 2.0, 3.0]) == ["a0", "b0", "a1", "b1"]
+    with pytest.raises(ValueError):
+        config().model_validate({**config().model_dump(), "tenant_weights": {"x": 0.0}})
+
+
+def test_an_item_whose_deadline_is_at_risk_goes_first_and_its_tenant_repays_the_turn_after():
+    def run(at_risk_s: float) -> list[str]:
+        core = FlowControlCore(config().model_copy(update={"deadline_at_risk_s": at_risk_s}))
+        for tenant in ("A", "B", "D"):
+            for n in range(1, 4):
+                core.enqueue(item(f"{tenant}{n}", tenant=tenant), now=0.0)
+        core.enqueue(item("C1", tenant="C", deadline=3.5), now=0.0)
+        core.enqueue(item("C2", tenant="C"), now=0.0)
+        return one_per_step(core, [0.0, 1.0, 2.6, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+
+    # ring order A, B, D, C (D enqueued before C); at 2.6 C1 has 0.9 s left: at risk, it jumps D.
+    # C's next turn (at 4.0, first in the ring then) is spent repaying it, so from there on the
+    # order is the plain round-robin's: C gets no more than its share
+    assert run(1.0) == ["A1", "B1", "C1", "D1", "A2", "B2", "D2", "C2", "A3", "B3"]
+    assert run(0.0) == ["A1", "B1", "D1", "C1", "A2", "B2", "D2", "C2", "A3", "B3"]
+
+
+def test_eviction_still_works_with_the_shipped_bands():
+    core = FlowControlCore(FlowControlConfig.from_mapping({"eviction": True}))
+    core.enqueue(item("b1", objective="batch"), now=0.0)
+    core.enqueue(item("b2", objective="batch"), now=0.0)
+    assert ids(core.step(0.0, open_pool).dispatched) == ["b1", "b2"]
+    core.enqueue(item("a", objective="async"), now=1.0)
+    result = core.step(1.0, full_pool)  # async never queues: shed now, no eviction for it
+    assert result.evicted == [] and [d.reason for _, d in result.expired] == [DropReason.SATURATED]
+    for n in range(65):  # interactive bypasses saturation up to 64 in flight; the 65th is blocked
+        core.enqueue(item(f"i{n}", tenant="i", objective="interactive"), now=2.0)
+    result = core.step(2.0, full_pool)
+    assert len(result.dispatched) == 64 and ids(result.evicted) == ["b2"]
