@@ -201,6 +201,19 @@ def _stalled_upload(base_url: str, api_key: str) -> socket.socket:
     return sock
 
 
+def _answered(sock: socket.socket) -> bool:
+    """Whether the server has answered (or closed) ``sock``, without waiting."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1, socket.MSG_PEEK) is not None
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.setblocking(True)
+
+
 def _finish_upload(sock: socket.socket) -> None:
     sock.sendall(b"x" * (UPLOAD_BYTES - len(UPLOAD_START) - len(UPLOAD_END)) + UPLOAD_END)
 
@@ -248,17 +261,20 @@ class TestUploadCapacity:
 
     def test_uploads_past_capacity_get_503_with_retry_after(self, gateway):
         client = gateway.client()
-        stalled = [_stalled_upload(gateway.base_url, gateway.api_key) for _ in range(3)]
+        stalled: list[socket.socket] = []
         try:
-            deadline = time.monotonic() + 10
-            while True:  # until the three stalled uploads hold their slots
+            deadline = time.monotonic() + 15
+            while True:
+                # Three stalled uploads hold the slots; one that met a probe's slot is refused and replaced.
+                stalled = [sock for sock in stalled if not _answered(sock)]
+                stalled += [_stalled_upload(gateway.base_url, gateway.api_key) for _ in range(3 - len(stalled))]
+                time.sleep(0.5)
                 try:
                     client.files.create(file=("x.jsonl", _line()), purpose="batch")
                 except openai.InternalServerError as exc:
                     refused = exc
                     break
                 assert time.monotonic() < deadline, "a fourth upload was never refused"
-                time.sleep(0.05)
             assert refused.status_code == 503
             error = _envelope({"error": refused.body})
             assert error["type"] == "server_error" and error["code"] == "service_unavailable"
