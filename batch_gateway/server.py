@@ -69,21 +69,26 @@ class ConnectionRegistry:
         self._idle: dict[GatewayHttpProtocol, None] = {}  # insertion order = idle since
 
     def opened(self, connection: GatewayHttpProtocol) -> None:
+        """Count a new connection; it is idle until its first request's headers are complete."""
         self.open += 1
         self._idle[connection] = None
 
     def busy(self, connection: GatewayHttpProtocol) -> None:
+        """``connection`` runs a request: never closed for the cap until it is idle again."""
         self._idle.pop(connection, None)
 
     def idle(self, connection: GatewayHttpProtocol) -> None:
+        """``connection`` answered its requests and waits for the next: the newest idle one."""
         self._idle.pop(connection, None)
         self._idle[connection] = None
 
     def closed(self, connection: GatewayHttpProtocol) -> None:
+        """``connection`` is closing or gone: no longer counted (call once per connection)."""
         self.open -= 1
         self._idle.pop(connection, None)
 
     def oldest_idle(self, other_than: GatewayHttpProtocol) -> GatewayHttpProtocol | None:
+        """The connection idle the longest except ``other_than``, or None when none is idle."""
         return next((c for c in self._idle if c is not other_than), None)
 
 

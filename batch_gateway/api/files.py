@@ -55,6 +55,7 @@ class UploadSlots:
         self.in_use = 0
 
     def take(self) -> None:
+        """Hold one slot; raises :class:`ServiceUnavailableError` when none is free."""
         if self.in_use >= self.limit:
             raise ServiceUnavailableError(
                 f"The server is handling {self.limit} uploads at the moment. Please retry after a few seconds.",
@@ -62,6 +63,7 @@ class UploadSlots:
         self.in_use += 1
 
     def release(self) -> None:
+        """Give back a slot :meth:`take` held."""
         self.in_use -= 1
 
 
