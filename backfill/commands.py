@@ -71,12 +71,13 @@ def gateway_command(host: str, port: int, log_level: str) -> None:
     import uvicorn
 
     from batch_gateway.app import create_app
+    from batch_gateway.server import uvicorn_config
     from batch_gateway.settings import load_settings
     from common.logging import configure_logging
 
     configure_logging(log_level)
-    uvicorn.run(create_app(load_settings()), host=host, port=port, log_level=log_level, log_config=None,
-                timeout_graceful_shutdown=10, h11_max_incomplete_event_size=16 * 1024)
+    settings = load_settings()
+    uvicorn.Server(uvicorn_config(create_app(settings), settings, host=host, port=port, log_level=log_level)).run()
 
 
 def _celery(settings=None):

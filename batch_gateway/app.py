@@ -4,7 +4,8 @@ The lifespan owns every client (database engine, file store, task publisher and 
 hands outbox events to the broker) and puts them on ``app.state``; nothing is created at import.
 Every error leaves as OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``; a
 database that cannot be reached (connection refused or lost, pool exhausted) is a 503 with
-``Retry-After`` (:func:`database_unavailable`), never a 500.
+``Retry-After`` (:func:`database_unavailable`), never a 500. Every answer, errors included,
+carries ``x-request-id`` and ``openai-processing-ms`` (:mod:`batch_gateway.request_ids`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from batch_gateway import admin
 from batch_gateway.api import batches, files
 from batch_gateway.errors import GatewayError, ServiceUnavailableError, error_body
 from batch_gateway.metrics import install_metrics
+from batch_gateway.request_ids import RequestIdMiddleware
 from batch_gateway.settings import GatewaySettings
 from batch_gateway.store import queries
 from batch_gateway.store.db import make_engine, make_sessionmaker
@@ -50,6 +53,27 @@ def database_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
 
 
+class GatewayApp(FastAPI):
+    """FastAPI with :class:`RequestIdMiddleware` around the whole application, Starlette's error
+    middleware included (so the 500 answers it makes carry the request id too). It wraps
+    ``__call__`` rather than the built middleware stack, whose outermost layer OpenTelemetry's
+    instrumentation expects to be Starlette's own."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._with_request_ids = RequestIdMiddleware(self._serve)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._with_request_ids(scope, receive, send)
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     """Build the gateway for ``settings``. Serving it (uvicorn) runs the lifespan, which connects
     to Postgres and the broker and registers ``settings.api_key`` for ``settings.default_tenant``."""
@@ -60,6 +84,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.settings = settings
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.store = build_file_store(settings)
+        app.state.upload_slots = files.UploadSlots(settings.max_concurrent_uploads)
         app.state.tasks = TaskPublisher.for_redis(settings.redis_url, settings.task_queue,
                                                   timeout_seconds=settings.broker_timeout_seconds)
         app.state.outbox = OutboxSender(app.state.tasks, app.state.sessionmaker).start()
@@ -75,7 +100,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             engine.dispose()
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else one INFO line per admin router poll
-    app = FastAPI(title="backfill gateway", version="0.1.0", lifespan=lifespan)
+    app = GatewayApp(title="backfill gateway", version="0.1.0", lifespan=lifespan)
     app.include_router(files.router)
     app.include_router(batches.router)
     admin.install(app)  # the dashboard at /admin
@@ -89,7 +114,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.response_headers())
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -109,7 +134,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", extra={"action": "unhandled_error", "path": request.url.path})
+        log.exception("unhandled error", extra={"action": "unhandled_error", "path": request.url.path,
+                                               "request_id": _request_id(request)})
         return JSONResponse(error_envelope("The server had an error while processing your request.",
                                             ErrorType.SERVER), status_code=500)
 
@@ -120,6 +146,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not database_unavailable(exc):
             return await unexpected(request, exc)
         log.warning("database unavailable", extra={"action": "database_unavailable", "path": request.url.path,
+                                                   "request_id": _request_id(request),
                                                    "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__})
         return await gateway_error(request, ServiceUnavailableError(
             "The server cannot reach its database at the moment. Please retry after a few seconds.",

@@ -1,7 +1,9 @@
 """FastAPI dependency aliases: ``SessionDep``, ``TenantDep``, ``SettingsDep``, ``StoreDep``.
 
 The tenant comes from the ``Authorization: Bearer`` credential only; every query takes it
-explicitly.
+explicitly. The credential is checked in a session of its own that is closed before the handler
+runs, so no database connection is held while a handler streams bytes (an upload, a download);
+``SessionDep``'s session takes a connection only at its first query.
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ def bearer_key(request: Request) -> str:
     return key
 
 
-def _tenant(request: Request, session: Annotated[Session, Depends(_session)]) -> Tenant:
+def _tenant(request: Request) -> Tenant:
     key = bearer_key(request)
-    tenant = queries.tenant_for_key(session, key)
+    with request.app.state.sessionmaker() as session:  # returned to the pool before the handler runs
+        tenant = queries.tenant_for_key(session, key)
     if tenant is None:
         shown = key[:6] + "*" * 4 + key[-4:] if len(key) > 12 else "*" * 4
         raise AuthenticationError(f"Incorrect API key provided: {shown}.")

@@ -8,14 +8,21 @@
     │   └── RequestTimeoutError       408
     ├── AuthenticationError           401 invalid_request_error / invalid_api_key
     ├── NotFoundError                 404 invalid_request_error
-    ├── ConflictError                 409 invalid_request_error
+    ├── ConflictError                 409 invalid_request_error (final)
     ├── PayloadTooLargeError          413 invalid_request_error
-    ├── RateLimitError                429 tokens / token_limit_exceeded (with Retry-After)
+    ├── RateLimitError                429 tokens / token_limit_exceeded (final)
     └── ServiceUnavailableError       503 server_error / service_unavailable (with Retry-After)
 
 :func:`error_body` renders any of them as OpenAI's envelope
 ``{"error": {"message", "type", "param", "code"}}`` (:mod:`common.contracts.errors`);
-``batch_gateway.app`` installs the handlers.
+``batch_gateway.app`` installs the handlers and sends :meth:`GatewayError.response_headers`.
+
+**Final refusals.** The ``openai`` SDK retries 408, 409, 429 and 5xx answers twice by default
+(``openai/_base_client.py`` ``_should_retry``), waiting ``Retry-After`` seconds when the server gives
+one (up to 120 s). An error whose ``should_retry`` is False answers ``x-should-retry: false`` (the
+SDK's own header, honoured before the status is looked at) and no ``Retry-After``, so the SDK raises
+at once: a 409 (the same request meets the same state) and a quota refusal (tokens are freed only
+when batches end, minutes to hours later) cannot be fixed by sending the request again.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ class GatewayError(Exception):
     status = 500
     type: str = ErrorType.API
     code: str | None = None
+    should_retry: bool | None = None
+    """False: the same request cannot succeed by being sent again soon (``x-should-retry: false``);
+    None: leave it to the client's rules for the status."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -40,6 +50,14 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
         self.headers = headers or {}
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers of this error's answer: ``headers`` plus ``x-should-retry: false`` for a final
+        refusal (which then never carries ``Retry-After``)."""
+        if self.should_retry is False:
+            return {**{k: v for k, v in self.headers.items() if k.lower() != "retry-after"},
+                    "x-should-retry": "false"}
+        return dict(self.headers)
 
 
 class InvalidRequestError(GatewayError):
@@ -77,10 +95,13 @@ class NotFoundError(GatewayError):
 
 
 class ConflictError(GatewayError):
-    """409: e.g. an ``Idempotency-Key`` reused with different arguments."""
+    """409: the object's state refuses the request (a cancel of an ended batch, an
+    ``Idempotency-Key`` reused with different arguments). Final: the same request meets the same
+    state."""
 
     status = 409
     type = ErrorType.INVALID_REQUEST
+    should_retry = False
 
 
 class PayloadTooLargeError(GatewayError):
@@ -91,11 +112,14 @@ class PayloadTooLargeError(GatewayError):
 
 
 class RateLimitError(GatewayError):
-    """429: over a quota; carries ``Retry-After``."""
+    """429 ``token_limit_exceeded``: the tenant's enqueued tokens plus this batch would pass its
+    quota. Final (``x-should-retry: false``, no ``Retry-After``): the quota frees only as the
+    tenant's batches end, so the SDK's retries seconds later would meet the same refusal."""
 
     status = 429
     type = ErrorType.TOKENS
     code = "token_limit_exceeded"
+    should_retry = False
 
 
 class ServiceUnavailableError(GatewayError):

@@ -33,6 +33,20 @@ class GatewaySettings(SharedSettings):
     batch_file_ttl_seconds: int = 30 * 24 * 3600
     body_idle_timeout_seconds: float = 60.0
     """An upload whose body sends nothing for this long is answered 408 and discarded."""
+    max_concurrent_uploads: int = Field(default=64, ge=1)
+    """Uploads in progress at once; one more is answered 503 with ``Retry-After`` before its body is
+    read. 64 bounds the S3 store's buffers (up to two 8 MiB parts per upload) at 1 GiB."""
+
+    header_timeout_seconds: float = Field(default=20.0, gt=0)
+    """Deadline of a request's line and headers, from the connection opening (or the next request's
+    first byte on a kept-alive one); 408 and closed past it (``batch_gateway.server``). 20 s is
+    Apache ``mod_reqtimeout``'s default first header timeout."""
+    request_timeout_seconds: float = Field(default=1800.0, gt=0)
+    """Deadline of a whole request, headers and body; 408 (or closed once an answer has started)
+    past it. 1,800 s takes a 200 MB batch file at 1 Mbit/s."""
+    max_connections: int | None = Field(default=None, ge=1)
+    """Open connections at most; past it the connection idle the longest is closed, or the new one
+    is answered 503 when none is idle. None: half the process's open-file limit (``ulimit -n``)."""
 
     broker_timeout_seconds: float = 2.0
     """Bound of each broker call the gateway makes (connect, one command's reply) when it hands

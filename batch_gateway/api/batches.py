@@ -125,7 +125,7 @@ async def create_batch(request: Request, tenant: TenantDep, session: SessionDep,
         limit = locked.enqueued_token_limit or settings.default_enqueued_token_limit
         reserved = reserved_tokens(source.bytes)
         if queries.enqueued_tokens(session, tenant.id) + reserved > limit:
-            raise RateLimitError(token_limit_message(tenant.name, limit), headers={"retry-after": "60"})
+            raise RateLimitError(token_limit_message(tenant.name, limit))
         try:
             with session.begin_nested():
                 batch = queries.insert_batch(
@@ -184,16 +184,19 @@ def retrieve_batch(batch_id: str, tenant: TenantDep, session: SessionDep) -> dic
 
 @router.post("/{batch_id}/cancel")
 def cancel_batch(batch_id: str, request: Request, tenant: TenantDep, session: SessionDep) -> dict:
-    """Cancel: ``cancelling`` (or ``cancelled`` at once when nothing ran); a second cancel returns
-    the same object; a batch that already ended otherwise answers 409."""
-    row = queries.cancel_batch(session, tenant.id, batch_id)
-    if row is None:
+    """Cancel by one rule (:data:`~batch_gateway.store.queries.batches.CANCEL_RULE`): a batch that
+    has not ended becomes ``cancelling`` (or ``cancelled`` at once when nothing ran) and a cancel of
+    a ``cancelling`` batch returns it unchanged, both 200 with the Batch; a batch that has ended
+    (``completed``, ``failed``, ``expired``, ``cancelled``) answers 409 ``Cannot cancel a batch with
+    status '…'.`` with ``x-should-retry: false`` and is not changed; 404 when missing or another
+    tenant's."""
+    outcome = queries.request_cancel(session, tenant.id, batch_id)
+    if outcome is None:
         raise _not_found(batch_id)
     session.commit()
+    if outcome.refusal is not None:
+        raise ConflictError(outcome.refusal)
     request.app.state.outbox.wake()  # the cancel task goes out now, off the request
-    refusal = queries.cancel_refusal(row.status)
-    if refusal is not None:
-        raise ConflictError(refusal)
     log.info("batch cancel", extra={"action": "batch_cancel", "batch_id": batch_id,
-                                    "tenant": tenant.name, "status": row.status})
-    return batch_object(row)
+                                    "tenant": tenant.name, "status": outcome.batch.status})
+    return batch_object(outcome.batch)

@@ -9,6 +9,7 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -20,6 +21,7 @@ from batch_gateway.errors import (
     NotFoundError,
     PayloadTooLargeError,
     RequestTimeoutError,
+    ServiceUnavailableError,
 )
 from batch_gateway.schemas import (
     EXPIRES_AFTER_MAX,
@@ -28,12 +30,41 @@ from batch_gateway.schemas import (
     UPLOAD_PURPOSES,
     file_object,
 )
+from batch_gateway.settings import GatewaySettings
 from batch_gateway.store import queries
-from batch_gateway.store.files import storage_key
+from batch_gateway.store.files import FileStore, storage_key
+from batch_gateway.store.models import Tenant
 from batch_gateway.uploads import UploadParser, multipart_boundary
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/files", tags=["files"])
+
+
+UPLOAD_RETRY_AFTER_SECONDS = 2
+"""``Retry-After`` of an upload refused past ``max_concurrent_uploads``: a one-line upload takes
+milliseconds, so a slot is usually free again within a second or two."""
+
+
+class UploadSlots:
+    """At most ``limit`` uploads in progress at once (counted on the event loop: the upload handler
+    is async, so no lock is needed). :meth:`take` raises :class:`ServiceUnavailableError` (503 with
+    ``Retry-After``) when all are taken; :meth:`release` gives one back."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_use = 0
+
+    def take(self) -> None:
+        """Hold one slot; raises :class:`ServiceUnavailableError` when none is free."""
+        if self.in_use >= self.limit:
+            raise ServiceUnavailableError(
+                f"The server is handling {self.limit} uploads at the moment. Please retry after a few seconds.",
+                retry_after_seconds=UPLOAD_RETRY_AFTER_SECONDS)
+        self.in_use += 1
+
+    def release(self) -> None:
+        """Give back a slot :meth:`take` held."""
+        self.in_use -= 1
 
 
 class StorageUnavailableError(GatewayError):
@@ -83,8 +114,20 @@ async def create_file(request: Request, tenant: TenantDep, session: SessionDep,
     """Upload a file (multipart ``file`` + ``purpose`` [+ ``expires_after``]); returns the File.
 
     The cap is ``max_batch_file_bytes`` (200 MB) for ``purpose=batch`` and ``max_file_bytes``
-    (512 MB) otherwise; 413 past it. A refused upload leaves no row and no bytes behind.
+    (512 MB) otherwise; 413 past it. A refused upload leaves no row and no bytes behind. Past
+    ``max_concurrent_uploads`` uploads in progress the answer is 503 with ``Retry-After``
+    (:class:`UploadSlots`); no database connection is held while the bytes stream.
     """
+    slots: UploadSlots = request.app.state.upload_slots
+    slots.take()
+    try:
+        return await _create_file(request, tenant, session, settings, store)
+    finally:
+        slots.release()
+
+
+async def _create_file(request: Request, tenant: Tenant, session: Session, settings: GatewaySettings,
+                       store: FileStore) -> dict:
     boundary = multipart_boundary(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 
+import openai
 import orjson
+import pytest
 from openai.types import Batch as SdkBatch
 from openai.types.chat import ChatCompletion
 from sqlalchemy import select, update
@@ -180,7 +182,9 @@ def test_cancel_midway_keeps_partial_output(gateway):
     assert set(errors) == {"c1", "c2", "c3"}
     assert all(e["response"] is None and e["error"]["code"] == "batch_cancelled" for e in errors.values())
     assert (done.request_counts.completed, done.request_counts.failed) == (1, 3)
-    assert client.batches.cancel(batch.id).model_dump() == done.model_dump()  # cancelling again: same object
+    with pytest.raises(openai.ConflictError):  # it has ended: a cancel now is refused, as for any ended batch
+        client.batches.cancel(batch.id)
+    assert client.batches.retrieve(batch.id).model_dump() == done.model_dump()
 
 
 def test_expiry_ends_unfinished_requests_as_batch_expired(gateway):

@@ -6,6 +6,7 @@ None commits: the caller owns the transaction."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -23,6 +24,7 @@ from batch_gateway.store.states import (
     ACTIVE_BATCH_STATUSES,
     CANCELLABLE_STATUSES,
     EXPIRABLE_STATUSES,
+    TERMINAL_BATCH_STATUSES,
     TERMINAL_REQUEST_STATES,
     BatchStatus,
     RequestState,
@@ -111,30 +113,62 @@ def transition(session: Session, batch_id: str, from_: Sequence[str], to: str,
     return batch
 
 
+CANCEL_RULE = """A cancel acts on a batch that has not ended and refuses one that has, whatever the
+way it ended: ``validating`` (or ``in_progress`` with nothing handed out) → ``cancelled`` at once;
+``in_progress`` with work in flight → ``cancelling``; ``cancelling`` → answered unchanged (200: a
+retried cancel while the first one runs); ``completed``, ``failed``, ``expired`` and ``cancelled``
+→ 409 ``Cannot cancel a batch with status '<status>'.``, nothing changed. OpenAI answers a cancel
+of a completed batch with this 409 (its cancel endpoint is documented for in-progress batches
+only); a batch that already ended cancelled is refused the same way, as every ended batch."""
+
+
 def cancel_refusal(status: str) -> str | None:
-    """Why a batch whose :func:`cancel_batch` left it in ``status`` was not cancellable (the
-    message ``POST /v1/batches/{id}/cancel`` answers with 409, and the dashboard shows), or None
-    when it is cancelling or cancelled."""
+    """The dashboard's reading of a batch left in ``status`` by :func:`cancel_batch`: the message
+    of a refused cancel, or None when it is ``cancelling`` or ``cancelled``. The API refuses by the
+    status the cancel found instead (:attr:`CancelOutcome.refusal`, :data:`CANCEL_RULE`)."""
     if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return None
+    return terminal_cancel_refusal(status)
+
+
+def terminal_cancel_refusal(status: str) -> str:
+    """OpenAI's 409 message for a cancel of a batch in ``status``."""
     return f"Cannot cancel a batch with status '{status}'."
 
 
-def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
-    """Cancel the tenant's batch. Returns the batch after the change, or None when not found.
+@dataclass(frozen=True)
+class CancelOutcome:
+    """What :func:`request_cancel` did: ``batch`` after the call and ``found``, the status it had
+    when the cancel locked it."""
+
+    batch: Batch
+    found: str
+
+    @property
+    def refusal(self) -> str | None:
+        """The 409 message when the batch had already ended (:data:`CANCEL_RULE`), else None."""
+        return terminal_cancel_refusal(self.found) if self.found in TERMINAL_BATCH_STATUSES else None
+
+
+def request_cancel(session: Session, tenant_id: str, batch_id: str) -> CancelOutcome | None:
+    """Cancel the tenant's batch by :data:`CANCEL_RULE`; None when there is no such batch.
 
     A batch still ``validating``, or ``in_progress`` with no request handed out yet, goes straight
     to ``cancelled`` (``cancelling_at`` and ``cancelled_at`` both set, its requests marked
-    ``cancelled``); one with work in flight goes to ``cancelling``. A batch already ``cancelling``
-    or ``cancelled`` is returned unchanged; for other ended batches the caller answers an error.
+    ``cancelled``); one with work in flight goes to ``cancelling`` (with the cancel task's outbox
+    event). Any other batch is returned unchanged; the caller answers :attr:`CancelOutcome.refusal`
+    when it is set.
     """
     if not can_exist(batch_id):
         return None
     batch = session.execute(
         select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id).with_for_update()
     ).scalar_one_or_none()
-    if batch is None or batch.status not in CANCELLABLE_STATUSES:
-        return batch
+    if batch is None:
+        return None
+    found = str(batch.status)
+    if batch.status not in CANCELLABLE_STATUSES:
+        return CancelOutcome(batch, found)
     started = session.execute(
         select(func.count()).select_from(BatchRequest).where(
             BatchRequest.batch_id == batch_id, BatchRequest.state != RequestState.PENDING
@@ -144,14 +178,21 @@ def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | Non
         moved = transition(session, batch_id, (BatchStatus.IN_PROGRESS,), BatchStatus.CANCELLING)
         if moved is not None:
             add_event(session, moved, "batch.cancel_requested", {"task": CANCEL_BATCH_TASK}, publish=True)
-        return moved
+        return CancelOutcome(moved or batch, found)
     session.execute(
         update(BatchRequest)
         .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.PENDING)
         .values(state=RequestState.CANCELLED, finished_at=func.now())
     )
-    return transition(session, batch_id, CANCELLABLE_STATUSES, BatchStatus.CANCELLED,
-                      cancelling_at=EPOCH_NOW)
+    moved = transition(session, batch_id, CANCELLABLE_STATUSES, BatchStatus.CANCELLED, cancelling_at=EPOCH_NOW)
+    return CancelOutcome(moved or batch, found)
+
+
+def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
+    """:func:`request_cancel`'s batch after the change, or None when not found (the dashboard's
+    form reads the result with :func:`cancel_refusal`)."""
+    outcome = request_cancel(session, tenant_id, batch_id)
+    return outcome.batch if outcome is not None else None
 
 
 def stale_validating_batches(session: Session, older_than_seconds: float, limit: int = 100) -> list[str]:
