@@ -141,7 +141,7 @@ def fmt_pct(value: float | None) -> str:
 templates.env.filters["time"] = fmt_time
 templates.env.globals["pct"] = fmt_pct
 templates.env.globals["fmt_in"] = fmt_in
-templates.env.globals["cancel_refusal"] = queries.cancel_refusal
+templates.env.globals["cancel_refusal"] = queries.terminal_cancel_refusal
 
 
 def estimated_finish(total: int, done: int, in_progress_at: int | None, now: float) -> float | None:
@@ -379,19 +379,20 @@ def build_router() -> APIRouter:
     @router.post("/jobs/{batch_id}/cancel")
     def cancel(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
                csrf_token: Annotated[str | None, Form()] = None) -> Response:
-        """Cancel through the API's own path (:func:`queries.cancel_batch`, then the outbox hands the
-        cancel task to the worker), then back to the job page with ``notice=cancel_requested``; a
-        batch that had already ended otherwise goes back with ``notice=cancel_refused`` (the API
-        answers 409 "Cannot cancel a batch with status '…'." there)."""
+        """Cancel through the API's own path and rule (:func:`queries.request_cancel`,
+        :data:`queries.CANCEL_RULE`; the outbox hands the cancel task to the worker), then back to the
+        job page with ``notice=cancel_requested``; a batch that had already ended (cancelled
+        included) goes back with ``notice=cancel_refused`` (the API answers 409 "Cannot cancel a
+        batch with status '…'." there)."""
         auth.check_csrf(admin, csrf_token)
         row = queries.admin_get_batch(session, batch_id)
         if row is None:
             raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
-        moved = queries.cancel_batch(session, row[0].tenant_id, batch_id)
-        assert moved is not None  # the batch was just read
+        outcome = queries.request_cancel(session, row[0].tenant_id, batch_id)
+        assert outcome is not None  # the batch was just read
         session.commit()
         request.app.state.outbox.wake()  # the cancel task goes out off the request, as the API's
-        refusal = queries.cancel_refusal(moved.status)
+        moved, refusal = outcome.batch, outcome.refusal
         log.info("batch cancel refused" if refusal else "batch cancel",
                  extra={"action": "batch_cancel_refused" if refusal else "batch_cancel", "batch_id": batch_id,
                         "tenant": row[1], "status": moved.status, "by": "admin"})

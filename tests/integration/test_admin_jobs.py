@@ -190,6 +190,12 @@ def test_cancel_from_the_dashboard_goes_cancelling_then_cancelled(gateway):
     assert client.batches.retrieve(batch.id).status == "cancelled"
     outcomes = browser.get(f"/admin/jobs/{batch.id}", params={"state": "cancelled"}).text
     assert sorted(re.findall(r'<td class="mono">(c\d)</td>', outcomes)) == ["c1", "c2", "c3"]
+    # the API's one rule: a batch that ended, cancelled included, is refused with OpenAI's 409 message
+    again = browser.post(f"/admin/jobs/{batch.id}/cancel", data={"csrf_token": csrf})
+    assert again.status_code == 303 and again.headers["location"].endswith("?notice=cancel_refused")
+    refused = browser.get(again.headers["location"]).text
+    assert "Cannot cancel a batch with status &#39;cancelled&#39;." in refused or \
+        "Cannot cancel a batch with status 'cancelled'." in refused
 
 
 def test_tenants_page_shows_quota_use_and_queued_and_pending_requests_live(gateway):

@@ -35,8 +35,6 @@ from batch_gateway.store.queries.batches import (
     CancelOutcome,
     batch_status,
     batches_to_finalize,
-    cancel_batch,
-    cancel_refusal,
     cancelling_batch_ids,
     enqueued_tokens,
     feedable_batches,
@@ -48,6 +46,7 @@ from batch_gateway.store.queries.batches import (
     past_deadline,
     request_cancel,
     stale_validating_batches,
+    terminal_cancel_refusal,
     transition,
 )
 from batch_gateway.store.queries.events import (
@@ -103,7 +102,7 @@ __all__ = [
     "ERROR_BODY_BYTES", "KEY_PREFIX", "OPEN_REQUEST_STATES", "OUTCOME_COLUMNS", "TERMINAL_REQUEST_STATES",
     "WEBHOOK_EVENTS", "BatchCursor", "add_api_key", "add_event", "admin_get_batch", "admin_list_batches",
     "admin_request_page", "batch_events", "batch_status", "batch_status_counts", "batch_traceparents",
-    "batches_to_finalize", "can_exist", "CANCEL_RULE", "CancelOutcome", "cancel_batch", "cancel_refusal",
+    "batches_to_finalize", "can_exist", "CANCEL_RULE", "CancelOutcome", "terminal_cancel_refusal",
     "request_cancel", "cancelling_batch_ids", "claim_pending",
     "count_requests", "delete_file", "due_webhooks", "end_open_requests", "enqueued_tokens", "ensure_tenant",
     "feedable_batches", "file_in_use", "get_any_file", "get_batch", "get_batch_by_idempotency_key", "get_file",

@@ -122,15 +122,6 @@ of a completed batch with this 409 (its cancel endpoint is documented for in-pro
 only); a batch that already ended cancelled is refused the same way, as every ended batch."""
 
 
-def cancel_refusal(status: str) -> str | None:
-    """The dashboard's reading of a batch left in ``status`` by :func:`cancel_batch`: the message
-    of a refused cancel, or None when it is ``cancelling`` or ``cancelled``. The API refuses by the
-    status the cancel found instead (:attr:`CancelOutcome.refusal`, :data:`CANCEL_RULE`)."""
-    if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
-        return None
-    return terminal_cancel_refusal(status)
-
-
 def terminal_cancel_refusal(status: str) -> str:
     """OpenAI's 409 message for a cancel of a batch in ``status``."""
     return f"Cannot cancel a batch with status '{status}'."
@@ -186,13 +177,6 @@ def request_cancel(session: Session, tenant_id: str, batch_id: str) -> CancelOut
     )
     moved = transition(session, batch_id, CANCELLABLE_STATUSES, BatchStatus.CANCELLED, cancelling_at=EPOCH_NOW)
     return CancelOutcome(moved or batch, found)
-
-
-def cancel_batch(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
-    """:func:`request_cancel`'s batch after the change, or None when not found (the dashboard's
-    form reads the result with :func:`cancel_refusal`)."""
-    outcome = request_cancel(session, tenant_id, batch_id)
-    return outcome.batch if outcome is not None else None
 
 
 def stale_validating_batches(session: Session, older_than_seconds: float, limit: int = 100) -> list[str]:
