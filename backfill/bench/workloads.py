@@ -1,7 +1,7 @@
 """Seeded request traces for the router benchmarks, and the oracle-reusable tokens of a trace.
 
 A trace is a list of :class:`TimedRequest` in nominal arrival order, generated from a seed (nothing
-is stored but the generator and its parameters). Two workloads, as shared/PERFORMANCE.md describes:
+is stored but the generator and its parameters, or a Mooncake trace file). The workloads:
 
 * :func:`agentic_sessions`: multi-turn agent sessions. Every session starts with one of a few long
   system prompts (instructions plus the tool descriptions, rendered into the system message as agent
@@ -13,6 +13,13 @@ is stored but the generator and its parameters). Two workloads, as shared/PERFOR
 * :func:`shared_prefix_groups`: llm-d's shared-prefix profile (150 prefixes × 5 users, a
   6,000-token prefix + 1,200-token question → 1,000 tokens out) scaled down by default to 12
   prefixes × 5 users, 3,000 + 600 tokens → 16 out, Poisson arrivals.
+* :func:`tool_agents`: many parallel agents in long loops of short tool calls (see its docstring
+  for how it differs from :func:`agentic_sessions`).
+* :func:`shared_prefix_batch`: a batch in the OpenAI cookbook batch file's shape (one system
+  prompt, one movie description per line), sent as a burst.
+* Mooncake-format traces (:class:`MooncakeRecord`, :func:`read_mooncake`, :func:`write_mooncake`,
+  :func:`mooncake_trace`) and :func:`long_context_records`, a generator of long multi-turn
+  conversations in that format.
 
 Text is made of seeded random words, so distinct texts never share a 16-token block by accident.
 Token counts are for the simulator's built-in tokenizer (4 UTF-8 bytes per token over the ChatML
