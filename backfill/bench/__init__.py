@@ -11,7 +11,7 @@
 | ``engine_sim`` | ``backfill bench engine-sim``: requests/s of one engine simulator (``engine_twin``) |
 | ``prefix`` | ``backfill bench prefix``: captured prefix reuse and TTFT, ours vs other routers |
 | ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
-| ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups) and the oracle-reusable tokens |
+| ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups, tool agents, a shared-prefix batch, long-context conversations), Mooncake-format traces, the oracle-reusable tokens |
 | ``replay`` | async replayer: sessions closed-loop, arrivals open-loop, TTFT, cached tokens, captured reuse |
 | ``launch`` | subprocess fleet of simulated engines and the routers (ours, ``vllm-router``, ``sglang-router``) |
 | ``instant`` | an OpenAI-compatible server that answers at once, and a raw keep-alive load client |

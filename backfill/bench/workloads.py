@@ -1,7 +1,7 @@
 """Seeded request traces for the router benchmarks, and the oracle-reusable tokens of a trace.
 
 A trace is a list of :class:`TimedRequest` in nominal arrival order, generated from a seed (nothing
-is stored but the generator and its parameters). Two workloads, as shared/PERFORMANCE.md describes:
+is stored but the generator and its parameters, or a Mooncake trace file). The workloads:
 
 * :func:`agentic_sessions`: multi-turn agent sessions. Every session starts with one of a few long
   system prompts (instructions plus the tool descriptions, rendered into the system message as agent
@@ -13,6 +13,13 @@ is stored but the generator and its parameters). Two workloads, as shared/PERFOR
 * :func:`shared_prefix_groups`: llm-d's shared-prefix profile (150 prefixes × 5 users, a
   6,000-token prefix + 1,200-token question → 1,000 tokens out) scaled down by default to 12
   prefixes × 5 users, 3,000 + 600 tokens → 16 out, Poisson arrivals.
+* :func:`tool_agents`: many parallel agents in long loops of short tool calls (see its docstring
+  for how it differs from :func:`agentic_sessions`).
+* :func:`shared_prefix_batch`: a batch in the OpenAI cookbook batch file's shape (one system
+  prompt, one movie description per line), sent as a burst.
+* Mooncake-format traces (:class:`MooncakeRecord`, :func:`read_mooncake`, :func:`write_mooncake`,
+  :func:`mooncake_trace`) and :func:`long_context_records`, a generator of long multi-turn
+  conversations in that format.
 
 Text is made of seeded random words, so distinct texts never share a 16-token block by accident.
 Token counts are for the simulator's built-in tokenizer (4 UTF-8 bytes per token over the ChatML
@@ -23,10 +30,13 @@ Times are model seconds: the replayer multiplies them by the engines' ``time_sca
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import xxhash
@@ -84,7 +94,7 @@ def agentic_sessions(seed: int = 0, sessions: int = 24, agents: int = 2, system_
                      task_tokens: tuple[int, int] = (200, 600), call_tokens: tuple[int, int] = (30, 80),
                      result_tokens: tuple[int, int] = (300, 1000), turns: tuple[int, int] = (3, 8),
                      pause_s: float = 1.0, one_off_share: float = 0.06, one_off_tokens: tuple[int, int] = (1000, 4000),
-                     duration_s: float = 9.0, max_tokens: int = 16) -> list[TimedRequest]:
+                     duration_s: float = 9.0, max_tokens: int = 16, workload: str = "agentic") -> list[TimedRequest]:
     """Agent sessions (see the module docstring), in nominal arrival order.
 
     Args:
@@ -100,6 +110,8 @@ def agentic_sessions(seed: int = 0, sessions: int = 24, agents: int = 2, system_
         one_off_tokens: inclusive range of a one-off prompt's length, tokens.
         duration_s: session starts and one-off requests are spread uniformly over this window.
         max_tokens: output tokens of every call.
+        workload: the requests' workload name; any name but ``agentic`` also prefixes the session
+            ids (and so the texts), so two workloads of one seed never share a session prompt.
 
     Raises ``ValueError`` for a non-positive count or a share outside [0, 1).
     """
@@ -108,10 +120,11 @@ def agentic_sessions(seed: int = 0, sessions: int = 24, agents: int = 2, system_
     if not 0 <= one_off_share < 1:
         raise ValueError("one_off_share must be in [0, 1)")
     rng = random.Random(seed)
-    systems = [_text(rng, system_tokens, f"agent-{a} instructions and tools:") for a in range(agents)]
+    tag = "agent" if workload == "agentic" else workload
+    systems = [_text(rng, system_tokens, f"{tag}-{a} instructions and tools:") for a in range(agents)]
     out: list[TimedRequest] = []
     for s in range(sessions):
-        sid = f"agent-{seed}-{s}"
+        sid = f"{tag}-{seed}-{s}"
         start = rng.uniform(0, duration_s)
         messages = [{"role": "system", "content": rng.choice(systems)},
                     {"role": "user", "content": _text(rng, rng.randint(*task_tokens), f"task {sid}:")}]
@@ -125,13 +138,13 @@ def agentic_sessions(seed: int = 0, sessions: int = 24, agents: int = 2, system_
                 ]
                 pause = min(rng.expovariate(1 / pause_s), 4 * pause_s) if pause_s > 0 else 0.0
                 t += pause
-            out.append(TimedRequest(t, sid, turn, pause, _body(messages, max_tokens), max_tokens, "agentic"))
+            out.append(TimedRequest(t, sid, turn, pause, _body(messages, max_tokens), max_tokens, workload))
     one_offs = round(len(out) * one_off_share / (1 - one_off_share))
     for k in range(one_offs):
-        sid = f"one-off-{seed}-{k}"
+        sid = f"one-off-{seed}-{k}" if workload == "agentic" else f"{tag}-one-off-{seed}-{k}"
         messages = [{"role": "user", "content": _text(rng, rng.randint(*one_off_tokens), f"{sid}:")}]
         out.append(TimedRequest(rng.uniform(0, duration_s), sid, 0, 0.0, _body(messages, max_tokens), max_tokens,
-                                "agentic"))
+                                workload))
     return sorted(out, key=lambda r: (r.arrival_s, r.session_id, r.turn))
 
 
@@ -236,3 +249,263 @@ def oracle_reusable_tokens(trace: Sequence[TimedRequest], tokenize: Callable[[di
         result.reusable_tokens.append(hit * block_size)
     result.distinct_blocks = len(seen)
     return result
+
+
+# ---- Mooncake-format traces ----------------------------------------------------------------------
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per ``hash_ids`` block of a Mooncake trace (Mooncake's published traces: 512)."""
+
+_CHAT_OVERHEAD_BYTES = len(render_chat([{"role": "user", "content": ""}]).encode())  # 50: ChatML framing
+
+
+@dataclass(frozen=True)
+class MooncakeRecord:
+    """One line of a Mooncake-format trace (the FAST'25 Mooncake traces' JSONL schema).
+
+    ``timestamp_ms``: arrival, milliseconds from the trace's start. ``input_length`` /
+    ``output_length``: prompt and answer tokens. ``hash_ids``: one id per 512-token block of the
+    prompt (the last one may be partial), block 0 first; equal ids mean equal block content.
+    """
+
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_mooncake(path: str | Path) -> list[MooncakeRecord]:
+    """Records of a Mooncake JSONL file (blank lines skipped), sorted by timestamp (stable).
+
+    Raises ``ValueError`` naming the line for a line that is not a JSON object with integer
+    ``timestamp``, ``input_length`` ≥ 1, ``output_length`` ≥ 0 and a non-empty list of integer
+    ``hash_ids`` (fewer ids than blocks is accepted: :func:`mooncake_trace` fills the rest with text
+    of the record's own)."""
+    out: list[MooncakeRecord] = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            record = MooncakeRecord(int(row["timestamp"]), int(row["input_length"]), int(row["output_length"]),
+                                    tuple(int(h) for h in row["hash_ids"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number}: not a Mooncake record ({exc})") from exc
+        if record.input_length < 1 or record.output_length < 0 or not record.hash_ids:
+            raise ValueError(f"{path}:{number}: input_length must be ≥ 1, output_length ≥ 0, hash_ids non-empty")
+        out.append(record)
+    return sorted(out, key=lambda r: r.timestamp_ms)
+
+
+def write_mooncake(records: Sequence[MooncakeRecord], path: str | Path) -> None:
+    """Write ``records`` as Mooncake JSONL (keys ``timestamp``, ``input_length``,
+    ``output_length``, ``hash_ids``), one line each."""
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+
+
+def _block_text(hash_id: int, cache: dict[int, str]) -> str:
+    text = cache.get(hash_id)
+    if text is None:
+        text = cache[hash_id] = _text(random.Random(f"mooncake-block-{hash_id}"), MOONCAKE_BLOCK_TOKENS,
+                                      f"block {hash_id}:")
+    return text
+
+
+def mooncake_trace(records: Sequence[MooncakeRecord], start_min: float = 0.0, minutes: float | None = None,
+                   speed: float = 1.0, max_model_len: int | None = None, max_output_tokens: int | None = None,
+                   workload: str = "mooncake") -> list[TimedRequest]:
+    """Open-loop requests from Mooncake records: each record is a one-turn session sent at its
+    timestamp.
+
+    Args:
+        records: the trace (:func:`read_mooncake`), any order.
+        start_min, minutes: keep the records from ``start_min`` minutes after the first timestamp,
+            for ``minutes`` minutes (None: to the end); arrivals are counted from ``start_min``.
+        speed: arrivals are ``(timestamp − start) / speed`` (2 = twice the rate).
+        max_model_len: cap a prompt at ``max_model_len − output − 1`` tokens by dropping its
+            trailing blocks (what an engine with that context window could serve); None = no cap.
+        max_output_tokens: cap every ``output_length`` (None = as the trace says).
+        workload: the requests' workload name.
+
+    The prompt is one user message whose ChatML rendering is exactly ``input_length`` tokens of the
+    simulator's built-in tokenizer (:func:`chat_tokens`): the concatenated text of its blocks, each
+    hash id a deterministic 512-token text (so equal ids give equal tokens, whatever the record), the
+    last block cut to fit. Raises ``ValueError`` for a non-positive ``speed`` or ``minutes``.
+    """
+    if speed <= 0 or (minutes is not None and minutes <= 0):
+        raise ValueError("speed and minutes must be positive")
+    if not records:
+        return []
+    first = min(r.timestamp_ms for r in records)
+    start_ms = first + start_min * 60_000
+    end_ms = start_ms + minutes * 60_000 if minutes is not None else None
+    cache: dict[int, str] = {}
+    out: list[TimedRequest] = []
+    for k, r in enumerate(sorted(records, key=lambda r: r.timestamp_ms)):
+        if r.timestamp_ms < start_ms or (end_ms is not None and r.timestamp_ms >= end_ms):
+            continue
+        output = max(1, min(r.output_length, max_output_tokens) if max_output_tokens else r.output_length)
+        tokens = r.input_length
+        if max_model_len is not None:
+            tokens = min(tokens, max_model_len - output - 1)
+        content_bytes = 4 * tokens - _CHAT_OVERHEAD_BYTES
+        if content_bytes < 4:
+            continue
+        parts: list[str] = []
+        size = 0
+        for h in r.hash_ids:
+            if size >= content_bytes:
+                break
+            parts.append(_block_text(h, cache))
+            size += 4 * MOONCAKE_BLOCK_TOKENS
+        if size < content_bytes:  # fewer ids than blocks: the rest is the record's own text
+            parts.append(_text(random.Random(f"mooncake-record-{k}"), (content_bytes - size) // 4 + 1, f"rec {k}:"))
+        content = "".join(parts)[:content_bytes]
+        body = _body([{"role": "user", "content": content}], output)
+        out.append(TimedRequest((r.timestamp_ms - start_ms) / 1000 / speed, f"{workload}-{k}", 0, 0.0, body, output,
+                                workload))
+    return out
+
+
+def reusable_share(records: Sequence[MooncakeRecord], window_s: float = 300.0) -> float:
+    """Share of prompt tokens reusable within ``window_s`` seconds: per record, the leading
+    ``hash_ids`` that some record at most ``window_s`` earlier also had at the same position after
+    the same ids (a whole-prefix match, 512 tokens each, at most ``input_length − 1`` tokens), over
+    all prompt tokens. 0.0 for no records."""
+    last_seen: dict[tuple[int, ...], float] = {}
+    reusable = total = 0
+    for r in sorted(records, key=lambda r: r.timestamp_ms):
+        t = r.timestamp_ms / 1000
+        hit = 0
+        for i in range(len(r.hash_ids)):
+            seen = last_seen.get(r.hash_ids[:i + 1])
+            if seen is None or t - seen > window_s:
+                break
+            hit += 1
+        reusable += min(hit * MOONCAKE_BLOCK_TOKENS, r.input_length - 1)
+        total += r.input_length
+        for i in range(len(r.hash_ids)):
+            last_seen[r.hash_ids[:i + 1]] = t
+    return reusable / total if total else 0.0
+
+
+def long_context_records(seed: int = 0, conversations: int = 64, duration_s: float = 24.0,
+                         median_tokens: int = 5000, sigma: float = 1.0, max_tokens: int = 122_000,
+                         tail_share: float = 0.03, multi_turn_share: float = 0.2, turns: tuple[int, int] = (2, 3),
+                         turn_tokens: tuple[int, int] = (300, 1500), think_s: float = 8.0,
+                         output_tokens: tuple[int, int] = (100, 600)) -> list[MooncakeRecord]:
+    """Long multi-turn conversations in Mooncake form (the shape of Mooncake's conversation trace):
+    mean prompt about 12k tokens, a long tail to ``max_tokens``, about 20 % of prompt tokens
+    reusable within 5 minutes (:func:`reusable_share`), open-loop arrivals.
+
+    Args:
+        seed: the only source of randomness.
+        conversations: started uniformly over ``duration_s`` model seconds.
+        median_tokens, sigma: first prompt of a conversation, log-normal (median, log-space
+            sigma), at least 512 tokens and at most ``max_tokens``.
+        tail_share: share of conversations (rounded; drawn without replacement, so every trace
+            has its tail) whose first prompt is instead uniform between ``max_tokens / 2`` and
+            ``max_tokens`` (the long tail: documents, code bases).
+        multi_turn_share: share of conversations (rounded, drawn without replacement) with more
+            than one turn (``turns``, inclusive); the others are one request.
+        turn_tokens: tokens a later turn adds (the previous answer plus the new user message).
+        think_s: mean gap between turns (exponential), model seconds.
+        output_tokens: inclusive range of ``output_length``.
+
+    A later turn repeats all the previous turn's full 512-token blocks (same ids) and adds new
+    ones, like a chat history. Raises ``ValueError`` for a non-positive count or duration, or a
+    share outside [0, 1].
+    """
+    if conversations < 1 or duration_s <= 0 or median_tokens < 1 or max_tokens < MOONCAKE_BLOCK_TOKENS:
+        raise ValueError("conversations, duration_s, median_tokens must be positive; max_tokens ≥ 512")
+    if not (0 <= multi_turn_share <= 1 and 0 <= tail_share <= 1):
+        raise ValueError("multi_turn_share and tail_share must be in [0, 1]")
+    rng = random.Random(seed)
+    tail = set(rng.sample(range(conversations), round(tail_share * conversations)))
+    multi = set(rng.sample(range(conversations), round(multi_turn_share * conversations)))
+    next_id = 0
+    out: list[MooncakeRecord] = []
+    for c in range(conversations):
+        t = rng.uniform(0, duration_s)
+        length = int(min(max_tokens, max(MOONCAKE_BLOCK_TOKENS, rng.lognormvariate(math.log(median_tokens), sigma))))
+        if c in tail:
+            length = rng.randint(max_tokens // 2, max_tokens)
+        ids: list[int] = []
+        n_turns = rng.randint(*turns) if c in multi else 1
+        for turn in range(n_turns):
+            if turn:
+                t += rng.expovariate(1 / think_s)
+                length = min(max_tokens, length + rng.randint(*turn_tokens))
+                ids = ids[:(len(ids) - 1)] if out[-1].input_length % MOONCAKE_BLOCK_TOKENS else ids
+            while len(ids) < -(-length // MOONCAKE_BLOCK_TOKENS):
+                ids.append(next_id)
+                next_id += 1
+            out.append(MooncakeRecord(round(t * 1000), length, rng.randint(*output_tokens), tuple(ids)))
+    return sorted(out, key=lambda r: r.timestamp_ms)
+
+
+# ---- tool/agent traffic and the shared-prefix batch ----------------------------------------------
+def tool_agents(seed: int = 0, sessions: int = 48, tool_sets: int = 6, system_tokens: int = 1500,
+                turns: tuple[int, int] = (10, 24), pause_s: float = 0.25, duration_s: float = 4.0,
+                max_tokens: int = 24) -> list[TimedRequest]:
+    """Tool/agent traffic: many parallel agents in long loops of short tool calls.
+
+    How it differs from :func:`agentic_sessions` (same closed-loop mechanics, other shape): about
+    3× as many concurrent agents on 6 tool sets of 1,500-token system prompts (not 2 of 4,000), 3×
+    as many calls per session (10–24, not 3–8), each adding only a short call (15–60 tokens) and a
+    short result (40–300, not 300–1,000), with short tool pauses (mean 0.25 s, not 1 s) and no
+    one-off calls. Consecutive calls of a session share about 95 % of their prompt, so reuse comes
+    mostly from each session's own growing history rather than from a shared system prompt; the
+    sessions' histories together outgrow a GPU cache while each stays small. Workload name
+    ``tool-agent``.
+    """
+    return agentic_sessions(seed, sessions=sessions, agents=tool_sets, system_tokens=system_tokens,
+                            task_tokens=(100, 300), call_tokens=(15, 60), result_tokens=(40, 300), turns=turns,
+                            pause_s=pause_s, one_off_share=0.0, duration_s=duration_s, max_tokens=max_tokens,
+                            workload="tool-agent")
+
+
+_BATCH_SYSTEM = (
+    "\nYou read one short film synopsis at a time and label it.\nReturn a JSON object with two fields "
+    "and nothing else:\n\n{\n    genres: string[] // the genres the synopsis makes plain, lower case, "
+    "at most four,\n    logline: string // the story in a single sentence\n}\n\nA genre is a broad kind "
+    "of film such as \"drama\", \"thriller\", \"animation\" or \"western\"; prefer the common name of a "
+    "genre to a niche one and list the strongest first. Several genres are fine when the synopsis "
+    "supports each of them; never guess a genre the text gives no sign of. The logline names the lead "
+    "character by role rather than by name, states the goal and the obstacle, and stays under "
+    "thirty words.\n"
+)
+_ROLES = ("retired detective", "young pilot", "grieving widow", "small-town baker", "rogue android",
+          "exiled prince", "nervous intern", "veteran smuggler", "gifted violinist", "stubborn farmer")
+_GOALS = ("must clear a stolen fortune", "searches for a missing sister", "races to stop a plague",
+          "plots one last heist", "fights to save a failing theatre", "crosses a frozen desert",
+          "uncovers a family secret", "trains for a championship", "escapes a sinking city")
+_TWISTS = ("while a storm closes every road", "before the election night ends", "with a rival on each step",
+           "as old friends turn on each other", "while hiding a dangerous gift", "against a corrupt mayor",
+           "under the eye of a curious journalist", "as memories start to fade")
+
+
+def shared_prefix_batch(seed: int = 0, lines: int = 1000, rate_per_s: float = 80.0,
+                        max_tokens: int = 32) -> list[TimedRequest]:
+    """A shared-prefix batch in the shape of the OpenAI cookbook's batch example (one fixed system
+    prompt of about 190 tokens asking for a JSON classification, then one 1–2 sentence movie
+    description per line as the user message; the texts here are our own, of the same lengths),
+    sent open loop as a Poisson burst of ``rate_per_s`` requests per model second. Every line is
+    a one-turn session; workload name ``shared-prefix-batch``. Raises ``ValueError`` for a
+    non-positive argument."""
+    if lines < 1 or rate_per_s <= 0 or max_tokens < 1:
+        raise ValueError("lines, rate_per_s and max_tokens must be positive")
+    rng = random.Random(seed)
+    out: list[TimedRequest] = []
+    t = 0.0
+    for k in range(lines):
+        t += rng.expovariate(rate_per_s)
+        sentence = f"A {rng.choice(_ROLES)} {rng.choice(_GOALS)} {rng.choice(_TWISTS)}."
+        if rng.random() < 0.5:
+            sentence += f" Line {k}: " + _text(rng, rng.randint(8, 24))
+        messages = [{"role": "system", "content": _BATCH_SYSTEM}, {"role": "user", "content": f"{sentence} ({k})"}]
+        out.append(TimedRequest(t, f"batch-{seed}-{k}", 0, 0.0, _body(messages, max_tokens), max_tokens,
+                                "shared-prefix-batch"))
+    return out

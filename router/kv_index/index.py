@@ -126,8 +126,9 @@ class KVBlockIndex:
     per key with the CPU build's 128-token blocks (half an engine block per key). A key held by
     several endpoints costs its 173 bytes once, plus each endpoint's engine blocks.
 
-    Speculative entries (:meth:`add_speculative`) count as GPU until their TTL; a real store of the
-    key on that endpoint replaces them. Expiry is lazy (checked on lookup) plus a sweep on each
+    Speculative entries (:meth:`add_speculative`) count as GPU until their TTL (adding an entry
+    again sets its TTL anew, shorter or longer); a real store, or removal, of the key on that
+    endpoint replaces them. Expiry is lazy (checked on lookup) plus a sweep on each
     :meth:`apply` / :meth:`add_speculative`.
 
     :meth:`remove_endpoint` and ``AllBlocksCleared`` cost O(the endpoint's engine blocks).
@@ -160,6 +161,7 @@ class KVBlockIndex:
         self._engine_blocks = 0
         self._spec_expiry: dict[int, dict[int, float]] = {}  # key -> slot -> expiry (clock seconds)
         self._spec_heap: list[tuple[float, int, int]] = []
+        self._spec_heap_base = 0  # heap size after the last compaction
         self._seeds: dict[tuple[str, str | None], int] = {}
         self.decode_errors = 0
         self.unknown_parents = 0
@@ -207,6 +209,39 @@ class KVBlockIndex:
         self._report(out, alive, n, slow_cpu, slow_disk)
         return out
 
+    def longest_prefix_tiers(self, model: str, block_keys: Sequence[int]) -> Mapping[str, tuple[int, int, int]]:
+        """Per endpoint holding block 0: its run of consecutive blocks from block 0 (the run of
+        :meth:`longest_prefix`), counted by each block's fastest tier: ``(gpu, cpu, disk)`` blocks,
+        a live speculative entry counting as GPU. So a 100-block run whose last block was offloaded
+        is ``(99, 1, 0)``, where :meth:`longest_prefix` says ``(100, "cpu")``. ``model`` is unused."""
+        out: dict[str, tuple[int, int, int]] = {}
+        if not block_keys:
+            return out
+        get = self._keys.get
+        names = self._slot_names
+        counts: dict[int, list[int]] = {}  # slot -> [gpu, cpu, disk]
+        alive = -1
+        for key in block_keys:
+            entry = get(key)
+            if entry is None:
+                break
+            gpu, cpu, disk, spec = entry
+            if spec:
+                spec = self._live_spec(key, entry)
+            fast = gpu | spec
+            held = fast | cpu | disk
+            alive = held if alive == -1 else alive & held
+            if not alive:
+                break
+            for tier, bits in enumerate((alive & fast, alive & cpu & ~fast, alive & disk & ~fast & ~cpu)):
+                while bits:
+                    low = bits & -bits
+                    counts.setdefault(low.bit_length() - 1, [0, 0, 0])[tier] += 1
+                    bits ^= low
+        for slot, (g, c, d) in counts.items():
+            out[names[slot]] = (g, c, d)  # type: ignore[index]  # live slots have names
+        return out
+
     def _report(self, out: dict[str, tuple[int, str]], bits: int, n: int, slow_cpu: int, slow_disk: int) -> None:
         names = self._slot_names
         while bits:
@@ -250,6 +285,17 @@ class KVBlockIndex:
             entry[_SPEC] |= bit
             self._spec_expiry.setdefault(key, {})[slot] = until
             heapq.heappush(self._spec_heap, (until, key, slot))
+        if len(self._spec_heap) > 2 * self._spec_heap_base + 4096:
+            self._compact_spec_heap()
+
+    def _compact_spec_heap(self) -> None:
+        """Rebuild the expiry heap from the live expiries: a re-added entry (a hold shortened when
+        its response completes) leaves its earlier heap item behind, so without this the heap
+        would grow with every request held, not with the entries alive."""
+        heap = [(until, key, slot) for key, slots in self._spec_expiry.items() for slot, until in slots.items()]
+        heapq.heapify(heap)
+        self._spec_heap = heap
+        self._spec_heap_base = len(heap)
 
     def _sweep_spec(self, now: float) -> None:
         heap = self._spec_heap

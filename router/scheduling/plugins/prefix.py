@@ -196,14 +196,20 @@ class PreciseProducerParams(_BlockParams):
 
     ``tierWeights``: weight per tier of a matched block (defaults :data:`DEFAULT_TIER_WEIGHTS`).
     ``speculativeIndexing`` / ``speculativeTTL`` (llm-d names; default off / 2 s): on a decision,
-    tell the index the blocks are on the chosen endpoint until its KV events arrive.
+    tell the index the blocks are on the chosen endpoint until its KV events arrive. The entries
+    last while the request runs (an engine announces a prompt's blocks only once it has admitted
+    the request — vLLM: once each prefill chunk is computed — which for a queued or long prompt is
+    well past 2 s) and ``speculativeTTL`` after its response completes; ``speculativeMaxHold``
+    (default 10 min, the bench's and most clients' upper bound on one request) bounds a hold whose
+    completion the router never sees.
     """
 
     tier_weights: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     speculative_indexing: bool = False
     speculative_ttl: float = Field(2.0, alias="speculativeTTL", gt=0)
+    speculative_max_hold: float = Field(600.0, gt=0)
 
-    @field_validator("speculative_ttl", mode="before")
+    @field_validator("speculative_ttl", "speculative_max_hold", mode="before")
     @classmethod
     def _parse_ttl(cls, value: Any) -> float:
         return _seconds(value)
@@ -220,8 +226,11 @@ class PreciseProducerParams(_BlockParams):
 class PrecisePrefixCacheProducer:
     """Per-endpoint prefix matches from an injected KV-event index, weighted by tier.
 
-    ``matched[endpoint] = matched_blocks × tierWeights[tier]`` (a tier missing from the weights
-    counts 0), so a run found only in the CPU tier scores 0.8 of the same run on GPU.
+    ``matched[endpoint] = Σ over the run's blocks of tierWeights[the block's fastest tier]`` (a tier
+    missing from the weights counts 0), so a run found only in the CPU tier scores 0.8 of the same
+    run on GPU, and a run on GPU but for its last block scores ``n − 0.2``. With an index that only
+    answers :meth:`~router.scheduling.interfaces.PrefixIndex.longest_prefix` (no
+    ``longest_prefix_tiers``), the whole run is weighted by its slowest tier.
     """
 
     plugin_type = PRECISE_PRODUCER_TYPE
@@ -234,6 +243,7 @@ class PrecisePrefixCacheProducer:
         self.max_blocks = params.max_blocks()
         self._key = prefix_match_key(name)
         self._weights = params.tier_weights
+        self._by_tier = getattr(index, "longest_prefix_tiers", None)
 
     def produce(self, state: CycleState, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
         """Write this request's tier-weighted matches under ``prefix-match/<name>``."""
@@ -241,21 +251,38 @@ class PrecisePrefixCacheProducer:
         matched: dict[str, float] = {}
         if keys:
             weights = self._weights
-            found: Mapping[str, tuple[int, str]] = self.index.longest_prefix(request.model, keys)
-            for ep, (blocks, tier) in found.items():
-                weighted = blocks * weights.get(tier.lower(), 0.0)
-                if weighted > 0:
-                    matched[ep] = weighted
+            if self._by_tier is not None:
+                wg, wc, wd = (weights.get(t, 0.0) for t in (TIER_GPU, TIER_CPU, TIER_DISK))
+                tiers: Mapping[str, tuple[int, int, int]] = self._by_tier(request.model, keys)
+                for ep, (g, c, d) in tiers.items():
+                    weighted = g * wg + c * wc + d * wd
+                    if weighted > 0:
+                        matched[ep] = weighted
+            else:
+                found: Mapping[str, tuple[int, str]] = self.index.longest_prefix(request.model, keys)
+                for ep, (blocks, tier) in found.items():
+                    weighted = blocks * weights.get(tier.lower(), 0.0)
+                    if weighted > 0:
+                        matched[ep] = weighted
         state.write(self._key, PrefixMatchInfo(len(keys), self.block_size_tokens, matched))
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
-        """With ``speculativeIndexing``, seed the index with the blocks just routed."""
+        """With ``speculativeIndexing``, seed the index with the blocks just routed, held until the
+        response completes (at most ``speculativeMaxHold``)."""
+        self._speculate(request, result.endpoint.name, self.params.speculative_max_hold)
+
+    def response_complete(self, request: LLMRequest, endpoint: Endpoint, cached_tokens: int | None) -> None:
+        """With ``speculativeIndexing``: the blocks still unconfirmed by KV events stay
+        speculative for ``speculativeTTL`` more seconds (the last events' delivery)."""
+        self._speculate(request, endpoint.name, self.params.speculative_ttl)
+
+    def _speculate(self, request: LLMRequest, endpoint_name: str, ttl_s: float) -> None:
         if not self.params.speculative_indexing:
             return
         keys = request_block_keys(request, self.block_size_tokens, self.max_blocks)
         if keys:
             self.index.add_speculative(  # type: ignore[attr-defined]  # checked at build time
-                request.model, result.endpoint.name, keys, self.params.speculative_ttl
+                request.model, endpoint_name, keys, ttl_s
             )
 
 

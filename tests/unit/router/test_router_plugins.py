@@ -121,7 +121,9 @@ def test_precise_producer_speculative_entries_on_decision():
     )
     req = request(prompt(1, 256))
     producer.pre_request(req, committed(req, endpoints(1)[0]))
-    assert index.speculative == [("m", "http://e0", 4, 0.5)]
+    assert index.speculative == [("m", "http://e0", 4, 600.0)]  # held while the request runs
+    producer.response_complete(req, endpoints(1)[0], None)
+    assert index.speculative[-1] == ("m", "http://e0", 4, 0.5)  # then speculativeTTL
 
 
 # --- load scorers -----------------------------------------------------------------------------------

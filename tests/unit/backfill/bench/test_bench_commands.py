@@ -4,14 +4,23 @@ of ``docs/benchmarks.md``; a router that is not installed is reported missing, n
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from click.testing import CliRunner
 
 from backfill.bench import launch
 from backfill.bench.launch import POLICIES
-from backfill.bench.prefix import FIGURES, build_trace, engine_options, prefix_command, run_policy
+from backfill.bench.prefix import (
+    FIGURES,
+    SHAPES,
+    build_trace,
+    engine_options,
+    prefix_command,
+    run_policy,
+    versus_best_peer,
+)
 from backfill.bench.router_overhead import router_overhead_command
-from backfill.bench.workloads import oracle_reusable_tokens
+from backfill.bench.workloads import oracle_reusable_tokens, read_mooncake
 
 
 def _number(value) -> bool:
@@ -72,3 +81,49 @@ def test_router_overhead_quick_writes_the_headline_figures(tmp_path):
     if "missing" not in targets["ours"] and "missing" not in targets["vllm-router-cache_aware"]:
         assert payload["throughput_ratio_vs_vllm_router"] == (targets["ours"]["requests_per_s"]
                                                               / targets["vllm-router-cache_aware"]["requests_per_s"])
+
+
+def test_prefix_replays_a_mooncake_trace_file_on_the_long_context_fleet(tmp_path):
+    sample = Path(__file__).parent / "data" / "mooncake-sample.jsonl"
+    out = tmp_path / "mooncake.json"
+    result = CliRunner().invoke(prefix_command, ["--quick", "--trace", str(sample), "--trace-format", "mooncake",
+                                                 "--minutes", "1", "--speed", "4", "--policy", "approximate",
+                                                 "--policy", "precise", "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert payload["shape"] == "mooncake" and payload["trace"]["requests"] == 4  # the 400 s record is cut
+    for name in ("approximate", "precise"):
+        figures = payload["policies"][name]
+        if "missing" in figures:
+            continue
+        assert figures["errors"] == 0, figures.get("first_error")
+        assert 0 < figures["captured_reuse"] <= 1.0
+
+
+def test_prefix_shape_all_quick_prints_a_summary_per_shape(tmp_path):
+    out, trace = tmp_path / "all.json", tmp_path / "long-context.jsonl"
+    result = CliRunner().invoke(prefix_command, ["--quick", "--shape", "all", "--policy", "round-robin",
+                                                 "--write-trace", str(trace), "--json", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert list(payload["shapes"]) == list(SHAPES)
+    for shape, body in payload["shapes"].items():
+        assert body["policies"]["round-robin"]["errors"] == 0, shape
+        assert set(body["versus_best_peer"]) >= {"best_peer_reuse", "best_peer_ttft_p50_s", "approximate", "precise"}
+    assert "ours vs best peer" in result.output
+    assert len(read_mooncake(trace)) == payload["shapes"]["long-context"]["trace"]["requests"]
+
+
+def test_versus_best_peer_picks_the_best_figure_of_any_peer():
+    results = {"approximate": {"captured_reuse": 0.9, "ttft_p50_s": 0.5},
+               "precise": {"captured_reuse": 0.95, "ttft_p50_s": 0.3},
+               "vllm-router-cache_aware": {"captured_reuse": 0.93, "ttft_p50_s": 0.6},
+               "sglang-router-cache_aware": {"captured_reuse": 0.8, "ttft_p50_s": 0.4},
+               "vllm-router-kv_aware": {"missing": "not installed", "captured_reuse": None, "ttft_p50_s": None}}
+    v = versus_best_peer(results)
+    assert (v["best_peer_reuse"], v["best_peer_reuse_by"]) == (0.93, "vllm-router-cache_aware")
+    assert (v["best_peer_ttft_p50_s"], v["best_peer_ttft_p50_by"]) == (0.4, "sglang-router-cache_aware")
+    assert v["approximate"]["reuse_beats"] is False and v["approximate"]["p50_beats"] is False
+    assert v["precise"]["reuse_beats"] is True and v["precise"]["p50_beats"] is True
+    assert v["precise_reuse_at_least_approximate"] is True
