@@ -241,15 +241,17 @@ class LaneBuffer:
         taken; None if there is none. ``now_unix``: the wall clock the deadlines are compared to
         (default ``time.time()``; only read when ``at_risk_s`` > 0)."""
         self._promote(now)
+        horizon = -math.inf  # deadlines before it are at risk
+        if self.at_risk_s > 0:
+            horizon = (time.time() if now_unix is None else now_unix) + self.at_risk_s
+            if self._earliest_deadline() >= horizon:  # nothing held is at risk: skip the scan
+                horizon = -math.inf
         for name in self.order:
             lane = self._lanes[name]
             if not lane.ready:
                 continue
             tenants = [t for t in lane.tenants.values() if t.ready]
-            if self.at_risk_s > 0:
-                if now_unix is None:
-                    now_unix = time.time()
-                horizon = now_unix + self.at_risk_s
+            if horizon > -math.inf:
                 heads = sorted((f.items[0] for t in tenants for f in t.flows.values()
                                 if f.items and f.items[0].request.deadline < horizon), key=_key)
                 for work in heads:
@@ -261,6 +263,13 @@ class LaneBuffer:
                     if admits(flow.items[0]):
                         return self._take_ready(flow.items[0], lane)
         return None
+
+    def _earliest_deadline(self) -> float:
+        """The earliest deadline held, ready or not (inf when empty)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2] not in self._where:
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else math.inf
 
     def _take_ready(self, work: Work, lane: _Lane) -> Work:
         """Remove the ready head ``work`` and charge one turn to its tenant and flow."""
