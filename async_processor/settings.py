@@ -51,13 +51,14 @@ class ProcessorSettings(BaseSettings):
     saturation_max_age_s: float = Field(2.0, gt=0, description="older readings count as saturated")
 
     reserved_slots: dict[str, int] = Field(
-        default_factory=lambda: {"interactive": 16, "async": 8},
-        description="slots of concurrency only that lane (and higher ones) may use: batch gets at most "
-        "64 - 16 - 8 = 40 by default. Slots are the processor's, not the engines': 40 batch attempts "
-        "still fill a fleet of tens of engine sequences (the router refuses the rest at once), while 16 "
-        "interactive slots start a burst of queued interactive requests at once (at ~0.3-1 s each, "
-        "16-50 requests/s) and 8 do so for async; reserves of lanes not read, and of the lowest lane "
-        "read, are ignored, and they are cut (highest lane first) to leave the lowest lane >= 1 slot")
+        default_factory=lambda: {"interactive": 8, "async": 4},
+        description="slots of concurrency only that lane (and higher ones) may use, so batch gets at most "
+        "64 - 8 - 4 = 52 by default. Sizing: 8 interactive slots start a burst of 8 queued interactive "
+        "requests at once (at 0.3-1 s each, 8-25 requests/s before any waits for a batch slot to free; "
+        "freed slots go to the highest lane first anyway), 4 do so for async; more would cost batch "
+        "throughput where the processor's slots, not the engines', are the limit (16 + 8 leaves batch "
+        "62 % of the slots, 8 + 4 leaves 81 %). Reserves of lanes not read, and of the lowest lane "
+        "read, are ignored; they are cut, highest lane first, to leave the lowest lane >= 1 slot")
     tenant_weights: dict[str, float] = Field(default_factory=dict, description="tenant (metadata.tenant) -> "
                                              "its weight in a lane's fair share (> 0; tenants not named: 1)")
     deadline_at_risk_s: float = Field(300.0, ge=0, description="held work whose deadline is nearer than this "
@@ -65,8 +66,9 @@ class ProcessorSettings(BaseSettings):
                                       "leave room for a few attempts of a long generation and are a sliver of a "
                                       "24 h batch window, so fairness decides nearly all of the time")
 
-    buffer_size: int = Field(256, ge=1, description="messages held in memory per lane read (leased, not yet "
-                             "started): two receive batches; at 64 slots, four times what can start at once")
+    buffer_size: int = Field(512, ge=1, description="messages held in memory per lane read (leased, not yet "
+                             "started); workers' feed window (512) is kept no larger, so a batch's queued "
+                             "lines all fit here (see workers.settings.WorkerSettings.feed_window)")
     lane_buffer_sizes: dict[str, int] = Field(default_factory=dict, description="lane -> its own buffer_size")
     receive_batch: int = Field(128, ge=1, description="messages asked for per receive call")
     lease_s: float = Field(30.0, gt=0, description="a held message is redelivered after this much silence")

@@ -35,16 +35,18 @@ files older than ``temp_file_max_age_seconds``); ``validation_stale_seconds``: a
     """Pool of the request streams (``backfill:requests:{pool}:batch``)."""
     result_stream: str = BATCH_RESULT_STREAM
     """Redis stream the processors write batch results to (set in each message)."""
-    feed_window: int = Field(default=256, ge=1)
+    feed_window: int = Field(default=512, ge=1)
     """Requests of one batch queued at a time (the rest wait in Postgres, so a cancel or an
-    expiry drops little from the queue). 256: no more than the processor's batch-lane buffer
-    (``BACKFILL_PROCESSOR_BUFFER_SIZE``, 256 per lane), so a batch's queued lines fit in the
-    processor's buffer and slots and none wait in the Redis stream: another tenant's lines published
-    later are read at once and its fair share in the processor can serve them (with 1,000, a new
-    tenant's lines sat behind 744 of an older batch in the stream, out of the processor's reach).
-    Throughput: the feed refills each batch's window every ``feed_interval_seconds`` (1 s), so one
-    batch flows at up to 256 requests/s, above what a processor's 64 slots finish on real engines;
-    raise it with the processor's buffer when a fleet does more."""
+    expiry drops little from the queue). Kept no larger than the processor's batch-lane buffer
+    (``BACKFILL_PROCESSOR_BUFFER_SIZE``, 512 per lane), so a batch's queued lines fit in the
+    processor's buffer and slots and none wait in the Redis stream: another tenant's lines
+    published later are read at once and the processor's fair shares serve them (with 1,000
+    against a 256 buffer, a new tenant's lines sat behind hundreds of an older batch's in the stream,
+    out of the processor's reach). Throughput: a line holds its place in the window from its
+    publish until its result is collected (``collect_interval_seconds``, 0.5 s) and the next feed
+    (``feed_interval_seconds``, 1 s) refills it, about 1 s plus its service time on average; 512
+    keeps one batch at 256 requests/s (the end-to-end bench's engine) with a few hundred lines still
+    waiting in the processor. Raise it together with the processor's buffer for a faster fleet."""
     lease_seconds: float = 300.0
     """How often the sweeper looks after a queued request that has no result yet (RELIABILITY
     "Request leases" in docs/reliability.md). When the lease lapses the sweeper asks Redis where the
