@@ -34,7 +34,7 @@ _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
 @click.option("--max-deliveries", type=int, help="dead-letter after this many deliveries (default 5)")
 @click.option("--max-error-attempts", type=int, help="attempts of a request answered 500/502/504/408 or not at "
               "all before its last answer is final (default 5; 429/503 retry until the deadline)")
-@click.option("--buffer", "buffer_size", type=int, help="messages held in memory per lane (default 512)")
+@click.option("--buffer", "buffer_size", type=int, help="messages held in memory per lane (default 1024)")
 @click.option("--reserve", "reserved", multiple=True, metavar="LANE=SLOTS",
               help="slots of --concurrency only LANE and higher lanes may use (repeatable; replaces the "
               "default interactive=8 async=4)")

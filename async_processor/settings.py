@@ -66,9 +66,10 @@ class ProcessorSettings(BaseSettings):
                                       "leave room for a few attempts of a long generation and are a sliver of a "
                                       "24 h batch window, so fairness decides nearly all of the time")
 
-    buffer_size: int = Field(512, ge=1, description="messages held in memory per lane read (leased, not yet "
-                             "started); workers' feed window (512) is kept no larger, so a batch's queued "
-                             "lines all fit here (see workers.settings.WorkerSettings.feed_window)")
+    buffer_size: int = Field(1024, ge=1, description="messages held in memory per lane read (leased, not "
+                             "yet started): at least the workers' feed window (1,000), so all of a batch's "
+                             "queued lines fit here and another tenant's are never stuck behind them in the "
+                             "stream (see workers.settings.WorkerSettings.feed_window)")
     lane_buffer_sizes: dict[str, int] = Field(default_factory=dict, description="lane -> its own buffer_size")
     receive_batch: int = Field(128, ge=1, description="messages asked for per receive call")
     lease_s: float = Field(30.0, gt=0, description="a held message is redelivered after this much silence")

@@ -236,11 +236,12 @@ def test_a_small_tenant_interleaves_with_an_older_backlog_of_another(ns):
     app, seen = _stub(behaviour)
     port = free_port()
     now = int(time.time())
+    tag = secrets.token_hex(3)  # ids are claimed across the Redis server: none shared with other tests
     for i in range(30):
-        ns.put("batch", RequestMessage(id=f"a{i}", deadline=now + 3600 + i, payload={"id_hint": f"a{i}"},
+        ns.put("batch", RequestMessage(id=f"fair-{tag}-a{i}", deadline=now + 3600 + i, payload={"id_hint": f"a{i}"},
                                        metadata={"tenant": "A", "batch_id": "batch_a"}))
     for i in range(5):
-        ns.put("batch", RequestMessage(id=f"b{i}", deadline=now + 86_400, payload={"id_hint": f"b{i}"},
+        ns.put("batch", RequestMessage(id=f"fair-{tag}-b{i}", deadline=now + 86_400, payload={"id_hint": f"b{i}"},
                                        metadata={"tenant": "B", "batch_id": "batch_b"}))
     with serve(app, port), InProcess(ns.settings(f"http://127.0.0.1:{port}", concurrency=1)):
         ns.wait_results(35)
