@@ -14,6 +14,7 @@ import pytest
 from async_processor.backends.base import Delivery
 from async_processor.gates import AllGates, ConcurrencyGate, SaturationGate, effective_reserves
 from async_processor.lanes import LaneBuffer, Work
+from async_processor.retry import is_saturated_refusal, parse_retry_after, saturated_hold
 from async_processor.settings import build_settings
 from async_processor.testing import mock_target
 from common.contracts.queue import RequestMessage
@@ -227,6 +228,18 @@ def test_reserves_follow_the_lanes_read_and_leave_the_lowest_lane_a_slot():
 
 
 # the saturation gate and the router's fast refusal
+
+
+def test_a_fast_refusal_is_told_by_its_header_and_held_for_its_fractional_retry_after():
+    assert is_saturated_refusal(429, "rejected-saturated") and is_saturated_refusal(503, " Rejected-Saturated")
+    assert not is_saturated_refusal(429, "rejected-capacity") and not is_saturated_refusal(429, None)
+    assert not is_saturated_refusal(500, "rejected-saturated")
+    rng = random.Random(1)
+    holds = [saturated_hold(60, parse_retry_after("0.5"), rng=rng) for _ in range(200)]
+    assert all(h is not None and 0.5 <= h < 0.6 for h in holds) and len(set(holds)) > 1  # jittered
+    assert 1.0 <= (saturated_hold(60, None, rng=rng) or 0) < 1.2  # no Retry-After: the router's usual 1 s
+    assert (saturated_hold(60, 0.0, rng=rng) or 0) >= 0.05  # never a busy loop
+    assert saturated_hold(0.4, 0.5, rng=rng) is None  # past the deadline: not held
 
 
 def test_a_refusal_shuts_the_saturation_gate_until_a_reading_asked_for_after_it():
