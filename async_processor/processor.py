@@ -163,8 +163,7 @@ def build_gates(settings: ProcessorSettings, client: RouterClient) -> AllGates:
     (:func:`~async_processor.gates.effective_reserves` of ``reserved_slots``); a tenant quota when
     ``tenant_limit`` > 0; the router saturation gate when ``saturation_gate``."""
     reserves = effective_reserves(settings.concurrency, settings.lanes, settings.reserved_slots)
-    cut = {lane: n for lane, n in settings.reserved_slots.items() if lane in reserves and reserves[lane] < n}
-    if cut:
+    if reserves != effective_reserves(2**31, settings.lanes, settings.reserved_slots):
         log.warning("reserved slots cut to leave the lowest lane a slot",
                     extra={"action": "reserves_cut", "reserved": reserves, "concurrency": settings.concurrency})
     gates: list[Gate] = [ConcurrencyGate(settings.concurrency, reserves)]
