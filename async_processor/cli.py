@@ -34,7 +34,14 @@ _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
 @click.option("--max-deliveries", type=int, help="dead-letter after this many deliveries (default 5)")
 @click.option("--max-error-attempts", type=int, help="attempts of a request answered 500/502/504/408 or not at "
               "all before its last answer is final (default 5; 429/503 retry until the deadline)")
-@click.option("--buffer", "buffer_size", type=int, help="messages held in memory (default 256)")
+@click.option("--buffer", "buffer_size", type=int, help="messages held in memory per lane (default 1024)")
+@click.option("--reserve", "reserved", multiple=True, metavar="LANE=SLOTS",
+              help="slots of --concurrency only LANE and higher lanes may use (repeatable; replaces the "
+              "default interactive=8 async=4)")
+@click.option("--tenant-weight", "weights", multiple=True, metavar="TENANT=WEIGHT",
+              help="a tenant's weight in its lane's fair share (repeatable; default 1)")
+@click.option("--deadline-at-risk", "deadline_at_risk_s", type=float,
+              help="seconds to a deadline below which work goes before fair shares (default 300; 0: never)")
 @click.option("--grace", "grace_s", type=float, help="seconds in-flight work may finish on SIGTERM (default 20)")
 @click.option("--backoff-base", "backoff_base_s", type=float, help="retry backoff base in seconds (default 2)")
 @click.option("--pubsub-project", help="Pub/Sub project (default backfill-local)")
@@ -44,7 +51,8 @@ _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
               "while the processor cannot consume (receive failing, or none completed within "
               "BACKFILL_PROCESSOR_HEALTH_STALL_S, default 30 s)")
 @click.option("--log-level", default="INFO", show_default=True)
-def processor_command(lanes: str | None, log_level: str, **options) -> None:
+def processor_command(lanes: str | None, log_level: str, reserved: tuple[str, ...], weights: tuple[str, ...],
+                      **options) -> None:
     """Pump queued requests to the router and publish their results (SIGTERM: drain and exit 0)."""
     import uvloop
 
@@ -53,7 +61,10 @@ def processor_command(lanes: str | None, log_level: str, **options) -> None:
     from common.logging import configure_logging
 
     configure_logging(log_level)
-    settings = build_settings(lanes=lanes.split(",") if lanes else None, **options)
+    settings = build_settings(lanes=lanes.split(",") if lanes else None,
+                              reserved_slots=_numbers(reserved, int, "--reserve") if reserved else None,
+                              tenant_weights=_numbers(weights, float, "--tenant-weight") if weights else None,
+                              **options)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -75,6 +86,20 @@ def processor_command(lanes: str | None, log_level: str, **options) -> None:
                                                   extra={"action": "stopped", "counts": dict(processor.counts)})
 
     uvloop.run(main())
+
+
+def _numbers(pairs: tuple[str, ...], kind: type[int] | type[float], option: str) -> dict:
+    """``KEY=NUMBER`` pairs as a dict; ``click.BadParameter`` naming ``option`` on a bad one."""
+    out: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            out[key] = kind(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY={kind.__name__.upper()}, got {pair!r}", param_hint=option)
+    return out
 
 
 def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:

@@ -6,16 +6,18 @@ per-request debug lines (``dispatch``, ``result``; logger ``async_processor.proc
 Series (docs/observability.md has the full list; tenant ids are never labels):
 
 - ``backfill_processor_held_requests{lane}`` (gauge): admitted requests held in the lane buffer,
-  waiting for a gate or a retry backoff (the lane depth the processor sees; the stream backlog
-  before it is Redis' ``XLEN``, outside the processor).
-- ``backfill_processor_in_flight_requests{lane}`` (gauge): HTTP attempts running now.
+  waiting for a gate or a retry backoff (the lane depth the processor sees, at most the lane's
+  buffer share; the stream backlog before it is Redis' ``XLEN``, outside the processor).
+- ``backfill_processor_in_flight_requests{lane}`` (gauge): HTTP attempts running now (the
+  concurrency slots the lane holds).
 - ``backfill_processor_dispatched_total{lane}``: HTTP attempts started (retries included).
 - ``backfill_processor_router_request_duration_seconds{lane, status}``: one attempt, from the POST
   to the whole answer read; ``status`` the class (``2xx``, ``4xx``, ``5xx``) or ``none`` (no answer).
 - ``backfill_processor_results_total{lane, error_code}``: terminal results published;
   ``error_code`` is the result's code or ``none`` (an HTTP answer of any status).
 - ``backfill_processor_retries_total{lane, reason}``: attempts put back with a backoff; ``reason``
-  the retryable HTTP status (``429``, ``503``, …) or ``no_answer``.
+  the retryable HTTP status (``429``, ``503``, …), ``no_answer``, or ``rejected_saturated`` (the
+  router's fast refusal, held for its ``Retry-After`` and not counted as an attempt).
 - ``backfill_processor_shed_total{lane, reason}``: requests ended without (another) dispatch:
   ``deadline_exceeded``, ``cancelled``, ``dead_lettered``, ``invalid``.
 - ``backfill_processor_taken_over_total{lane, stage}``: held requests dropped because another
@@ -57,7 +59,7 @@ ROUTER_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 """10 ms (a quick 429) to 600 s (``request_timeout_s``' default): a long generation takes minutes."""
 
 SHED_REASONS = tuple(str(reason) for reason in Shed)
-RETRY_REASONS = (*(str(s) for s in sorted(RETRYABLE_STATUSES)), "no_answer")
+RETRY_REASONS = (*(str(s) for s in sorted(RETRYABLE_STATUSES)), "no_answer", "rejected_saturated")
 RESULT_CODES = ("none", *(str(code) for code in ErrorCode))
 TAKEN_OVER_STAGES = ("held", "in_flight", "result")
 
@@ -175,6 +177,11 @@ class ProcessorMetrics:
         """An attempt answered ``status`` (0: none) goes back with a backoff."""
         self.counts["retried"] += 1
         self._child(self._retries, lane, str(status) if status else "no_answer").inc()
+
+    def held_saturated(self, lane: str) -> None:
+        """An attempt refused at once as saturated goes back for its ``Retry-After``."""
+        self.counts["held_saturated"] += 1
+        self._child(self._retries, lane, "rejected_saturated").inc()
 
     def shed(self, lane: str, reason: Shed) -> None:
         """A request ends without (another) dispatch for ``reason``."""

@@ -3,7 +3,7 @@
 control flow carries no bookkeeping of its own.
 
 The observer keeps the only books: its Prometheus series and ``counts``, the tally of outcomes
-(``success``, ``http_error``, ``inference_error``, ``retried``, ``deadline_exceeded``, ``invalid``,
+(``success``, ``http_error``, ``inference_error``, ``retried``, ``held_saturated``, ``deadline_exceeded``, ``invalid``,
 ``dead_lettered``, ``duplicate``, ``handed_back``, ``cancelled``, ``taken_over``) that ``backfill processor`` logs
 at stop and :attr:`Processor.counts <async_processor.processor.Processor.counts>` reads.
 """
@@ -86,6 +86,11 @@ class ProcessorObserver(Protocol):
 
     def retried(self, lane: str, status: int) -> None:
         """An attempt answered ``status`` goes back with a backoff."""
+        ...
+
+    def held_saturated(self, lane: str) -> None:
+        """The router refused an attempt at once as saturated (429 ``rejected-saturated``): the
+        request is held for its ``Retry-After``, no attempt counted."""
         ...
 
     def shed(self, lane: str, reason: Shed) -> None:

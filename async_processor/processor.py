@@ -2,15 +2,21 @@
 
 One :class:`Processor` runs five asyncio tasks around one :class:`~async_processor.lanes.LaneBuffer`:
 
-- **reader**: while the buffer has room, receives from each lane in priority order; decodes; an
+- **reader**: receives from each lane in priority order while that lane's share of the buffer has
+  room (a full ``batch`` share never stops ``interactive`` from being read); decodes; an
   undecodable message gets an ``INVALID_REQUEST`` result and is dead-lettered; a message delivered
   more than ``max_deliveries`` times gets an ``INFERENCE_ERROR`` result and is dead-lettered; the
   rest are claimed by id (:meth:`~async_processor.backends.base.QueueBackend.admit`): duplicates
   of finished ids are acked, of running ids handed back, of cancelled batches answered ``CANCELLED``.
 - **dispatcher**: answers ``DEADLINE_EXCEEDED`` for held work past its deadline without dispatching,
-  and starts an attempt for each item the gates admit, highest lane and earliest deadline first.
+  and starts an attempt for each item the gates admit: highest lane first (lower lanes never take
+  the higher lanes' reserved slots), then deadlines at risk, then fair shares over tenants and
+  their batches, earliest deadline first inside one (:mod:`async_processor.lanes`).
 - **attempts**: one POST ``{router_url}{endpoint}`` each, with the llm-d headers; a retryable answer
   releases the gate slot and puts the work back with a backoff (:mod:`async_processor.retry`).
+  The router's fast refusal of sheddable work (429 ``rejected-saturated``) is held instead: back in
+  the buffer after its ``Retry-After`` (plus jitter), no attempt counted, no backoff growth, and
+  the saturation gate shut until its next reading of the router, so the lane does not hammer it.
   429/503 retry until the deadline; a server error or no answer at all ends the request with its
   last answer after ``max_error_attempts`` (a poison request never runs to its deadline). Each
   attempt's timeout follows the request (:mod:`async_processor.attempt_timeout`: a base plus a
@@ -58,11 +64,24 @@ import orjson
 from async_processor.attempt_timeout import attempt_timeout
 from async_processor.backends.base import Admission, Delivery, QueueBackend
 from async_processor.errors import ProcessorError
-from async_processor.gates import AllGates, ConcurrencyGate, Gate, SaturationGate, TenantQuotaGate
+from async_processor.gates import (
+    AllGates,
+    ConcurrencyGate,
+    Gate,
+    SaturationGate,
+    TenantQuotaGate,
+    effective_reserves,
+)
 from async_processor.lanes import LaneBuffer, Work
 from async_processor.metrics import ProcessorMetrics
 from async_processor.observer import ProcessorObserver, Shed
-from async_processor.retry import backoff_delay, is_retryable, parse_retry_after
+from async_processor.retry import (
+    backoff_delay,
+    is_retryable,
+    is_saturated_refusal,
+    parse_retry_after,
+    saturated_hold,
+)
 from async_processor.router_client import NoAnswer, RouterClient, make_router_client
 from async_processor.settings import ProcessorSettings
 from common.contracts.queue import (
@@ -140,9 +159,14 @@ def request_headers(request: RequestMessage, lane: str, time_left_s: float) -> d
 
 
 def build_gates(settings: ProcessorSettings, client: RouterClient) -> AllGates:
-    """The gates the settings ask for: always the fixed concurrency; a tenant quota when
+    """The gates the settings ask for: always the fixed concurrency with the lanes' reserved slots
+    (:func:`~async_processor.gates.effective_reserves` of ``reserved_slots``); a tenant quota when
     ``tenant_limit`` > 0; the router saturation gate when ``saturation_gate``."""
-    gates: list[Gate] = [ConcurrencyGate(settings.concurrency)]
+    reserves = effective_reserves(settings.concurrency, settings.lanes, settings.reserved_slots)
+    if reserves != effective_reserves(2**31, settings.lanes, settings.reserved_slots):
+        log.warning("reserved slots cut to leave the lowest lane a slot",
+                    extra={"action": "reserves_cut", "reserved": reserves, "concurrency": settings.concurrency})
+    gates: list[Gate] = [ConcurrencyGate(settings.concurrency, reserves)]
     if settings.tenant_limit:
         gates.append(TenantQuotaGate(settings.tenant_limit))
     if settings.saturation_gate:
@@ -164,7 +188,8 @@ class Processor:
         self.http = http
         self.gate = gate or build_gates(settings, http)
         self.rng = rng or random.Random()
-        self.buffer = LaneBuffer(settings.lanes, settings.buffer_size)
+        self.buffer = LaneBuffer(settings.lanes, settings.lane_capacity(), weights=settings.tenant_weights,
+                                 at_risk_s=settings.deadline_at_risk_s)
         self.router_url = settings.router_url.rstrip("/")
         self.in_flight: dict[Work, asyncio.Task] = {}
         self._settle: list[_Settle] = []
@@ -243,9 +268,9 @@ class Processor:
             got = 0
             try:
                 for lane in self.buffer.order:
-                    free = self.buffer.free()
-                    if free <= 0:
-                        break
+                    free = self.buffer.free(lane)
+                    if free <= 0:  # this lane's share is full; the others are still read
+                        continue
                     deliveries = await self.backend.receive(lane, min(free, settings.receive_batch),
                                                             settings.lease_s)
                     got += len(deliveries)
@@ -316,8 +341,8 @@ class Processor:
         while not self._stopping:
             for work in self.buffer.expired(time.time()):
                 self._finish(work, self._deadline_result(work))
-            now = time.monotonic()
-            while (ready := self.buffer.pop(now, self.gate.admits)) is not None:
+            now, now_unix = time.monotonic(), time.time()
+            while (ready := self.buffer.pop(now, self.gate.admits, now_unix)) is not None:
                 self.gate.acquire(ready)
                 self.metrics.dispatched(ready)
                 self.in_flight[ready] = asyncio.create_task(self._checked_attempt(ready))
@@ -406,7 +431,7 @@ class Processor:
             work.attempts += 1
             bound = attempt_timeout(request.payload, time_left, base_s=self.settings.request_timeout_s,
                                     per_token_s=self.settings.attempt_per_token_s)
-            status, body, retry_after, timed_out = 0, b"", None, False
+            status, body, retry_after, dropped_reason, timed_out = 0, b"", None, None, False
             started = time.monotonic()
             try:
                 answer = await self.http.post(self.router_url + request.endpoint, work.body,
@@ -414,11 +439,24 @@ class Processor:
                                               bound.total_s, bound.idle_s)
                 status, body = answer.status, answer.body
                 retry_after = parse_retry_after(answer.retry_after)
+                dropped_reason = answer.dropped_reason
             except NoAnswer as exc:
                 body = str(exc).encode()
                 timed_out = exc.timed_out
             elapsed = time.monotonic() - started
             self.metrics.attempt_finished(work.lane, status, elapsed)
+            if is_saturated_refusal(status, dropped_reason):
+                # the router would have queued it: not an attempt, no backoff growth, and the
+                # saturation gate shuts until it reads the router again
+                work.attempts -= 1
+                hold = saturated_hold(request.deadline - time.time(), retry_after, rng=self.rng)
+                if hold is None:
+                    self._finish(work, self._deadline_result(work))
+                    return
+                self.gate.refused(work)
+                self.metrics.held_saturated(work.lane)
+                released = self._put_back(work, hold)
+                return
             if not is_retryable(status) or router_timed_out(status, body):
                 # an answer, or the router's own attempt timeout (504 upstream_timeout): final
                 self.metrics.answered(work.lane, status)
@@ -456,17 +494,21 @@ class Processor:
                     self._finish(work, self._deadline_result(work))
                 return
             self.metrics.retried(work.lane, status)
-            self.gate.release(work)
-            released = True
-            del self.in_flight[work]
-            work.not_before = time.monotonic() + delay
-            self.buffer.push(work)
-            self._wake.set()
+            released = self._put_back(work, delay)
         finally:
             if not released:
                 self.gate.release(work)
                 self.in_flight.pop(work, None)
                 self._wake.set()
+
+    def _put_back(self, work: Work, delay_s: float) -> bool:
+        """Release ``work``'s slot and hold it again for ``delay_s`` seconds; returns True."""
+        self.gate.release(work)
+        del self.in_flight[work]
+        work.not_before = time.monotonic() + delay_s
+        self.buffer.push(work)
+        self._wake.set()
+        return True
 
     # ---------------------------------------------------------------- settling
 

@@ -10,7 +10,7 @@ Two implementations, both thin over a well-kept library:
 
 Only what the processor needs crosses the port: POST bytes with headers, a total timeout and an
 optional idle timeout (the longest silence while the answer streams in), GET; the answer is status,
-body bytes and ``Retry-After``. A request that got no HTTP answer (refused, reset, timed out)
+body bytes, ``Retry-After`` and ``x-llm-d-request-dropped-reason``. A request that got no HTTP answer (refused, reset, timed out)
 raises :class:`NoAnswer`, whose ``timed_out`` tells a timeout after the request was sent (the
 router had it) from a failure to connect; any HTTP status, 5xx included, is an :class:`Answer`.
 """
@@ -24,15 +24,17 @@ import aiohttp
 import httpx
 
 from async_processor.errors import ProcessorError
+from async_processor.retry import DROPPED_REASON_HEADER
 
 
 class Answer(NamedTuple):
-    """The router's HTTP answer: ``status``, the whole ``body`` (content-encoding decoded) and the
-    raw ``Retry-After`` header (None when absent)."""
+    """The router's HTTP answer: ``status``, the whole ``body`` (content-encoding decoded), the
+    raw ``Retry-After`` header and the ``x-llm-d-request-dropped-reason`` header (None when absent)."""
 
     status: int
     body: bytes
     retry_after: str | None = None
+    dropped_reason: str | None = None
 
 
 class NoAnswer(ProcessorError):
@@ -94,7 +96,8 @@ class AiohttpRouterClient:
             async with self._get_session().request(method, url, data=body, headers=headers,
                                                    timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=idle_s),
                                                    allow_redirects=False) as resp:
-                return Answer(resp.status, await resp.read(), resp.headers.get("Retry-After"))
+                return Answer(resp.status, await resp.read(), resp.headers.get("Retry-After"),
+                              resp.headers.get(DROPPED_REASON_HEADER))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise _no_answer(exc, _aiohttp_timed_out(exc)) from exc
 
@@ -124,7 +127,8 @@ class HttpxRouterClient:
             resp = await self.client.request(method, url, content=body, headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
             raise _no_answer(exc, isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout))) from exc
-        return Answer(resp.status_code, resp.content, resp.headers.get("retry-after"))
+        return Answer(resp.status_code, resp.content, resp.headers.get("retry-after"),
+                      resp.headers.get(DROPPED_REASON_HEADER))
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float,
                    idle_s: float | None = None) -> Answer:

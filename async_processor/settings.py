@@ -3,6 +3,13 @@
 
 Durations are seconds. Defaults come from ``shared/contracts/queue-and-headers.md`` (backoff base 2 s,
 cap 60 s) and ``shared/RELIABILITY.md`` (dead-letter after 5 deliveries, leases in tens of seconds).
+
+Strict lanes (issue 12, "batch takes only the spare capacity"): each lane read holds up to
+``buffer_size`` messages (``lane_buffer_sizes`` overrides it per lane), so a full ``batch`` share
+never stops ``interactive`` messages from being read; ``reserved_slots`` keeps slots of
+``concurrency`` for the higher lanes (:class:`~async_processor.gates.ConcurrencyGate`); inside a
+lane, tenants share by ``tenant_weights`` and deadlines nearer than ``deadline_at_risk_s`` go first
+(:mod:`async_processor.lanes`).
 """
 
 from __future__ import annotations
@@ -43,7 +50,27 @@ class ProcessorSettings(BaseSettings):
                                  "batch cancel markers (dropped with a CANCELLED result)")
     saturation_max_age_s: float = Field(2.0, gt=0, description="older readings count as saturated")
 
-    buffer_size: int = Field(256, ge=1, description="messages held in memory (leased, not yet started)")
+    reserved_slots: dict[str, int] = Field(
+        default_factory=lambda: {"interactive": 8, "async": 4},
+        description="slots of concurrency only that lane (and higher ones) may use, so batch gets at most "
+        "64 - 8 - 4 = 52 by default. Sizing: 8 interactive slots start a burst of 8 queued interactive "
+        "requests at once (at 0.3-1 s each, 8-25 requests/s before any waits for a batch slot to free; "
+        "freed slots go to the highest lane first anyway), 4 do so for async; more would cost batch "
+        "throughput where the processor's slots, not the engines', are the limit (16 + 8 leaves batch "
+        "62 % of the slots, 8 + 4 leaves 81 %). Reserves of lanes not read, and of the lowest lane "
+        "read, are ignored; they are cut, highest lane first, to leave the lowest lane >= 1 slot")
+    tenant_weights: dict[str, float] = Field(default_factory=dict, description="tenant (metadata.tenant) -> "
+                                             "its weight in a lane's fair share (> 0; tenants not named: 1)")
+    deadline_at_risk_s: float = Field(300.0, ge=0, description="held work whose deadline is nearer than this "
+                                      "goes before fair shares, earliest deadline first (0: never): five minutes "
+                                      "leave room for a few attempts of a long generation and are a sliver of a "
+                                      "24 h batch window, so fairness decides nearly all of the time")
+
+    buffer_size: int = Field(1024, ge=1, description="messages held in memory per lane read (leased, not "
+                             "yet started): at least the workers' feed window (1,000), so all of a batch's "
+                             "queued lines fit here and another tenant's are never stuck behind them in the "
+                             "stream (see workers.settings.WorkerSettings.feed_window)")
+    lane_buffer_sizes: dict[str, int] = Field(default_factory=dict, description="lane -> its own buffer_size")
     receive_batch: int = Field(128, ge=1, description="messages asked for per receive call")
     lease_s: float = Field(30.0, gt=0, description="a held message is redelivered after this much silence")
     max_deliveries: int = Field(5, ge=1, description="dead-letter on the delivery after this many")
@@ -91,6 +118,35 @@ class ProcessorSettings(BaseSettings):
         if unknown or not lanes:
             raise ValueError(f"lanes must be among {sorted(LANE_PRIORITIES)}, got {lanes}")
         return lanes
+
+    @field_validator("reserved_slots")
+    @classmethod
+    def _reserves(cls, counts: dict[str, int]) -> dict[str, int]:
+        return _per_lane(counts, least=0)
+
+    @field_validator("lane_buffer_sizes")
+    @classmethod
+    def _buffer_sizes(cls, counts: dict[str, int]) -> dict[str, int]:
+        return _per_lane(counts, least=1)
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _positive_weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        bad = {t: w for t, w in weights.items() if not (0 < w < float("inf"))}
+        if bad:
+            raise ValueError(f"tenant weights must be finite and > 0, got {bad}")
+        return weights
+
+    def lane_capacity(self) -> dict[str, int]:
+        """Buffer size of each lane read: ``lane_buffer_sizes`` where given, else ``buffer_size``."""
+        return {lane: self.lane_buffer_sizes.get(lane, self.buffer_size) for lane in self.lanes}
+
+
+def _per_lane(counts: dict[str, int], least: int) -> dict[str, int]:
+    unknown = [lane for lane in counts if lane not in LANE_PRIORITIES]
+    if unknown or any(n < least for n in counts.values()):
+        raise ValueError(f"keys must be among {sorted(LANE_PRIORITIES)}, values >= {least}, got {counts}")
+    return counts
 
 
 def build_settings(**overrides) -> ProcessorSettings:

@@ -1,5 +1,8 @@
 """The feed step: keep at most ``feed_window`` requests of each ``in_progress`` batch queued,
 earliest deadline first across batches, in prefix order (``prefix_key``, then line) within one.
+The window is kept no larger than the processor's batch-lane buffer
+(:attr:`~workers.settings.WorkerSettings.feed_window`), so what is queued sits in the processor,
+where tenants share fairly, rather than in the stream in publishing order.
 
 The lease is committed first, then the message is published, then its stream entry id is recorded
 on the request (the sweeper asks the queue about that entry when the lease lapses), so a crash in

@@ -2,7 +2,8 @@
 (``backfill engine-sim`` at ``--time-scale 0``) and small in-test stub apps.
 
 F1-style crash (kill -9 with requests in flight, restart: one result per id), F5 duplicates, poison
-answers, 429 + Retry-After retried then served, llm-d headers, strict lane priority and EDF order.
+answers, 429 + Retry-After retried then served, llm-d headers, strict lane priority and EDF order,
+fair turns between tenants.
 """
 
 from __future__ import annotations
@@ -225,6 +226,29 @@ def test_strict_lane_priority_and_earliest_deadline_first(ns):
     expected = [f"m{i}" for i, _ in sorted(enumerate(plan), key=lambda p: (
         -{"interactive": 100, "async": 10, "batch": -10}[p[1][0]], p[1][1], p[0]))]
     assert order == expected
+
+
+def test_a_small_tenant_interleaves_with_an_older_backlog_of_another(ns):
+    """Issue 12: tenant B's batch, queued after tenant A's, is served in turns with A's (fair
+    shares over tenants) although every line of A has an earlier deadline."""
+    async def behaviour(body, request, seen):
+        return JSONResponse({"ok": True})
+    app, seen = _stub(behaviour)
+    port = free_port()
+    now = int(time.time())
+    tag = secrets.token_hex(3)  # ids are claimed across the Redis server: none shared with other tests
+    for i in range(30):
+        ns.put("batch", RequestMessage(id=f"fair-{tag}-a{i}", deadline=now + 3600 + i, payload={"id_hint": f"a{i}"},
+                                       metadata={"tenant": "A", "batch_id": "batch_a"}))
+    for i in range(5):
+        ns.put("batch", RequestMessage(id=f"fair-{tag}-b{i}", deadline=now + 86_400, payload={"id_hint": f"b{i}"},
+                                       metadata={"tenant": "B", "batch_id": "batch_b"}))
+    with serve(app, port), InProcess(ns.settings(f"http://127.0.0.1:{port}", concurrency=1)):
+        ns.wait_results(35)
+    order = [hint for hint, _ in seen]
+    b_at = [i for i, hint in enumerate(order) if hint.startswith("b")]
+    assert len(b_at) == 5 and b_at[-1] < 12, order  # earliest deadline first alone: positions 30-34
+    assert [h for h in order if h.startswith("a")] == [f"a{i}" for i in range(30)]  # EDF inside A
 
 
 def test_kill_9_with_requests_in_flight_then_restart_gives_one_result_per_id(ns):

@@ -75,7 +75,7 @@ def test_lanes_strict_priority_then_edf_then_fifo():
              work("interactive", 7, id="i7"), work("async", 9, id="a9b"), work("interactive", 3, id="i3")]
     for w in items:
         buf.push(w)
-    assert buf.free() == 4
+    assert (buf.free("batch"), buf.free("interactive"), buf.free("unread")) == (8, 8, 0)
     order = [buf.pop(0, lambda w: True).request.id for _ in items]
     assert order == ["i3", "i7", "a9", "a9b", "b1", "b5"] and buf.pop(0, lambda w: True) is None
 
