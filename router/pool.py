@@ -402,6 +402,12 @@ class EndpointPool:
             metrics = parse_engine_metrics(text)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return False
+        self.record_metrics(state, metrics)
+        return True
+
+    def record_metrics(self, state: EndpointState, metrics: EngineMetrics) -> None:
+        """Put one successful scrape into the endpoint's :class:`Endpoint` (counts, the slot count
+        learned, block fields), stamp it fresh and call ``on_change``."""
         ep = state.endpoint
         ep.num_requests_waiting = metrics.num_requests_waiting
         ep.num_requests_running = metrics.num_requests_running
@@ -418,7 +424,6 @@ class EndpointPool:
         ep.metrics_updated_at = self.clock()
         state.metrics = metrics
         self.on_change()
-        return True
 
     # ---- internals ----------------------------------------------------------------------------
     def _rebuild(self) -> None:

@@ -37,9 +37,9 @@ apply (this module's values are what sheddable work is gated on)::
 no scrape lag). ``reserve = max(min_slot_reserve, ⌈slot_reserve_fraction × slots⌉)``, at most
 ``slots − 1`` (a one-slot engine keeps no reserve, or sheddable work could never run there).
 Default 10 %, at least 1: by Little's law the slots interactive work occupies on an engine are
-its arrival rate there × its request duration, e.g. 2 req/s × 0.4 s ≈ 1 slot (the ``mixed``
-benchmark's direct interactive load on four 4-slot engines); raise ``slot_reserve_fraction``
-when interactive traffic is heavier. Interactive work still uses every slot: its band bypasses
+its arrival rate there × its request duration: in the ``mixed`` benchmark (two 4-slot engines)
+the interactive parts, about 1.6 req/s of ~0.7 s each, hold about 1.1 slots, so one per engine;
+raise ``slot_reserve_fraction`` when interactive traffic is heavier. Interactive work still uses every slot: its band bypasses
 the gate (flow control's ``bypass_saturation``) and the ``spare-capacity-filter`` leaves it
 alone. Before the slot count is known no reserve applies (the values are llm-d's detector's).
 
