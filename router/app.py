@@ -70,8 +70,9 @@ class RouterRuntime:
         self.proxy: Proxy | None = None
 
     def endpoint_saturations(self) -> dict[str, float]:
-        """Every healthy endpoint's saturation now, by name: the detector's value from the last
-        scrapes with the scrape-lag credit per endpoint, and the requests flow control released
+        """Every healthy endpoint's saturation for sheddable work now, by name: the detector's value
+        from the last scrapes with the scrape-lag credit per endpoint and, once the endpoint's slot
+        count is known, the slot reserve for non-sheddable work, and the requests flow control released
         whose handlers have not forwarded them yet (one dispatch step may release several before
         any reaches an engine) placed on the least saturated endpoints
         (:func:`router.scheduling.saturation.fleet_saturation`). Flow control's gate and
