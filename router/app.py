@@ -58,7 +58,8 @@ class RouterRuntime:
         self.settings = settings
         self.thresholds = SaturationThresholds(
             queue_threshold=settings.queue_threshold, kv_threshold=settings.kv_threshold,
-            max_metrics_age_s=settings.max_metrics_age_s, in_flight_credit=True)
+            max_metrics_age_s=settings.max_metrics_age_s, in_flight_credit=True,
+            slot_reserve_fraction=settings.slot_reserve_fraction, min_slot_reserve=settings.min_slot_reserve)
         self.pool: EndpointPool | None = None
         self.scheduler: Scheduler | None = None
         self.flow: FlowController | None = None
@@ -69,8 +70,9 @@ class RouterRuntime:
         self.proxy: Proxy | None = None
 
     def endpoint_saturations(self) -> dict[str, float]:
-        """Every healthy endpoint's saturation now, by name: the detector's value from the last
-        scrapes with the scrape-lag credit per endpoint, and the requests flow control released
+        """Every healthy endpoint's saturation for sheddable work now, by name: the detector's value
+        from the last scrapes with the scrape-lag credit per endpoint and, once the endpoint's slot
+        count is known, the slot reserve for non-sheddable work, and the requests flow control released
         whose handlers have not forwarded them yet (one dispatch step may release several before
         any reaches an engine) placed on the least saturated endpoints
         (:func:`router.scheduling.saturation.fleet_saturation`). Flow control's gate and
@@ -242,7 +244,8 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
     try:
         pool = rt.pool = EndpointPool(control, scrape_interval_s=settings.scrape_interval_s,
                                       health_interval_s=settings.health_interval_s,
-                                      unhealthy_after=settings.unhealthy_after, on_change=kick)
+                                      unhealthy_after=settings.unhealthy_after, on_change=kick,
+                                      max_num_seqs=settings.max_num_seqs)
         handle = PluginHandle(saturation=rt.scheduling_saturation)
         if settings.kv_events_bind:
             rt.index = KVBlockIndex(block_size_tokens=64, max_blocks=settings.index_max_blocks)

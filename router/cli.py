@@ -32,6 +32,9 @@ from router.settings import build_settings
 @click.option("--no-flow-control", "no_flow_control", is_flag=True, help="route every request at once")
 @click.option("--engine-priority/--no-engine-priority", default=None,
               help="send vLLM's priority field (engines run --scheduling-policy priority)")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
+              help="every engine's sequence slots (vLLM --max-num-seqs) for the slot reserve "
+                   "(default: learned per engine from its metrics)")
 @click.option("--log-level", default=None, help="logging level (default INFO)")
 def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -> None:
     """Serve the prefix-cache-aware router with flow control in front of the engines."""

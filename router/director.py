@@ -295,7 +295,8 @@ class Director:
             if result is None:
                 return forwarder.rejected(NO_ENDPOINT)
             tried.add(result.endpoint.name)
-            share = self.pool.started(result.endpoint, _uncached_tokens(result, llm_request))
+            share = self.pool.started(result.endpoint, _uncached_tokens(result, llm_request),
+                                     sheddable=llm_request.sheddable)
             attempt = Attempt(task, self.pool, share)
             self._attempts.setdefault(result.endpoint.name, set()).add(attempt)
             retry = number == 0

@@ -13,8 +13,16 @@ selector (:class:`KubernetesSource`). For each endpoint the pool runs
   its prefix-index entries and interrupt its requests (RELIABILITY.md F9). A healthy answer brings
   it back (F10).
 
+**Slot count.** vLLM does not export ``max_num_seqs``. The scrape keeps ``peak_running``, the most
+requests the engine was seen running (a lower bound of ``max_num_seqs``), and once a scrape shows
+it running requests while others wait — it was full — sets ``learned_max_num_seqs`` to
+``peak_running`` and keeps it equal from then on (every scrape's running count is at most
+``max_num_seqs``, so the largest is the best estimate; the one at a scrape with waiting requests
+alone may be low when the engine's token budget, not its slots, held a prefill back). A configured
+``max_num_seqs`` overrides it. Both reset when the endpoint goes down.
+
 The in-flight counters on each :class:`~router.scheduling.types.Endpoint` (requests forwarded,
-uncached prompt tokens still to prefill) change only through :meth:`EndpointPool.started`,
+uncached prompt tokens still to prefill, sheddable requests) change only through :meth:`EndpointPool.started`,
 :meth:`EndpointPool.first_chunk` and :meth:`EndpointPool.finished`.
 
 Endpoints are named by their base URL, the key of every per-endpoint index.
@@ -151,11 +159,13 @@ class InFlight:
     endpoint goes down the pool resets its counters; the shares taken before no longer count.
     """
 
-    __slots__ = ("endpoint", "tokens", "counted", "generation", "started_at")
+    __slots__ = ("endpoint", "tokens", "sheddable", "counted", "generation", "started_at")
 
-    def __init__(self, endpoint: Endpoint, tokens: int, generation: int, started_at: float) -> None:
+    def __init__(self, endpoint: Endpoint, tokens: int, generation: int, started_at: float,
+                 sheddable: bool = False) -> None:
         self.endpoint = endpoint
         self.tokens = tokens
+        self.sheddable = sheddable
         self.counted = True
         self.generation = generation
         self.started_at = started_at
@@ -174,6 +184,8 @@ class EndpointPool:
         duration_ewma_alpha: weight of the newest completed request in each endpoint's
             ``mean_request_duration_s`` (0 < alpha ≤ 1; default 0.1, ours: about the last ten
             requests, so a change of load shows within a few seconds on a busy engine).
+        max_num_seqs: every engine's sequence slots (vLLM's ``--max-num-seqs``) when configured;
+            None: each endpoint's is learned from its scrapes (module docstring).
     """
 
     def __init__(
@@ -186,9 +198,13 @@ class EndpointPool:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[], None] | None = None,
         duration_ewma_alpha: float = 0.1,
+        max_num_seqs: int | None = None,
     ) -> None:
         if not 0.0 < duration_ewma_alpha <= 1.0:
             raise ValueError(f"duration_ewma_alpha must be in (0, 1], got {duration_ewma_alpha}")
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
         self.duration_ewma_alpha = duration_ewma_alpha
         self._session = session
         self.scrape_interval_s = scrape_interval_s
@@ -222,7 +238,7 @@ class EndpointPool:
                 self._remove(name)
         for name in wanted:
             if name not in self.states:
-                self.states[name] = EndpointState(Endpoint(name))
+                self.states[name] = EndpointState(Endpoint(name, max_num_seqs=self.max_num_seqs))
                 self._tasks[name] = [
                     asyncio.create_task(self._health_loop(name), name=f"health {name}"),
                     asyncio.create_task(self._scrape_loop(name), name=f"scrape {name}"),
@@ -268,11 +284,15 @@ class EndpointPool:
         return sorted({m for s in self.states.values() if s.healthy for m in s.models})
 
     # ---- in-flight counters ---------------------------------------------------------------------
-    def started(self, endpoint: Endpoint, uncached_tokens: int) -> InFlight:
-        """A request was forwarded to ``endpoint`` with ``uncached_tokens`` of prefill work."""
+    def started(self, endpoint: Endpoint, uncached_tokens: int, sheddable: bool = False) -> InFlight:
+        """A request was forwarded to ``endpoint`` with ``uncached_tokens`` of prefill work;
+        ``sheddable``: it is of a sheddable band (counted in ``in_flight_sheddable`` too)."""
         endpoint.in_flight_requests += 1
         endpoint.in_flight_uncached_tokens += uncached_tokens
-        return InFlight(endpoint, uncached_tokens, self._generation.get(endpoint.name, 0), self.clock())
+        if sheddable:
+            endpoint.in_flight_sheddable += 1
+        return InFlight(endpoint, uncached_tokens, self._generation.get(endpoint.name, 0), self.clock(),
+                        sheddable)
 
     def first_chunk(self, share: InFlight) -> None:
         """The request's prefill is over: remove its uncached tokens (idempotent)."""
@@ -289,6 +309,8 @@ class EndpointPool:
         if self._counts(share):
             ep = share.endpoint
             ep.in_flight_requests = max(0, ep.in_flight_requests - 1)
+            if share.sheddable:
+                ep.in_flight_sheddable = max(0, ep.in_flight_sheddable - 1)
             if completed:
                 duration = max(0.0, self.clock() - share.started_at)
                 mean = ep.mean_request_duration_s
@@ -380,10 +402,18 @@ class EndpointPool:
             metrics = parse_engine_metrics(text)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return False
+        self.record_metrics(state, metrics)
+        return True
+
+    def record_metrics(self, state: EndpointState, metrics: EngineMetrics) -> None:
+        """Put one successful scrape into the endpoint's :class:`Endpoint` (counts, the slot count
+        learned, block fields), stamp it fresh and call ``on_change``."""
         ep = state.endpoint
         ep.num_requests_waiting = metrics.num_requests_waiting
         ep.num_requests_running = metrics.num_requests_running
         ep.peak_running = max(ep.peak_running, metrics.num_requests_running)
+        if ep.learned_max_num_seqs is not None or (metrics.num_requests_waiting > 0 and metrics.num_requests_running > 0):
+            ep.learned_max_num_seqs = ep.peak_running  # it was full once: peak_running is its batch size
         ep.kv_cache_usage_perc = metrics.kv_cache_usage_perc
         if metrics.block_size is not None:
             ep.block_size = metrics.block_size
@@ -394,7 +424,6 @@ class EndpointPool:
         ep.metrics_updated_at = self.clock()
         state.metrics = metrics
         self.on_change()
-        return True
 
     # ---- internals ----------------------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -408,8 +437,10 @@ class EndpointPool:
         if state is not None:
             state.endpoint.in_flight_requests = 0
             state.endpoint.in_flight_uncached_tokens = 0
+            state.endpoint.in_flight_sheddable = 0
             state.endpoint.metrics_updated_at = None
             state.endpoint.peak_running = 0  # it may come back as another engine
+            state.endpoint.learned_max_num_seqs = None
             state.endpoint.mean_request_duration_s = None
         for hook in self._on_down:
             try:

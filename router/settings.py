@@ -48,6 +48,11 @@ class RouterSettings(BaseSettings):
             priority``); leave off for engines on the default FCFS policy, which refuse it.
         scrape_interval_s, health_interval_s, unhealthy_after, max_metrics_age_s: see the module doc.
         queue_threshold, kv_threshold: saturation detector thresholds (llm-d defaults 5 and 0.8).
+        slot_reserve_fraction, min_slot_reserve: the slot reserve for non-sheddable work, a
+            fraction of each engine's sequence slots and the fewest slots (defaults 0.1 and 1:
+            ``router/scheduling/saturation.py`` gives the reasoning). Both 0: no reserve.
+        max_num_seqs: every engine's sequence slots (vLLM's ``--max-num-seqs``), when the fleet
+            shares one; None (default): learned per engine from its scrapes (``router/pool.py``).
         connect_timeout_s: connecting to an engine, seconds.
         request_timeout_s: base of a proxied request's timeout, seconds (0 = none): the whole request
             when it names no ``max_tokens``, the longest silence of a stream.
@@ -81,6 +86,9 @@ class RouterSettings(BaseSettings):
     max_metrics_age_s: float = Field(0.2, gt=0)
     queue_threshold: float = Field(5, gt=0)
     kv_threshold: float = Field(0.8, gt=0)
+    slot_reserve_fraction: float = Field(0.1, ge=0, le=1)
+    min_slot_reserve: int = Field(1, ge=0)
+    max_num_seqs: int | None = Field(None, ge=1)
     connect_timeout_s: float = Field(2.0, gt=0)
     request_timeout_s: float = Field(600.0, ge=0)
     request_timeout_per_token_s: float = Field(0.25, ge=0)

@@ -21,6 +21,28 @@ Without the free-slot allowance a fast engine is capped at ``queue_threshold`` n
 scrape interval; without the credit a burst overshoots by everything released within one scrape
 interval. Sound only with one router replica (the in-flight counts are this router's).
 
+**Slot reserve for non-sheddable work.** On an engine whose batch is bound by its sequence slots
+(vLLM's ``max_num_seqs``) and scheduled first come first served, a sheddable request that takes
+the last slot, or waits in the engine's queue, makes the next interactive request wait for a
+whole sheddable request to finish. So once the endpoint's slot count is known
+(:attr:`Endpoint.slots`: configured, or learned from scrapes, ``router/pool.py``), two more terms
+apply (this module's values are what sheddable work is gated on)::
+
+    sheddable_slots = slots − reserve
+    saturation = max(queue term, KV term,
+                     in_flight_sheddable / sheddable_slots,      # ≥ 1.0 with the batch slots taken
+                     1.0 if effective_waiting > 0 else 0)        # never queue ahead of interactive
+
+``in_flight_sheddable`` is the router's own count of sheddable requests forwarded there (exact,
+no scrape lag). ``reserve = max(min_slot_reserve, ⌈slot_reserve_fraction × slots⌉)``, at most
+``slots − 1`` (a one-slot engine keeps no reserve, or sheddable work could never run there).
+Default 10 %, at least 1: by Little's law the slots interactive work occupies on an engine are
+its arrival rate there × its request duration: in the ``mixed`` benchmark (two 4-slot engines)
+the interactive parts, about 1.6 req/s of ~0.7 s each, hold about 1.1 slots, so one per engine;
+raise ``slot_reserve_fraction`` when interactive traffic is heavier. Interactive work still uses every slot: its band bypasses
+the gate (flow control's ``bypass_saturation``) and the ``spare-capacity-filter`` leaves it
+alone. Before the slot count is known no reserve applies (the values are llm-d's detector's).
+
 **Per-engine gate.** :func:`fleet_saturation` gives every endpoint's saturation with the credit,
 and places the requests flow control released but the scheduler has not yet forwarded
 (``pending``) one at a time on the least saturated endpoint, a free slot first — where the
@@ -37,6 +59,7 @@ gate does; the ``spare-capacity-filter`` reads :func:`endpoint_saturation` with 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,19 +80,27 @@ class SaturationThresholds:
         kv_threshold: KV cache use, 0..1, that counts as full (> 0; llm-d default 0.8).
         max_metrics_age_s: metrics older than this, in seconds, count as saturated (llm-d: 200 ms).
         in_flight_credit: count the requests the last scrape does not show yet (module docstring).
+        slot_reserve_fraction: fraction 0..1 of a known slot count kept for non-sheddable work
+            (module docstring; default 0.1, ours).
+        min_slot_reserve: fewest slots kept, requests (≥ 0; default 1, ours). Both 0: no reserve,
+            but sheddable work still never waits in an engine's queue once its slots are known.
 
     Raises:
-        ValueError: a threshold is not positive.
+        ValueError: a threshold is not positive, or a reserve parameter is out of range.
     """
 
     queue_threshold: float = 5
     kv_threshold: float = 0.8
     max_metrics_age_s: float = 0.2
     in_flight_credit: bool = False
+    slot_reserve_fraction: float = 0.1
+    min_slot_reserve: int = 1
 
     def __post_init__(self) -> None:
         if self.queue_threshold <= 0 or self.kv_threshold <= 0 or self.max_metrics_age_s <= 0:
             raise ValueError("saturation thresholds must be positive")
+        if not 0.0 <= self.slot_reserve_fraction <= 1.0 or self.min_slot_reserve < 0:
+            raise ValueError("slot_reserve_fraction must be in [0, 1] and min_slot_reserve ≥ 0")
 
 
 def unseen_requests(endpoint: Endpoint) -> int:
@@ -80,8 +111,27 @@ def unseen_requests(endpoint: Endpoint) -> int:
 
 def free_slots(endpoint: Endpoint) -> int:
     """Sequence slots the endpoint had free at the last scrape, by the router's estimate of its
-    slot count: ``max(0, peak_running − running)``, requests (0 before it was seen running)."""
-    return max(0, endpoint.peak_running - endpoint.num_requests_running)
+    slot count: ``max(0, slots − running)`` with :attr:`Endpoint.slots` when known, else
+    ``peak_running``, requests (0 before it was seen running)."""
+    slots = endpoint.slots
+    return max(0, (endpoint.peak_running if slots is None else slots) - endpoint.num_requests_running)
+
+
+def slot_reserve(slots: int, thresholds: SaturationThresholds | None = None) -> int:
+    """Slots of an engine with ``slots`` sequence slots kept for non-sheddable work, requests:
+    ``max(min_slot_reserve, ⌈slot_reserve_fraction × slots⌉)``, at most ``slots − 1``, at least 0."""
+    t = thresholds or SaturationThresholds()
+    wanted = max(t.min_slot_reserve, math.ceil(t.slot_reserve_fraction * slots - 1e-9))
+    return max(0, min(wanted, slots - 1))
+
+
+def sheddable_slots(endpoint: Endpoint, thresholds: SaturationThresholds | None = None) -> int | None:
+    """Slots sheddable work may hold on the endpoint (``slots − reserve``, ≥ 1), requests; None
+    while its slot count is unknown."""
+    slots = endpoint.slots
+    if slots is None or slots < 1:
+        return None
+    return slots - slot_reserve(slots, thresholds)
 
 
 def effective_waiting(endpoint: Endpoint) -> int:
@@ -96,8 +146,9 @@ def _is_stale(endpoint: Endpoint, now: float, t: SaturationThresholds) -> bool:
 
 
 def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationThresholds | None = None,
-                        extra_waiting: int = 0) -> float:
-    """One endpoint's saturation (≥ 0; 1.0 at a threshold; 1.0 when its metrics are stale).
+                        extra_waiting: int = 0, extra_sheddable: int = 0) -> float:
+    """One endpoint's saturation for sheddable work (≥ 0; 1.0 at a threshold; 1.0 when its
+    metrics are stale), with the slot-reserve terms once its slot count is known (module docstring).
 
     Args:
         endpoint: the endpoint (its ``metrics_updated_at`` on the same clock as ``now``).
@@ -105,12 +156,20 @@ def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationTh
         thresholds: the detector's thresholds; llm-d's defaults when None.
         extra_waiting: requests to count as waiting on top (requests; :func:`fleet_saturation`'s
             placement of pending ones).
+        extra_sheddable: sheddable requests to count as in flight on top (requests; the same
+            placement).
     """
     t = thresholds or SaturationThresholds()
     if _is_stale(endpoint, now, t):
         return 1.0
-    waiting = effective_waiting(endpoint) if t.in_flight_credit else endpoint.num_requests_waiting
-    return max((waiting + extra_waiting) / t.queue_threshold, endpoint.kv_cache_usage_perc / t.kv_threshold)
+    waiting = (effective_waiting(endpoint) if t.in_flight_credit else endpoint.num_requests_waiting) + extra_waiting
+    value = max(waiting / t.queue_threshold, endpoint.kv_cache_usage_perc / t.kv_threshold)
+    room = sheddable_slots(endpoint, t)
+    if room is not None:
+        value = max(value, (endpoint.in_flight_sheddable + extra_sheddable) / room)
+        if waiting > 0:
+            value = max(value, SATURATED)
+    return value
 
 
 def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: SaturationThresholds | None = None,
@@ -124,7 +183,8 @@ def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: Satu
         pending: requests released by flow control and not yet forwarded (≥ 0). Each goes to the
             least saturated fresh endpoint (ties: the one with more free slots left), taking a
             free slot there when one is left (``free − unseen``, with the credit on), else
-            counting as waiting. Stale endpoints take none (they read 1.0 regardless).
+            counting as waiting, and counting as a sheddable request in flight there (the slot
+            reserve's term). Stale endpoints take none (they read 1.0 regardless).
 
     Returns:
         Saturations (≥ 0), one per endpoint; empty for no endpoints.
@@ -139,17 +199,19 @@ def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: Satu
             spare = max(0, free_slots(ep) - unseen_requests(ep)) if t.in_flight_credit else 0
             heap.append((values[i], -spare, i))
     heapq.heapify(heap)
-    extra = [0] * len(endpoints)
+    waiting = [0] * len(endpoints)
+    sheddable = [0] * len(endpoints)
     for _ in range(pending):
         if not heap:
             break
-        value, neg_spare, i = heapq.heappop(heap)
+        _, neg_spare, i = heapq.heappop(heap)
         if neg_spare < 0:
-            heapq.heappush(heap, (value, neg_spare + 1, i))
-            continue
-        extra[i] += 1
-        values[i] = endpoint_saturation(endpoints[i], now, t, extra_waiting=extra[i])
-        heapq.heappush(heap, (values[i], 0, i))
+            neg_spare += 1  # takes a free slot
+        else:
+            waiting[i] += 1
+        sheddable[i] += 1
+        values[i] = endpoint_saturation(endpoints[i], now, t, extra_waiting=waiting[i], extra_sheddable=sheddable[i])
+        heapq.heappush(heap, (values[i], neg_spare, i))
     return values
 
 

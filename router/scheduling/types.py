@@ -53,6 +53,15 @@ class Endpoint:
         peak_running: the most requests the endpoint has been seen running at once (scraped);
             a lower bound of its batch size (``max_num_seqs``), which the router uses to tell how
             many requests it sent since the last scrape will have started rather than queued.
+        learned_max_num_seqs: the endpoint's sequence slots (vLLM's ``max_num_seqs``, which vLLM
+            does not export) as learned from scrapes: None until a scrape showed it running
+            requests with others waiting (it was full); from then on ``peak_running``, which is at
+            least the running count of every such scrape and never above ``max_num_seqs``
+            (:meth:`router.pool.EndpointPool` sets it).
+        max_num_seqs: a configured slot count (router setting ``max_num_seqs``); overrides the
+            learned one. None: learn it.
+        in_flight_sheddable: of ``in_flight_requests``, those of sheddable bands
+            (:attr:`LLMRequest.sheddable`), requests; the slot reserve counts them.
         mean_request_duration_s: exponentially weighted mean of the durations, in seconds, of
             the requests the router forwarded there that completed (forward → end of the
             response, so engine queueing included); None before the first. The pool keeps it
@@ -70,7 +79,16 @@ class Endpoint:
     in_flight_requests: int = 0
     in_flight_uncached_tokens: int = 0
     peak_running: int = 0
+    learned_max_num_seqs: int | None = None
+    max_num_seqs: int | None = None
+    in_flight_sheddable: int = 0
     mean_request_duration_s: float | None = None
+
+    @property
+    def slots(self) -> int | None:
+        """The sequence slots the router assumes (requests): the configured ``max_num_seqs``,
+        else the learned one; None while unknown (no slot reserve applies then)."""
+        return self.max_num_seqs if self.max_num_seqs is not None else self.learned_max_num_seqs
 
 
 @dataclass(slots=True, eq=False)

@@ -3,6 +3,7 @@
 What a user of the router sees: the OpenAI endpoints answer through it (JSON and SSE passed
 through chunk by chunk), repeated prefixes stick to the engine that has them cached (the engines'
 own ``cached_tokens`` say so), new prefixes spread over the pool, a saturated engine is avoided,
+batch work leaves an engine's reserved slot to interactive work once its slot count is learned,
 bad input gets OpenAI's error envelope, and the admin JSON and Prometheus series are there.
 """
 
@@ -163,6 +164,53 @@ def test_the_gate_is_per_engine_and_batch_with_no_room_gets_an_immediate_429(tmp
         assert refused.json()["error"]["code"] == "rejected-saturated"
         bands = {b["objective"]: b for b in s.state()["bands"]}
         assert bands["batch"]["queued_requests"] == 0 and bands["batch"]["shed_total"]["rejected-saturated"] == 1
+
+
+def _endpoint(s: RouterStack, url: str) -> dict:
+    return next(e for e in s.state()["endpoints"] if e["name"] == url)
+
+
+def _until(predicate, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_with_the_slot_count_learned_batch_leaves_a_slot_to_interactive_work(tmp_path: Path) -> None:
+    # one engine with 4 sequence slots: reserve max(1, ⌈10 % × 4⌉) = 1, so batch may hold 3
+    with RouterStack(tmp_path, engines=1, engine_options=[{"time_scale": 1.0, "max_num_seqs": 4}]) as s:
+        url = s.engine_urls[0]
+        body = {"model": "sim-model", "prompt": "batch line", "max_tokens": 400}  # ~5 s at 12 ms a token
+        batch = {"x-llm-d-inference-objective": "batch"}
+        # 6 direct requests fill the 4 slots with 2 waiting: the router learns the slot count, and
+        # with it known a waiting request closes the engine to sheddable work (llm-d's 2 / 5 would not)
+        _hog(url, 6)
+        _until(lambda: _endpoint(s, url)["num_requests_waiting"] >= 2, "the engine never showed 2 waiting")
+        full = _endpoint(s, url)
+        assert full["saturation"] >= 1.0 and not full["gate_open"] and full["headroom"] == 0.0
+        _until(lambda: _endpoint(s, url)["num_requests_running"] == 0, "the direct requests never ended", 30)
+        results: list[int] = []
+
+        def send() -> None:
+            results.append(httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=60).status_code)
+
+        senders = [threading.Thread(target=send) for _ in range(3)]
+        for t in senders:
+            t.start()
+        _until(lambda: _endpoint(s, url)["in_flight_requests"] == 3, "the 3 batch requests never started")
+        state = _endpoint(s, url)
+        assert state["num_requests_waiting"] == 0 and not state["gate_open"] and state["headroom"] == 0.0
+        refused = httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=30)
+        assert refused.status_code == 429  # the fourth slot is the reserve
+        assert refused.headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        chat(client, "interactive", "now")  # takes the reserved slot: no wait for a batch request
+        assert not results  # answered before any of the ~5-s batch requests ended
+        for t in senders:
+            t.join()
+        assert results == [200, 200, 200]
+        _until(lambda: _endpoint(s, url)["gate_open"], "the gate never reopened")
 
 
 def test_bad_input_gets_openai_error_envelopes(stack: RouterStack) -> None:

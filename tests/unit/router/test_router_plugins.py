@@ -322,3 +322,14 @@ def test_spare_capacity_filter_defaults_to_the_detector_with_the_in_flight_credi
     assert spare.filter(CycleState(), request(sheddable=True), eps) == [eps[1]]
     clock.now += 1.0  # metrics 1 s old: both stale, saturated: keep both
     assert spare.filter(CycleState(), request(sheddable=True), eps) == eps
+
+
+def test_spare_capacity_filter_leaves_the_reserved_slot_to_interactive_work():
+    clock = FakeClock()
+    # both 4 slots learned (reserve 1); a runs 3 sheddable requests, b 2 sheddable + 1 interactive
+    eps = endpoints(2, metrics_updated_at=clock.now, peak_running=4, learned_max_num_seqs=4,
+                    num_requests_running=3, in_flight_requests=3)
+    eps[0].in_flight_sheddable, eps[1].in_flight_sheddable = 3, 2
+    spare = build_spare_capacity_filter("spare", None, handle(clock=clock))
+    assert spare.filter(CycleState(), request(sheddable=True), eps) == [eps[1]]
+    assert spare.filter(CycleState(), request(priority=10), eps) == eps  # interactive may take the 4th slot

@@ -1,5 +1,6 @@
 """The endpoint pool's pure parts: parsing an engine's /metrics, Kubernetes pod readiness, the
-in-flight counters and the measured request durations."""
+in-flight counters (sheddable ones apart), the slot count learned from scrapes and the measured
+request durations."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from router.director import DecisionRate
-from router.pool import EndpointPool, parse_engine_metrics, ready_pod_urls
+from router.pool import EndpointPool, EndpointState, EngineMetrics, parse_engine_metrics, ready_pod_urls
 from router.scheduling.types import Endpoint
 
 #: Lines as a real vLLM 0.32 (CPU build) printed them, two data-parallel ranks, plus noise.
@@ -128,3 +129,48 @@ def test_completed_requests_feed_the_endpoints_duration_ewma() -> None:
     assert (ep.in_flight_requests, ep.in_flight_uncached_tokens) == (0, 0)
     with pytest.raises(ValueError):
         EndpointPool(None, duration_ewma_alpha=0.0)  # type: ignore[arg-type]
+
+
+def test_slot_count_is_learned_from_scrapes_with_requests_waiting_and_reset_when_down() -> None:
+    pool = EndpointPool(None)  # type: ignore[arg-type]
+    state = EndpointState(Endpoint("http://e"))
+    ep = state.endpoint
+    pool.record_metrics(state, EngineMetrics(num_requests_running=3))
+    assert (ep.peak_running, ep.slots) == (3, None)  # never seen full: unknown, no reserve
+    pool.record_metrics(state, EngineMetrics(num_requests_running=2, num_requests_waiting=1))
+    assert ep.slots == 3  # full once: the most it was seen running
+    pool.record_metrics(state, EngineMetrics(num_requests_running=4))
+    pool.record_metrics(state, EngineMetrics(num_requests_running=1))
+    assert ep.slots == 4  # the max of the observations, never lowered
+    pool.states["http://e"] = state
+    pool._down("http://e")
+    assert (ep.slots, ep.peak_running) == (None, 0)  # it may come back as another engine
+
+
+def test_a_configured_max_num_seqs_overrides_the_learned_one() -> None:
+    pool = EndpointPool(None, max_num_seqs=8)  # type: ignore[arg-type]
+    ep = Endpoint("http://e", max_num_seqs=pool.max_num_seqs)
+    pool.record_metrics(EndpointState(ep), EngineMetrics(num_requests_running=3, num_requests_waiting=2))
+    assert (ep.learned_max_num_seqs, ep.slots) == (3, 8)
+    with pytest.raises(ValueError):
+        EndpointPool(None, max_num_seqs=0)  # type: ignore[arg-type]
+
+
+def test_sheddable_requests_are_counted_apart_and_dropped_on_reset() -> None:
+    pool = EndpointPool(None)  # type: ignore[arg-type]
+    ep = Endpoint("http://e")
+    batch, interactive = pool.started(ep, 10, sheddable=True), pool.started(ep, 10)
+    assert (ep.in_flight_requests, ep.in_flight_sheddable) == (2, 1)
+    pool.finished(interactive)
+    assert (ep.in_flight_requests, ep.in_flight_sheddable) == (1, 1)
+    pool.finished(batch)
+    pool.finished(batch)  # once only
+    assert (ep.in_flight_requests, ep.in_flight_sheddable) == (0, 0)
+    stale = pool.started(ep, 0, sheddable=True)
+    pool.states["http://e"] = EndpointState(ep)
+    pool._down("http://e")
+    again = pool.started(ep, 0, sheddable=True)
+    pool.finished(stale)  # a share from before the reset no longer counts
+    assert ep.in_flight_sheddable == 1
+    pool.finished(again)
+    assert ep.in_flight_sheddable == 0

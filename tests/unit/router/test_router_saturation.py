@@ -14,6 +14,7 @@ from router.scheduling.saturation import (
     fleet_saturation,
     gate_saturation,
     pool_saturation,
+    slot_reserve,
 )
 from router.scheduling.types import Endpoint
 from router.settings import RouterSettings
@@ -113,3 +114,72 @@ def test_router_runtime_gates_flow_control_per_engine_and_counts_released_reques
     assert rt.endpoint_saturations() == {"http://full": pytest.approx(2.0), "http://idle": pytest.approx(1.0)}
     assert rt.gate_saturation() == pytest.approx(1.0)
     assert rt.scheduling_saturation(idle) == 0.0  # placement reads the engine itself
+
+
+def slotted(name: str = "http://e", *, slots: int = 4, **fields) -> Endpoint:
+    """A fresh endpoint whose slot count the router learned (``slots``)."""
+    return Endpoint(name, metrics_updated_at=NOW, peak_running=slots, learned_max_num_seqs=slots, **fields)
+
+
+def test_the_reserve_is_a_tenth_of_the_slots_at_least_one_never_all():
+    assert [slot_reserve(n) for n in (1, 2, 4, 10, 11, 256)] == [0, 1, 1, 1, 2, 26]
+    assert slot_reserve(4, SaturationThresholds(slot_reserve_fraction=0.5)) == 2
+    assert slot_reserve(4, SaturationThresholds(slot_reserve_fraction=0.0, min_slot_reserve=0)) == 0
+    with pytest.raises(ValueError):
+        SaturationThresholds(slot_reserve_fraction=1.5)
+
+
+def test_with_slots_known_sheddable_work_stops_at_slots_minus_reserve():
+    # 4 slots, reserve 1: the third sheddable request in flight closes the engine to sheddable work
+    ep = slotted(num_requests_running=2, in_flight_requests=2, in_flight_sheddable=2)
+    assert endpoint_saturation(ep, NOW, CREDIT) == pytest.approx(2 / 3)
+    ep.in_flight_requests = ep.in_flight_sheddable = ep.num_requests_running = 3
+    assert endpoint_saturation(ep, NOW, CREDIT) == pytest.approx(1.0)
+    # interactive requests in flight do not take the sheddable share (they may use every slot)
+    ep = slotted(num_requests_running=3, in_flight_requests=3, in_flight_sheddable=1)
+    assert endpoint_saturation(ep, NOW, CREDIT) == pytest.approx(1 / 3)
+    # a configured max_num_seqs wins over the learned one
+    ep = slotted(slots=4, max_num_seqs=11, in_flight_requests=3, in_flight_sheddable=3, num_requests_running=3)
+    assert endpoint_saturation(ep, NOW, CREDIT) == pytest.approx(3 / 9)
+
+
+def test_with_slots_known_any_waiting_request_closes_the_engine_to_sheddable_work():
+    ep = slotted(num_requests_running=4, num_requests_waiting=1, in_flight_requests=5, in_flight_sheddable=1)
+    assert endpoint_saturation(ep, NOW, CREDIT) == 1.0  # llm-d's detector alone: 1 / 5
+    # requests forwarded beyond the free slots that the scrape does not show yet count as waiting
+    ep = slotted(num_requests_running=3, in_flight_requests=5, in_flight_sheddable=1)
+    assert endpoint_saturation(ep, NOW, CREDIT) == 1.0
+    ep.in_flight_requests = 4  # the one unseen fits the free slot
+    assert endpoint_saturation(ep, NOW, CREDIT) == pytest.approx(1 / 3)
+
+
+def test_before_the_slots_are_known_the_detector_is_llm_ds():
+    ep = fresh(num_requests_running=4, num_requests_waiting=1, peak_running=4, in_flight_requests=5,
+               in_flight_sheddable=5)
+    assert endpoint_saturation(ep, NOW, CREDIT) == pytest.approx(1 / 5)
+
+
+def test_pending_requests_count_as_sheddable_where_they_are_placed():
+    a = slotted("http://a", num_requests_running=2, in_flight_requests=2, in_flight_sheddable=2)
+    b = slotted("http://b", num_requests_running=1, in_flight_requests=1, in_flight_sheddable=1)
+    # the first pending one goes to the less saturated b; 3 fill both engines' 3 sheddable slots
+    assert fleet_saturation([a, b], NOW, CREDIT, pending=1) == [pytest.approx(2 / 3), pytest.approx(2 / 3)]
+    assert fleet_saturation([a, b], NOW, CREDIT, pending=3) == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert gate_saturation(fleet_saturation([a, b], NOW, CREDIT, pending=2)) == pytest.approx(2 / 3)
+
+
+def test_router_runtime_gate_and_admin_values_read_the_reserve():
+    now = time.monotonic() + 60
+    a = Endpoint("http://a", metrics_updated_at=now, num_requests_running=3, peak_running=4,
+                 learned_max_num_seqs=4, in_flight_requests=3, in_flight_sheddable=3)
+    b = Endpoint("http://b", metrics_updated_at=now, num_requests_running=3, peak_running=4,
+                 learned_max_num_seqs=4, in_flight_requests=3, in_flight_sheddable=2)
+    rt = RouterRuntime(RouterSettings(engines=[]))
+    rt.pool = FakePool([a, b])  # type: ignore[assignment]
+    assert rt.endpoint_saturations() == {"http://a": pytest.approx(1.0), "http://b": pytest.approx(2 / 3)}
+    assert rt.gate_saturation() == pytest.approx(2 / 3)
+    rt.flow = SimpleNamespace(in_flight_requests=6 + 1)  # type: ignore[assignment]  # one released, unforwarded
+    assert rt.gate_saturation() == pytest.approx(1.0)  # it takes b's last sheddable slot
+    rt = RouterRuntime(RouterSettings(engines=[], slot_reserve_fraction=0.0, min_slot_reserve=0))
+    rt.pool = FakePool([a, b])  # type: ignore[assignment]
+    assert rt.endpoint_saturations() == {"http://a": pytest.approx(3 / 4), "http://b": pytest.approx(2 / 4)}
