@@ -69,7 +69,7 @@ class RouterRuntime:
         self.director: Director | None = None
         self.proxy: Proxy | None = None
 
-    def endpoint_saturations(self) -> dict[str, float]:
+    def endpoint_saturations(self, *, reserve: bool = True) -> dict[str, float]:
         """Every healthy endpoint's saturation for sheddable work now, by name: the detector's value
         from the last scrapes with the scrape-lag credit per endpoint and, once the endpoint's slot
         count is known, the slot reserve for non-sheddable work, and the requests flow control released
@@ -83,7 +83,7 @@ class RouterRuntime:
         pending = 0
         if self.flow is not None:
             pending = max(0, self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates))
-        values = fleet_saturation(candidates, time.monotonic(), self.thresholds, pending)
+        values = fleet_saturation(candidates, time.monotonic(), self.thresholds, pending, reserve=reserve)
         return {ep.name: value for ep, value in zip(candidates, values)}
 
     def saturation(self) -> float:
@@ -97,6 +97,11 @@ class RouterRuntime:
         some engine has room for sheddable work (per-engine spare capacity, not the pool's mean).
         Flow control dispatches on this value."""
         return gate_saturation(list(self.endpoint_saturations().values()))
+
+    def unreserved_gate_saturation(self) -> float:
+        """:meth:`gate_saturation` without the slot reserve (which is kept FOR non-sheddable work):
+        what flow control gates interactive work on once it is past its band's bypass bound."""
+        return gate_saturation(list(self.endpoint_saturations(reserve=False).values()))
 
     def scheduling_saturation(self, endpoint: Endpoint) -> float:
         """One endpoint's saturation with the scrape-lag credit, for the ``spare-capacity-filter``
@@ -265,6 +270,7 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
             else FlowControlConfig()
         if settings.flow_control_enabled:
             rt.flow = FlowController(flow_config, saturation=rt.gate_saturation,
+                                     unreserved=rt.unreserved_gate_saturation,
                                      has_endpoints=lambda: bool(pool.candidates()))
         objective_priority = {band.objective: band.priority for band in flow_config.bands}
         tokenizer_path = str(settings.tokenizer_path) if settings.tokenizer_path else None

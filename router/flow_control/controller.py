@@ -126,16 +126,21 @@ class FlowController:
             ``RouterRuntime.gate_saturation``: the least saturated engine's value with the
             dispatches since the last scrape counted (``router/scheduling/saturation.py``), so
             sheddable work goes while any engine has room. Must be cheap.
+        unreserved: optional; what non-sheddable bands are gated on past their bypass bound (the
+            router: ``gate_saturation`` without the slot reserve kept for them); None:
+            ``saturation``.
         clock: seconds, monotonic; ``FlowItem.deadline`` is on this clock.
         has_endpoints: optional; False at a drop's time makes it a 503 instead of 429.
     """
 
     def __init__(self, config: FlowControlConfig, saturation: Callable[[], float],
                  clock: Callable[[], float] = time.monotonic, *,
-                 has_endpoints: Callable[[], bool] | None = None) -> None:
+                 has_endpoints: Callable[[], bool] | None = None,
+                 unreserved: Callable[[], float] | None = None) -> None:
         self.config = config
         self._core = FlowControlCore(config)
         self._saturation = saturation
+        self._unreserved = unreserved
         self._clock = clock
         self._has_endpoints = has_endpoints
         self._waiters: dict[Ticket, asyncio.Future[Admission]] = {}
@@ -225,9 +230,12 @@ class FlowController:
         if self._core.release(ticket):
             self._wake.set()
 
-    def _read_saturation(self) -> float:
+    def _read_unreserved(self) -> float:
+        return self._read_saturation(self._unreserved) if self._unreserved is not None else self._read_saturation()
+
+    def _read_saturation(self, source: Callable[[], float] | None = None) -> float:
         try:
-            return float(self._saturation())
+            return float((source or self._saturation)())
         except Exception:
             log.exception("saturation read failed; counting the pool as saturated",
                           extra={"action": "flow_control.saturation_failed"})
@@ -246,7 +254,7 @@ class FlowController:
     def _pump(self) -> None:
         """One core step: fail the shed, hand out the dispatched, notify the evicted."""
         now = self._clock()
-        result = self._core.step(now, self._read_saturation)
+        result = self._core.step(now, self._read_saturation, self._read_unreserved)
         for ticket, drop in result.expired:
             self._fail(ticket, drop)
         for ticket in result.dispatched:

@@ -431,7 +431,8 @@ class FlowControlCore:
                 heapq.heapify(band.deadlines)
         return shed
 
-    def step(self, now: float, saturation: Callable[[], float]) -> StepResult:
+    def step(self, now: float, saturation: Callable[[], float],
+             unreserved: Callable[[], float] | None = None) -> StepResult:
         """Shed what expired, dispatch as much as the bands, quotas and saturation allow, then shed
         what a band with ``ttl_s`` 0 could not dispatch (``rejected-saturated``, or
         ``rejected-quota`` when its tenant was at ``tenant_max_in_flight``).
@@ -441,12 +442,14 @@ class FlowControlCore:
             saturation: the gate's saturation — in the router the least saturated engine's (room
                 on some engine: < 1.0; NaN counts as saturated); called before every dispatch, so
                 it may count the dispatches made so far in this step.
+            unreserved: the saturation non-sheddable bands are gated on past their bypass (in the
+                router: without the slot reserve kept for them); None: ``saturation``.
 
         Returns:
             What was shed, evicted and dispatched (dispatched tickets are now ``in_flight``).
         """
         result = StepResult(expired=self.expire(now))
-        self._dispatch_all(now, saturation, result)
+        self._dispatch_all(now, saturation, unreserved or saturation, result)
         for band in self._bands:
             if band.config.ttl_s == 0 and band.queued:
                 for ticket in list(band.queued.values()):
@@ -459,15 +462,16 @@ class FlowControlCore:
                     result.expired.append((ticket, drop))
         return result
 
-    def _dispatch_all(self, now: float, saturation: Callable[[], float], result: StepResult) -> None:
+    def _dispatch_all(self, now: float, saturation: Callable[[], float], unreserved: Callable[[], float],
+                      result: StepResult) -> None:
         at_risk_s = self.config.deadline_at_risk_s
         while self.queued_requests:
-            saturated = not saturation() < 1.0
             chosen: Ticket | None = None
             blocked_seen = False
             for band in self._bands:
                 if not band.queued:
                     continue
+                saturated = not (saturation() if band.config.sheddable else unreserved()) < 1.0
                 if saturated and not band.can_bypass():
                     if self.config.eviction and not blocked_seen and band.has_eligible():
                         blocked_seen = True  # the highest band held back by saturation alone

@@ -146,7 +146,7 @@ def _is_stale(endpoint: Endpoint, now: float, t: SaturationThresholds) -> bool:
 
 
 def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationThresholds | None = None,
-                        extra_waiting: int = 0, extra_sheddable: int = 0) -> float:
+                        extra_waiting: int = 0, extra_sheddable: int = 0, *, reserve: bool = True) -> float:
     """One endpoint's saturation for sheddable work (≥ 0; 1.0 at a threshold; 1.0 when its
     metrics are stale), with the slot-reserve terms once its slot count is known (module docstring).
 
@@ -158,13 +158,15 @@ def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationTh
             placement of pending ones).
         extra_sheddable: sheddable requests to count as in flight on top (requests; the same
             placement).
+        reserve: apply the slot-reserve terms (sheddable work); False: the value non-sheddable
+            work past its flow-control bypass is gated on (the queue and KV terms only).
     """
     t = thresholds or SaturationThresholds()
     if _is_stale(endpoint, now, t):
         return 1.0
     waiting = (effective_waiting(endpoint) if t.in_flight_credit else endpoint.num_requests_waiting) + extra_waiting
     value = max(waiting / t.queue_threshold, endpoint.kv_cache_usage_perc / t.kv_threshold)
-    room = sheddable_slots(endpoint, t)
+    room = sheddable_slots(endpoint, t) if reserve else None
     if room is not None:
         value = max(value, (endpoint.in_flight_sheddable + extra_sheddable) / room)
         if waiting > 0:
@@ -173,7 +175,7 @@ def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationTh
 
 
 def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: SaturationThresholds | None = None,
-                     pending: int = 0) -> list[float]:
+                     pending: int = 0, *, reserve: bool = True) -> list[float]:
     """Every endpoint's saturation, aligned with ``endpoints``, with ``pending`` requests placed.
 
     Args:
@@ -185,12 +187,13 @@ def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: Satu
             free slot there when one is left (``free − unseen``, with the credit on), else
             counting as waiting, and counting as a sheddable request in flight there (the slot
             reserve's term). Stale endpoints take none (they read 1.0 regardless).
+        reserve: as :func:`endpoint_saturation`'s.
 
     Returns:
         Saturations (≥ 0), one per endpoint; empty for no endpoints.
     """
     t = thresholds or SaturationThresholds()
-    values = [endpoint_saturation(ep, now, t) for ep in endpoints]
+    values = [endpoint_saturation(ep, now, t, reserve=reserve) for ep in endpoints]
     if pending <= 0 or not endpoints:
         return values
     heap: list[tuple[float, int, int]] = []  # (saturation, −spare slots, index)
@@ -210,7 +213,8 @@ def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: Satu
         else:
             waiting[i] += 1
         sheddable[i] += 1
-        values[i] = endpoint_saturation(endpoints[i], now, t, extra_waiting=waiting[i], extra_sheddable=sheddable[i])
+        values[i] = endpoint_saturation(endpoints[i], now, t, extra_waiting=waiting[i],
+                                        extra_sheddable=sheddable[i], reserve=reserve)
         heapq.heappush(heap, (values[i], neg_spare, i))
     return values
 

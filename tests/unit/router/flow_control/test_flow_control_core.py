@@ -191,6 +191,23 @@ def test_saturation_holds_gated_bands_and_the_top_band_bypasses_up_to_its_bound(
     assert ids(core.step(3.0, lambda: 0.99).dispatched) == ["a0", "a1", "a2", "b0", "b1", "b2"]
 
 
+def test_the_slot_reserve_gates_sheddable_bands_only():
+    """The router's gate value for sheddable work counts the slots it keeps for interactive work;
+    interactive work past its bypass bound is gated on the value without that reserve."""
+    core = FlowControlCore(config())  # interactive: bypass up to 2 in flight
+    for n in range(4):
+        core.enqueue(item(f"i{n}", objective="interactive"), now=0.0)
+        core.enqueue(item(f"b{n}"), now=0.0)
+    reserved_full = lambda: 1.0  # noqa: E731 - batch's slots are taken, the reserved ones are free
+    unreserved_room = lambda: 0.5  # noqa: E731
+    dispatched = core.step(1.0, reserved_full, unreserved_room).dispatched
+    assert ids(dispatched) == ["i0", "i1", "i2", "i3"]  # past the bypass bound of 2 too
+    assert band_stats(core, "batch")["queued_requests"] == 4
+    # without the second signal every band reads the first, as before
+    core.enqueue(item("i4", objective="interactive"), now=1.0)
+    assert core.step(2.0, reserved_full).dispatched == []
+
+
 def test_eviction_takes_the_newest_in_flight_of_the_lowest_sheddable_band():
     core = FlowControlCore(config(eviction=True, eviction_interval_s=1.0))
     for t, (rid, objective) in enumerate([("b1", "batch"), ("b2", "batch"), ("b3", "batch"), ("a-run", "async")]):
