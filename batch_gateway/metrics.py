@@ -38,6 +38,7 @@ from batch_gateway.errors import AuthenticationError
 from batch_gateway.schemas import UPLOAD_PURPOSES
 from batch_gateway.store import queries
 from batch_gateway.store.states import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
+from common.metrics import service_registry
 
 BATCH_COUNT_TTL_SECONDS = 5.0
 """How long one grouped count of batches by status is reused (a scrape every 15 s, Prometheus's
@@ -92,7 +93,7 @@ class GatewayMetrics:
     """The gateway's registry and the series it updates by hand (:meth:`file_uploaded`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+        self.registry = service_registry(registry)
         self.uploaded_bytes = Counter("backfill_gateway_file_uploaded_bytes", "Bytes of files accepted by "
                                       "POST /v1/files.", ["purpose"], registry=self.registry)
         self.uploaded_files = Counter("backfill_gateway_files_uploaded", "Files accepted by POST /v1/files.",

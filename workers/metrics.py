@@ -29,6 +29,7 @@ from celery.signals import task_postrun, task_prerun
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app, multiprocess
 
 from batch_gateway.store.states import BatchStatus, RequestState
+from common.metrics import service_registry
 
 TASK_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Prometheus' default buckets (5 ms to 10 s) plus 30, 60 and 300 s: validating a 200 MB input file
@@ -54,7 +55,7 @@ class WorkerMetrics:
     """The worker's series on ``registry`` (a new one by default). Every method only counts."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = r = registry or CollectorRegistry()
+        self.registry = r = service_registry(registry)
         self.tasks = Counter("backfill_worker_tasks", "Task runs by task name and outcome.",
                              ["task", "outcome"], registry=r)
         self.task_duration = Histogram("backfill_worker_task_duration_seconds", "Wall time of one task run.",
@@ -123,7 +124,7 @@ def multiprocess_registry(path: str) -> CollectorRegistry:
     """A registry that reads every process's values from ``path`` (prometheus-client multiprocess
     mode; ``PROMETHEUS_MULTIPROC_DIR`` must have been set to ``path`` before prometheus-client was
     imported)."""
-    registry = CollectorRegistry()
+    registry = service_registry()
     multiprocess.MultiProcessCollector(registry, path)
     return registry
 
