@@ -1,6 +1,7 @@
-"""``backfill beat`` and ``backfill worker`` as subprocesses on the test Redis: everything they write
-(stdout and stderr) is JSON lines, Celery's banners included, and beat's per-task "Sending due task"
-line is not at INFO (docs/observability.md "Logs")."""
+"""``backfill beat``, ``backfill worker`` and ``backfill gateway`` as subprocesses on the test stores:
+everything they write (stdout and stderr) is JSON lines, Celery's banners included, no line carries
+uvicorn's ``color_message``, and beat's per-task "Sending due task" line is not at INFO
+(docs/observability.md "Logs")."""
 
 from __future__ import annotations
 
@@ -71,3 +72,12 @@ def test_worker_writes_only_json_banner_included(celery_env):
     assert any(r.get("logger", "").startswith("celery") for r in records)  # Celery's own lines, as JSON
     assert all("color_message" not in r for r in records)
     assert any(r.get("action") == "worker_stopped" for r in records)  # not Celery's "Warm shutdown" text
+
+
+def test_gateway_writes_json_without_color_message(celery_env):
+    from backfill.up import free_port
+
+    port = free_port()
+    records = parsed(run_for(["gateway", "--port", str(port), "--log-level", "info"], celery_env, seconds=5.0))
+    running = [r for r in records if r.get("message", "").startswith("Uvicorn running on")]
+    assert running and all("color_message" not in r for r in records)
