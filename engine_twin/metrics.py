@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.metrics import service_registry
 from engine_twin.scheduler import EngineScheduler
 from engine_twin.settings import EngineSimSettings
 
@@ -75,7 +76,7 @@ class EngineMetrics:
     """The engine's registry plus the scheduler hooks that feed its histograms and counters."""
 
     def __init__(self, settings: EngineSimSettings):
-        self.registry = CollectorRegistry()
+        self.registry = service_registry()
         self.settings = settings
         labels = ["model_name", "engine"]
         self._values = (settings.model, settings.engine_index)

@@ -9,6 +9,11 @@
   ``backfill_worker_webhook_deliveries_total{outcome}``: what the lifecycle functions did;
   ``backfill_worker_results_unplaced_total{reason}``: results the collector could not match to a
   request (``unreadable``, ``no_request``), each also logged as ``result_unplaced``.
+- ``backfill_worker_tenant_tokens_total{tenant, kind}``: tokens of the results collected, by tenant
+  id and ``kind`` (``prompt``, ``completion``), the one per-tenant series (:meth:`WorkerMetrics.tokens_collected`;
+  bounded: :data:`TENANT_LABEL_LIMIT`).
+- the runtime series of :func:`common.metrics.service_registry` (``process_*``, ``python_*``; with
+  the prefork pool, the parent process's).
 
 ``backfill worker`` runs tasks in a prefork pool: the counters live in the pool's child processes.
 So with the prefork pool the values go through prometheus-client's multiprocess mode (files under
@@ -29,6 +34,7 @@ from celery.signals import task_postrun, task_prerun
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app, multiprocess
 
 from batch_gateway.store.states import BatchStatus, RequestState
+from common.metrics import service_registry
 
 TASK_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Prometheus' default buckets (5 ms to 10 s) plus 30, 60 and 300 s: validating a 200 MB input file
@@ -36,6 +42,16 @@ or finalizing 50,000 requests takes tens of seconds."""
 
 TASK_OUTCOMES = {"SUCCESS": "success", "RETRY": "retry", "FAILURE": "failure"}
 """Celery's end state of a task run -> the ``outcome`` label."""
+
+TENANT_LABEL_LIMIT = 100
+"""Distinct tenant ids one process labels ``backfill_worker_tenant_tokens_total`` with; tokens of
+any later tenant count under :data:`OTHER_TENANT`. So one worker process adds at most
+2 × (100 + 1) series; with the prefork pool each child keeps its own set (the parent adds their
+values up per label set), so a worker pod exports at most 2 × (min(tenants, 100 × children) + 1)."""
+OTHER_TENANT = "other"
+"""The ``tenant`` label of tokens past :data:`TENANT_LABEL_LIMIT` (and of results without a tenant);
+tenant ids start with ``tenant_``, so it names no tenant."""
+TOKEN_KINDS = ("prompt", "completion")
 
 KNOWN_LABELS = {
     "collected": (RequestState.SUCCEEDED, RequestState.FAILED, RequestState.EXPIRED, RequestState.CANCELLED,
@@ -54,7 +70,7 @@ class WorkerMetrics:
     """The worker's series on ``registry`` (a new one by default). Every method only counts."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = r = registry or CollectorRegistry()
+        self.registry = r = service_registry(registry)
         self.tasks = Counter("backfill_worker_tasks", "Task runs by task name and outcome.",
                              ["task", "outcome"], registry=r)
         self.task_duration = Histogram("backfill_worker_task_duration_seconds", "Wall time of one task run.",
@@ -78,10 +94,29 @@ class WorkerMetrics:
         self.unplaced = Counter("backfill_worker_results_unplaced", "Results read from the result stream that "
                                 "name no request (unreadable, or without batch_id, custom_id or lease token), by "
                                 "reason; each is logged as result_unplaced.", ["reason"], registry=r)
+        self.tenant_tokens = Counter("backfill_worker_tenant_tokens", "Tokens of the results collected, by tenant "
+                                     "id (at most TENANT_LABEL_LIMIT per process, then 'other') and kind.",
+                                     ["tenant", "kind"], registry=r)
+        self._tenant_children: dict[str, tuple[Counter, ...]] = {}
         self._started: dict[str, float] = {}
         for attribute, values in KNOWN_LABELS.items():
             for value in values:
                 getattr(self, attribute).labels(value)
+
+    def tokens_collected(self, tenant: str | None, prompt_tokens: int, completion_tokens: int) -> None:
+        """Count the prompt and completion tokens of one collected result of ``tenant`` (its id)."""
+        children = self._tenant_children.get(tenant or OTHER_TENANT)
+        if children is None:  # a tenant not labelled yet: its own label while under the limit
+            labelled = len(self._tenant_children) - (OTHER_TENANT in self._tenant_children)
+            label = tenant if tenant and labelled < TENANT_LABEL_LIMIT else OTHER_TENANT
+            found = self._tenant_children.get(label)
+            children = found if found is not None else tuple(
+                self.tenant_tokens.labels(label, kind) for kind in TOKEN_KINDS)
+            self._tenant_children[label] = children
+        if prompt_tokens:
+            children[0].inc(prompt_tokens)
+        if completion_tokens:
+            children[1].inc(completion_tokens)
 
     def known_tasks(self, names: list[str]) -> None:
         """Start ``tasks_total`` of every task in ``names`` and every outcome at 0."""
@@ -123,7 +158,7 @@ def multiprocess_registry(path: str) -> CollectorRegistry:
     """A registry that reads every process's values from ``path`` (prometheus-client multiprocess
     mode; ``PROMETHEUS_MULTIPROC_DIR`` must have been set to ``path`` before prometheus-client was
     imported)."""
-    registry = CollectorRegistry()
+    registry = service_registry()
     multiprocess.MultiProcessCollector(registry, path)
     return registry
 

@@ -43,6 +43,8 @@ def collect(ctx: WorkerContext, count: int = 2000) -> int:
             change = outcome_of(result, attempt, ctx.settings.max_attempts, ctx.settings.max_response_bytes)
             recorded = queries.record_outcome(session, batch_id, custom_id, token, **change.columns())
             accepted += recorded
+            if recorded:
+                ctx.metrics.tokens_collected(meta.get("tenant"), change.usage.prompt_tokens, change.usage.completion_tokens)
             states[change.state.value if recorded else "stale"] += 1
             if debug:
                 log.debug("result collected", extra={"action": "collect", "batch_id": batch_id, "custom_id": custom_id,

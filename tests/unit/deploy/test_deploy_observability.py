@@ -23,7 +23,23 @@ REQUIRED_ALERT_SERIES = {
     "dead letters": {"backfill_processor_shed_total"},
     "worker failures": {"backfill_worker_tasks_total"},
     "engine down": {"up"},
+    "gateway 5xx ratio": {"backfill_gateway_http_requests_total"},
+    "gateway latency": {"backfill_gateway_http_request_duration_seconds"},
 }
+#: samples that count a user's mistake (a bad file, a bad request): metric -> (label, predicate on its value)
+USER_ERROR_SAMPLES = {
+    "backfill_gateway_http_requests_total": ("status", lambda v: v == "4xx"),
+    "backfill_gateway_http_request_duration_seconds_bucket": ("status", lambda v: v == "4xx"),
+    "backfill_gateway_http_request_duration_seconds_count": ("status", lambda v: v == "4xx"),
+    "backfill_processor_router_request_duration_seconds_bucket": ("status", lambda v: v == "4xx"),
+    "backfill_router_requests_total": ("code", lambda v: v.startswith("4")),
+    "backfill_worker_batches_validated_total": ("status", lambda v: v == "failed"),
+    "backfill_processor_results_total": ("error_code", lambda v: v == "INVALID_REQUEST"),
+    "backfill_processor_shed_total": ("reason", lambda v: v == "invalid"),
+}
+#: a value of each label above that is a user's mistake, to test matchers against
+USER_ERROR_VALUES = {"status": ("4xx", "failed"), "code": ("400", "404", "422", "429"),
+                     "error_code": ("INVALID_REQUEST",), "reason": ("invalid",)}
 
 
 def contract_text() -> str:
@@ -261,3 +277,89 @@ def test_no_healthy_engine_counts_a_router_that_found_no_engine():
     assert str(guard.op) == "or"
     assert selectors(str(guard.rhs)) == {"backfill_router_pool_saturation"}
     assert set(guard.rhs.rhs.modifier.labels) == {"pod"} == set(guard.lhs.modifier.labels)
+
+
+def matches(matcher, value: str) -> bool:
+    """Whether one PromQL label matcher selects ``value`` (regular expressions are anchored)."""
+    op = str(matcher.op)
+    if op.endswith("NotEqual"):
+        return value != matcher.value
+    if op.endswith("NotRe"):
+        return re.fullmatch(matcher.value, value) is None
+    if op.endswith("Re"):
+        return re.fullmatch(matcher.value, value) is not None
+    return value == matcher.value
+
+
+def user_error_reads(expr: str) -> list[str]:
+    """Selectors in ``expr`` that can read a sample of :data:`USER_ERROR_SAMPLES` anywhere but in
+    the denominator (right of ``/``) of a ratio."""
+    out = []
+
+    def visit(node, denominator: bool) -> None:
+        if isinstance(node, promql_parser.VectorSelector) and node.name in USER_ERROR_SAMPLES and not denominator:
+            label, is_error = USER_ERROR_SAMPLES[node.name]
+            wanted = [m for m in node.matchers.matchers if m.name == label]
+            if any(is_error(v) and all(matches(m, v) for m in wanted) for v in USER_ERROR_VALUES[label]):
+                out.append(str(node))
+        if isinstance(node, promql_parser.BinaryExpr) and str(node.op) == "/":
+            visit(node.lhs, denominator)
+            visit(node.rhs, True)
+            return
+        for child in children(node):
+            visit(child, denominator)
+
+    visit(promql_parser.parse(expr), False)
+    return out
+
+
+def test_user_error_check_finds_what_would_page_on_a_bad_file():
+    assert user_error_reads('sum(rate(backfill_gateway_http_requests_total{status=~"4xx|5xx"}[5m])) > 1')
+    assert user_error_reads("sum(rate(backfill_gateway_http_requests_total[5m])) > 100")
+    assert user_error_reads('increase(backfill_worker_batches_validated_total{status="failed"}[1h]) > 0')
+    assert user_error_reads('rate(backfill_processor_results_total{error_code!="none"}[5m]) > 0')
+    assert user_error_reads('rate(backfill_router_requests_total{code=~"4.."}[5m]) > 0')
+    assert not user_error_reads('sum(rate(backfill_gateway_http_requests_total{status="5xx"}[5m])) / '
+                                'sum(rate(backfill_gateway_http_requests_total[5m])) > 0.05')
+    assert not user_error_reads('rate(backfill_gateway_http_request_duration_seconds_bucket{status!="4xx"}[5m])')
+    assert not user_error_reads('rate(backfill_router_requests_total{code=~"5.."}[5m]) > 0')
+
+
+def test_a_users_bad_file_pages_no_one():
+    """Critical (paging) rules never read 4xx answers, validation failures or invalid lines, except
+    as the denominator of a ratio; rules that do read them are warnings."""
+    paging = [rule for rule in alert_rules() if rule["labels"]["severity"] == "critical"]
+    assert paging
+    assert {rule["alert"]: user_error_reads(rule["expr"]) for rule in paging} == {r["alert"]: [] for r in paging}
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of the Markdown headings in ``text`` (lower case, spaces to '-', punctuation
+    other than '-' and '_' dropped)."""
+    anchors = set()
+    for line in text.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_every_paging_and_gateway_alert_links_its_runbook():
+    anchors = {"docs/observability.md": heading_anchors((REPO / "docs" / "observability.md").read_text()),
+               "deploy/README.md": heading_anchors((DEPLOY / "README.md").read_text())}
+    rules = [r for r in alert_rules() if r["labels"]["severity"] == "critical" or "Gateway" in r["alert"]]
+    assert {"BackfillGatewayErrors", "BackfillGatewaySlow"} <= {r["alert"] for r in rules}
+    for rule in rules:
+        url = rule["annotations"].get("runbook_url", "")
+        path, _, anchor = url.partition("#")
+        assert path in anchors and anchor in anchors[path], f"{rule['alert']}: runbook_url {url!r}"
+        assert rule["alert"].lower() in anchor, f"{rule['alert']}: {url} is another alert's runbook"
+
+
+def test_dashboard_shows_the_gateway_the_lanes_and_tenants():
+    used = {base_name(n) for e in dashboard_exprs() for n in selectors(grafana_to_promql(e))}
+    assert {"backfill_gateway_http_requests_total", "backfill_gateway_http_request_duration_seconds",
+            "backfill_gateway_lane_backlog_messages", "backfill_gateway_lane_oldest_age_seconds",
+            "backfill_worker_tenant_tokens_total"} <= used
+    quantiles = [e for e in dashboard_exprs() if "backfill_gateway_http_request_duration_seconds_bucket" in e]
+    assert {q for e in quantiles for q in re.findall(r"histogram_quantile\((0\.\d+)", e)} == {"0.5", "0.95", "0.99"}
