@@ -51,6 +51,7 @@ from async_processor.lanes import Work
 from async_processor.observer import Observed, Shed, outcome_of
 from async_processor.retry import RETRYABLE_STATUSES
 from common.contracts.queue import ErrorCode, RequestMessage, ResultMessage
+from common.metrics import service_registry
 
 log = logging.getLogger("async_processor.processor")
 """The per-request lines keep the logger name they always had (the pump's)."""
@@ -115,7 +116,7 @@ class ProcessorMetrics:
     :class:`~async_processor.processor.Processor`."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = r = registry or CollectorRegistry()
+        self.registry = r = service_registry(registry)
         self._dispatched = Counter("backfill_processor_dispatched", "HTTP attempts started (retries included).",
                                    ["lane"], registry=r)
         self._latency = Histogram("backfill_processor_router_request_duration_seconds", "One HTTP attempt to "

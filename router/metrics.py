@@ -38,11 +38,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from common.contracts.router_state import RouterState
+from common.metrics import service_registry
 
 #: Decision-time buckets, seconds: 10 µs … 50 ms (llm-d's scheduler runs at 0.1–0.2 ms p50).
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
@@ -60,7 +61,7 @@ class RouterMetrics:
     """
 
     def __init__(self, state: Callable[[], RouterState]) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = service_registry()
         reg = self.registry
         self.requests = Counter("backfill_router_requests", "Requests answered, by objective and HTTP status.",
                                 ["objective", "code"], registry=reg)

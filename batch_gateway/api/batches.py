@@ -37,6 +37,7 @@ from batch_gateway.errors import (
 from batch_gateway.schemas import CreateBatch, batch_object, window_seconds
 from batch_gateway.store import queries
 from batch_gateway.store.quota import token_limit_message
+from common.logging import tenant_fields
 from common.tracing import current_traceparent
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ async def create_batch(request: Request, tenant: TenantDep, session: SessionDep,
             return _replay(existing, request_hash)
         session.commit()
         log.info("batch created", extra={"action": "batch_created", "batch_id": batch.id,
-                                         "tenant": tenant.name})
+                                         **tenant_fields(tenant.id, tenant.name)})
         request.app.state.outbox.wake()  # the broker is told off the request (store/outbox.py)
         return batch_object(batch)
 
@@ -198,5 +199,5 @@ def cancel_batch(batch_id: str, request: Request, tenant: TenantDep, session: Se
         raise ConflictError(outcome.refusal)
     request.app.state.outbox.wake()  # the cancel task goes out now, off the request
     log.info("batch cancel", extra={"action": "batch_cancel", "batch_id": batch_id,
-                                    "tenant": tenant.name, "status": outcome.batch.status})
+                                    **tenant_fields(tenant.id, tenant.name), "status": outcome.batch.status})
     return batch_object(outcome.batch)

@@ -35,6 +35,7 @@ from batch_gateway.store import queries
 from batch_gateway.store.files import FileStore, storage_key
 from batch_gateway.store.models import Tenant
 from batch_gateway.uploads import UploadParser, multipart_boundary
+from common.logging import tenant_fields
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -192,7 +193,7 @@ async def _create_file(request: Request, tenant: Tenant, session: Session, setti
             store.delete(key)
         raise
     log.info("file uploaded", extra={"action": "file_created", "file_id": file_id,
-                                     "tenant": tenant.name, "bytes": row.bytes})
+                                     **tenant_fields(tenant.id, tenant.name), "bytes": row.bytes})
     request.app.state.metrics.file_uploaded(purpose, row.bytes)
     return file_object(row)
 

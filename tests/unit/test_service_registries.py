@@ -51,13 +51,9 @@ def router_registry():
     return RouterMetrics(lambda: RouterState(pool_saturation=0.0, time=0.0)).registry
 
 
-ADOPT = pytest.mark.xfail(strict=True, reason="builds its own CollectorRegistry(): adopt "
-                          "common.metrics.service_registry (issue 17, item 14)")
-
-
 @pytest.mark.parametrize("build", [
     gateway_registry, worker_registry, engine_registry,
-    pytest.param(processor_registry, marks=ADOPT), pytest.param(router_registry, marks=ADOPT),
+    processor_registry, router_registry,
 ])
 def test_runtime_series_and_no_created_series(build):
     text = generate_latest(build()).decode()

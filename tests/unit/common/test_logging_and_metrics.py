@@ -80,8 +80,6 @@ def tenant_name_logged_as_tenant() -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="the gateway's file_created, batch_created and batch_cancel lines "
-                   "log tenant.name as tenant: use tenant_fields(tenant.id, tenant.name) (issue 17, item 13)")
 def test_tenant_is_the_id_in_every_log_line():
     assert tenant_name_logged_as_tenant() == []
 
