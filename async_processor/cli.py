@@ -120,7 +120,8 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--payload", required=True, help="the OpenAI request body, as JSON")
 @click.option("--endpoint", default="/v1/chat/completions", show_default=True)
 @click.option("--id", "request_id", help="request id (default: a random one)")
-@click.option("--deadline-in", type=float, default=3600.0, show_default=True, help="seconds from now")
+@click.option("--deadline-in", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
+              help="seconds from now (> 0)")
 @click.option("--tenant", default="", help="metadata.tenant (fairness id)")
 @click.option("--metadata", multiple=True, help="extra metadata KEY=VALUE (repeatable)")
 @click.option("--result-queue", default="", help="result stream/topic (default: the shared one, or a private "
@@ -133,7 +134,8 @@ def enqueue_command(lane: str, payload: str, endpoint: str, request_id: str | No
                     tenant: str, metadata: tuple[str, ...], result_queue: str, wait: bool, timeout: float,
                     **options) -> None:
     """Put one request on a lane; print its transport id, or with --wait its result JSON
-    (exit status 1 if no result came within --timeout)."""
+    (exit status 1 if no result came within --timeout, 3 if the result is an error: a non-2xx
+    answer or an error code)."""
     from async_processor.backends import make_backend
 
     try:
@@ -166,7 +168,7 @@ def enqueue_command(lane: str, payload: str, endpoint: str, request_id: str | No
                     for result in await reader.read(min(1.0, max(0.01, until - time.monotonic()))):
                         if result.id == request_id:
                             click.echo(encode_result(result).decode())
-                            return 0
+                            return 0 if result.ok else 3
                 click.echo(f"no result for {request_id} within {timeout} s", err=True)
                 return 1
             finally:

@@ -79,6 +79,16 @@ def test_enqueue_finds_the_stack_and_gets_a_result(cli):
     assert answer["status_code"] == 200, answer
 
 
+def test_enqueue_wait_exits_non_zero_on_an_error_result(cli):
+    result = cli("enqueue", "--lane", "interactive", "--wait", "--timeout", "60", "--payload",
+                 orjson.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).decode())
+    assert result.exit_code == 3, result.output  # the result came: an error, not a timeout (1)
+    answer = orjson.loads(result.output.strip().splitlines()[-1])
+    assert answer["status_code"] == 404, answer
+    refused = cli("enqueue", "--deadline-in", "-5", "--payload", "{}")
+    assert refused.exit_code == 2 and "--deadline-in" in refused.output
+
+
 def test_enqueue_refuses_a_lane_no_processor_reads(cli):
     result = cli("enqueue", "--pool", "nobody-reads-this", "--payload", "{}")
     assert result.exit_code == 1
