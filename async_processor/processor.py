@@ -111,6 +111,8 @@ FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
 SESSION_HEADER = "x-session-id"
 TRACEPARENT_HEADER = "traceparent"
+#: The shared secret that makes the router honour the fairness id and objective (router/trust.py).
+ROUTER_TOKEN_HEADER = "x-backfill-router-token"
 
 
 def router_timed_out(status: int, body: bytes) -> bool:
@@ -139,12 +141,17 @@ class _Settle:
 NOT_FORWARDED = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
 
-def request_headers(request: RequestMessage, lane: str, time_left_s: float) -> dict[str, str]:
+def request_headers(request: RequestMessage, lane: str, time_left_s: float,
+                    router_token: str | None = None) -> dict[str, str]:
     """Headers of one attempt, names in lower case: the message's ``headers`` (less
-    :data:`NOT_FORWARDED`), then the objective (``metadata.objective`` or the lane), the fairness id
-    (``metadata.tenant``, replacing any producer value), the ms left to the deadline,
-    ``x-session-id`` and ``traceparent`` from metadata when present."""
-    headers = {k.lower(): v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
+    :data:`NOT_FORWARDED` and any ``x-backfill-router-token``), then the objective
+    (``metadata.objective`` or the lane), the fairness id (``metadata.tenant``, replacing any
+    producer value), the ms left to the deadline, ``x-session-id`` and ``traceparent`` from
+    metadata when present, and ``router_token`` (the processor's ``router_token`` setting) as
+    ``x-backfill-router-token`` when given: without it the router ignores the fairness id and
+    objective (``router/trust.py``)."""
+    headers = {k.lower(): v for k, v in request.headers.items()
+               if k.lower() not in NOT_FORWARDED and k.lower() != ROUTER_TOKEN_HEADER}
     headers["content-type"] = "application/json"
     meta = request.metadata
     headers[OBJECTIVE_HEADER] = meta.get("objective") or lane
@@ -155,6 +162,8 @@ def request_headers(request: RequestMessage, lane: str, time_left_s: float) -> d
         headers[SESSION_HEADER] = meta["session_id"]
     if meta.get("traceparent"):
         headers[TRACEPARENT_HEADER] = meta["traceparent"]
+    if router_token:
+        headers[ROUTER_TOKEN_HEADER] = router_token
     return headers
 
 
@@ -184,6 +193,7 @@ class Processor:
                  gate: Gate | None = None, *, rng: random.Random | None = None,
                  metrics: ProcessorObserver | None = None):
         self.settings = settings
+        self._router_token = settings.router_token.get_secret_value() if settings.router_token else None
         self.backend = backend
         self.http = http
         self.gate = gate or build_gates(settings, http)
@@ -435,7 +445,7 @@ class Processor:
             started = time.monotonic()
             try:
                 answer = await self.http.post(self.router_url + request.endpoint, work.body,
-                                              request_headers(request, work.lane, time_left),
+                                              request_headers(request, work.lane, time_left, self._router_token),
                                               bound.total_s, bound.idle_s)
                 status, body = answer.status, answer.body
                 retry_after = parse_retry_after(answer.retry_after)

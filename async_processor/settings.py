@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.contracts.queue import (
@@ -41,6 +41,9 @@ class ProcessorSettings(BaseSettings):
     pool: str = DEFAULT_POOL
     lanes: list[str] = Field(default_factory=lambda: list(LANE_PRIORITIES))
     router_url: str = "http://127.0.0.1:8000"
+    router_token: SecretStr | None = Field(None, description="the router's trusted token "
+                                           "(BACKFILL_ROUTER_TRUSTED_TOKEN), sent as x-backfill-router-token so the "
+                                           "router honours the fairness id and objective; environment only")
 
     concurrency: int = Field(64, ge=1, description="requests in flight at most (fixed gate)")
     tenant_limit: int = Field(0, ge=0, description="in flight per tenant; 0 = no tenant gate")

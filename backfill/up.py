@@ -6,8 +6,10 @@ real ones given with ``--engine-url``), the router in front of them, the async p
 to the router, gated on its saturation), the Celery worker, beat and the gateway as child
 processes, waits until the gateway, the router and the engines answer (each from the port of the
 child that was started for it, not from another process that took the port) and the processor has
-created its consumer groups, writes the endpoints to ``DATA_DIR/stack.json``
-(:mod:`backfill.stack_file`, removed on exit) and prints one line beginning ``backfill ready`` with
+created its consumer groups (the router and the processor share a generated trusted token,
+``BACKFILL_ROUTER_TRUSTED_TOKEN``, so the router honours the processor's fairness ids and
+objectives), writes the endpoints to ``DATA_DIR/stack.json`` (:mod:`backfill.stack_file`, removed
+on exit) and prints one line beginning ``backfill ready`` with
 ``gateway=http://HOST:PORT/v1``, ``router=http://…``, ``redis=`` (the embedded Redis listens on
 ``DATA_DIR/redis/redis.sock``), ``broker=`` (the same Redis as a Celery broker URL, for Flower) and
 the ``metrics=`` URLs. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTERM, then SIGKILL after
@@ -374,6 +376,11 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         for service in ("WORKER", "PROCESSOR"):
             env.setdefault(f"BACKFILL_{service}_METRICS_PORT", str(free_port(host)))
         env.setdefault("BACKFILL_METRICS_HOST", host)
+        # the router honours fairness ids and objectives only from callers with its trusted token
+        # (router/trust.py): one per stack, unless given, shared by the router and the processor
+        router_token = (env.get("BACKFILL_ROUTER_TRUSTED_TOKEN") or env.get("BACKFILL_PROCESSOR_ROUTER_TOKEN")
+                        or secrets.token_urlsafe(32))
+        env["BACKFILL_ROUTER_TRUSTED_TOKEN"] = env["BACKFILL_PROCESSOR_ROUTER_TOKEN"] = router_token
         if admin_key:
             env["BACKFILL_ADMIN_KEY"] = admin_key
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)

@@ -44,6 +44,7 @@ from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Endpoint
 from router.settings import RouterSettings
 from router.tokenizers import EngineTokenizer, PromptTokenizer, build_tokenizer
+from router.trust import HeaderTrust, load_api_keys
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +231,20 @@ def create_app(settings: RouterSettings) -> web.Application:
     return app
 
 
+def build_trust(settings: RouterSettings) -> HeaderTrust:
+    """The header trust decision of ``settings`` (``trusted_token``, ``api_keys``).
+
+    Raises:
+        ValueError, OSError: the API-key file is unreadable or malformed.
+    """
+    token = settings.trusted_token.get_secret_value() if settings.trusted_token is not None else None
+    api_keys = load_api_keys(settings.api_keys) if settings.api_keys is not None else None
+    if not token:
+        log.warning("no trusted token (BACKFILL_ROUTER_TRUSTED_TOKEN): fairness id and objective headers are "
+                    "ignored on every request", extra={"action": "router.no_trusted_token"})
+    return HeaderTrust(token, api_keys)
+
+
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
@@ -289,7 +304,8 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                                           max_body_bytes=settings.max_body_bytes,
                                           request_timeout_s=settings.request_timeout_s,
                                           connect_timeout_s=settings.connect_timeout_s,
-                                          request_timeout_per_token_s=settings.request_timeout_per_token_s)
+                                          request_timeout_per_token_s=settings.request_timeout_per_token_s,
+                                          trust=build_trust(settings))
         pool.add_on_down(director.endpoint_down)
         for profile in scheduler.profiles.values():
             profile.plugin_timer = metrics.plugin_timing

@@ -84,6 +84,9 @@ class RouterMetrics:
                                    "Prefix lookups that matched at least one block on some endpoint.", registry=reg)
         self.upstream_errors = Counter("backfill_router_upstream_errors", "Failures talking to an engine.",
                                        ["kind"], registry=reg)
+        self.untrusted_headers = Counter("backfill_router_untrusted_headers",
+                                         "Identity headers (fairness id, objective) ignored because the caller "
+                                         "is not trusted (router/trust.py).", ["header"], registry=reg)
         reg.register(_LiveCollector(state))
         self._per_plugin: dict[str, Histogram] = {}
 
@@ -122,6 +125,10 @@ class RouterMetrics:
     def upstream_error(self, kind: str) -> None:
         """One failure talking to an engine."""
         self.upstream_errors.labels(kind).inc()
+
+    def untrusted_header(self, header: str) -> None:
+        """One identity header ignored from an untrusted caller."""
+        self.untrusted_headers.labels(header).inc()
 
     # ---- exposition ----------------------------------------------------------------------------
 

@@ -34,3 +34,5 @@ class RouterObserver(Protocol):
     def upstream_error(self, kind: str) -> None:
         """Talking to an engine failed (``kind``: connect, stream, endpoint_down)."""
 
+    def untrusted_header(self, header: str) -> None:
+        """A caller without the trusted token sent identity header ``header``; it was ignored."""

@@ -4,7 +4,8 @@
 One request:
 
 1. read the body (≤ ``max_body_bytes``, else 413), parse it once (:mod:`router.parsing`; a bad
-   body is a 4xx in OpenAI's envelope), tokenize it (:mod:`router.tokenizers`);
+   body is a 4xx in OpenAI's envelope), keep its fairness id and objective only from a trusted
+   caller (:mod:`router.trust`), tokenize it (:mod:`router.tokenizers`);
 2. the director refuses it at once (no healthy endpoint, unknown model), admits it through flow
    control or refuses it (:class:`router.director.Rejected` → an error response in the envelope);
 3. the director schedules it and drives :class:`_Exchange`, this module's part of a try: the body
@@ -34,6 +35,7 @@ from router.observer import RouterObserver
 from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
 from router.scheduling.types import LLMRequest
 from router.tokenizers import PromptTokenizer
+from router.trust import HeaderTrust
 from router.usage import SSE_TAIL_BYTES, cached_tokens_from_json, cached_tokens_from_sse_tail
 
 log = logging.getLogger(__name__)
@@ -66,13 +68,16 @@ class Proxy:
         connect_timeout_s: connecting to an engine, seconds.
         request_timeout_per_token_s: added to ``request_timeout_s`` per output token a non-streamed
             request asks for (``max_tokens`` × ``n``), seconds (see :meth:`timeout_for`).
+        trust: who may set the fairness id and objective (:mod:`router.trust`); default: nobody
+            (every request is tenant ``anonymous`` in the default band).
     """
 
     def __init__(self, *, director: Director, tokenizer: PromptTokenizer, session: aiohttp.ClientSession,
                  observer: RouterObserver, engine_priority: bool = False, max_body_bytes: int = 32 * 1024 * 1024,
                  request_timeout_s: float = 600.0, connect_timeout_s: float = 2.0,
-                 request_timeout_per_token_s: float = 0.25) -> None:
+                 request_timeout_per_token_s: float = 0.25, trust: HeaderTrust | None = None) -> None:
         self.director = director
+        self.trust = trust or HeaderTrust()
         self.tokenizer = tokenizer
         self.session = session
         self.observer = observer
@@ -107,6 +112,7 @@ class Proxy:
                 raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
             body = await request.read()
             parsed = parse_request(request.path, body, request.headers)
+            self._identify(request, parsed)
             objective = self.director.objective(parsed)
             response = await self._serve(request, parsed, objective, received)
             return response
@@ -125,6 +131,14 @@ class Proxy:
             return response
         finally:
             self.observer.answered(objective, response.status if response is not None else 499)
+
+    def _identify(self, request: web.Request, parsed: ParsedRequest) -> None:
+        """Keep the fairness id and objective only from a trusted caller (:mod:`router.trust`);
+        count each identity header an untrusted caller sent."""
+        identity = self.trust.identify(request.headers, parsed.objective, parsed.fairness_id)
+        parsed.objective, parsed.fairness_id = identity.objective, identity.fairness_id
+        for header in identity.ignored:
+            self.observer.untrusted_header(header)
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest, objective: str,
                      received: float) -> web.StreamResponse:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 #: The shipped scheduling config (approximate prefix + load scorers) used when none is given.
@@ -60,6 +60,12 @@ class RouterSettings(BaseSettings):
             request asks for (``max_tokens`` × ``n``); 0.25 s is 2.5-25x a loaded engine's 10-100 ms
             per token, so only a stalled engine trips it.
         max_body_bytes: largest request body accepted, bytes (413 past it).
+        trusted_token: the shared secret of trusted callers (the async processor's
+            ``BACKFILL_PROCESSOR_ROUTER_TOKEN``), sent in ``x-backfill-router-token``; only their
+            fairness id and objective headers are honoured (``router/trust.py``). None (default):
+            no caller is trusted. ``backfill up`` generates one.
+        api_keys: YAML/JSON file mapping API key → tenant: an untrusted caller's fairness id is
+            its ``Authorization: Bearer`` key's tenant (else ``anonymous``). None: no map.
         log_level: Python logging level name.
     """
 
@@ -93,6 +99,8 @@ class RouterSettings(BaseSettings):
     request_timeout_s: float = Field(600.0, ge=0)
     request_timeout_per_token_s: float = Field(0.25, ge=0)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    trusted_token: SecretStr | None = None
+    api_keys: Path | None = None
     log_level: str = "INFO"
 
     @field_validator("engines", mode="before")

@@ -18,8 +18,8 @@ YAML (or a dict) of this shape; every field is optional and defaults to the valu
       sheddable: false                 # may be evicted while in flight
       bypass_saturation: true          # may dispatch while the pool is saturated ...
       max_in_flight: 64                # ... while the band has fewer than this in flight
-      tenant_max_in_flight: null       # per fairness id, this band; null = no quota
-      tenant_max_queued: null          # per fairness id, this band; null = no quota
+      tenant_max_in_flight: 16         # per fairness id, this band; null = no quota
+      tenant_max_queued: 16            # per fairness id, this band; null = no quota
 
 Where the defaults come from:
 
@@ -39,6 +39,14 @@ Where the defaults come from:
 * ``interactive`` bypasses saturation up to 64 in flight: ROUTING.md lets the highest band reach the
   engines' own queues "up to a bound"; 64 is ours (llm-d's per-engine queue threshold of 5 × about a
   dozen engines) — set it near 5 × the number of engines.
+* ``interactive`` ``tenant_max_in_flight`` 16 and ``tenant_max_queued`` 16: ours; a quarter of the
+  band's ``max_in_flight`` (as ``tenant_max_queued`` is a quarter of the sheddable bands' queue), so
+  one tenant's flood holds at most 16 of the 64 bypass slots and waits with at most 16 more; the
+  rest is answered at once with 429 ``rejected-quota`` and ``Retry-After`` (the band's TTL, 30 s)
+  while other tenants keep dispatching. Callers the router does not trust all share the fairness
+  id ``anonymous`` (``router/trust.py``), so a flood cannot escape the quota by varying the header.
+  Raise both (or set null) for a router whose interactive traffic is one tenant. The
+  ``BackfillInteractiveShed`` alert leaves ``rejected-quota`` out: a tenant's own flood pages nobody.
 * ``async``/``batch`` are sheddable and gated by saturation: they run on spare capacity only.
 * ``tenant_max_queued`` 2,500 for ``async``/``batch``: a quarter of the band, so one flooding tenant
   cannot fill the band's queue and turn the others' requests into ``rejected-capacity`` (F11);
@@ -67,6 +75,9 @@ from router.flow_control.errors import ConfigError
 
 DEFAULT_MAX_QUEUED_BYTES = 1_000_000_000
 DEFAULT_MAX_QUEUED_REQUESTS = 10_000
+#: ``interactive``'s bypass bound (``max_in_flight``) and its per-tenant share (module docstring).
+DEFAULT_INTERACTIVE_MAX_IN_FLIGHT = 64
+DEFAULT_INTERACTIVE_TENANT_MAX = DEFAULT_INTERACTIVE_MAX_IN_FLIGHT // 4
 
 
 class BandConfig(BaseModel):
@@ -101,7 +112,9 @@ def default_bands() -> list[BandConfig]:
     """The three default bands (module docstring explains each number)."""
     tenant_max_queued = DEFAULT_MAX_QUEUED_REQUESTS // 4
     return [
-        BandConfig(objective="interactive", priority=100, ttl_s=30.0, bypass_saturation=True, max_in_flight=64),
+        BandConfig(objective="interactive", priority=100, ttl_s=30.0, bypass_saturation=True,
+                   max_in_flight=DEFAULT_INTERACTIVE_MAX_IN_FLIGHT, tenant_max_in_flight=DEFAULT_INTERACTIVE_TENANT_MAX,
+                   tenant_max_queued=DEFAULT_INTERACTIVE_TENANT_MAX),
         BandConfig(objective="async", priority=10, ttl_s=0.0, sheddable=True, tenant_max_queued=tenant_max_queued),
         BandConfig(objective="batch", priority=-10, ttl_s=0.0, sheddable=True, tenant_max_queued=tenant_max_queued),
     ]

@@ -21,7 +21,8 @@ from engine_twin.launch import sim_engine_argv
 from router.settings import build_settings
 
 COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-SHELL = {"BACKFILL_ADMIN_KEY": "compose-test-admin-key"}  # what `docker compose` is run with
+#: what `docker compose` is run with
+SHELL = {"BACKFILL_ADMIN_KEY": "compose-test-admin-key", "BACKFILL_ROUTER_TOKEN": "compose-test-router-token"}
 SERVICES = COMPOSE["services"]
 BACKFILL_SERVICES = {"migrate", "gateway", "worker", "beat", "processor", "router", "engine-0", "engine-1"}
 

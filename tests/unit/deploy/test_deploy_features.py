@@ -21,7 +21,9 @@ from workers.settings import WorkerSettings
 #: expected value meaning "set to anything but the field's default"
 SET = object()
 COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-COMPOSE_SHELL = {"BACKFILL_ADMIN_KEY": "compose-test-admin-key"}
+COMPOSE_SHELL = {"BACKFILL_ADMIN_KEY": "compose-test-admin-key", "BACKFILL_ROUTER_TOKEN": "compose-test-router-token"}
+#: the router honours fairness ids and objectives only from callers with its trusted token (router/trust.py)
+TRUST = "the router honouring the processor's fairness ids and objectives"
 
 
 def unmet(settings: Any, needs: dict[str, tuple[str, Any]]) -> list[str]:
@@ -65,7 +67,8 @@ def k8s_needs(objects) -> dict[str, tuple[Any, dict[str, tuple[str, Any]]]]:
     service = find(objects, "Service", "backfill-router")
     router_url = f"http://backfill-router:{next(p['port'] for p in service['spec']['ports'] if p['name'] == 'http')}"
     processor = {"router_url": ("dispatching lane requests to the router", router_url),
-                 "metrics_port": ("the /health probes and the ServiceMonitor", SET)}
+                 "metrics_port": ("the /health probes and the ServiceMonitor", SET),
+                 "router_token": (TRUST, SET)}
     needs = {
         "backfill-gateway": (GatewaySettings, {
             "router_url": ("the dashboard's Lanes and Fleet pages", router_url),
@@ -78,7 +81,8 @@ def k8s_needs(objects) -> dict[str, tuple[Any, dict[str, tuple[str, Any]]]]:
             **processor, "metrics_port": ("the /health probes", probe_port(objects, "backfill-processor"))}),
         "backfill-router": (build_settings, {
             "engine_selector": ("finding the vLLM pods", SET),
-            "host": ("answering the Service (not only the pod's loopback)", "0.0.0.0")}),
+            "host": ("answering the Service (not only the pod's loopback)", "0.0.0.0"),
+            "trusted_token": (TRUST, SET)}),
     }
     if any(o["kind"] == "Deployment" and o["metadata"]["name"] == "backfill-processor-pubsub" for o in objects):
         needs["backfill-processor-pubsub"] = (ProcessorSettings, processor)
@@ -118,10 +122,10 @@ def compose_needs() -> dict[str, tuple[Any, dict[str, tuple[str, Any]]]]:
         "worker": (WorkerSettings, {"metrics_port": ("the /health healthcheck", SET)}),
         "processor": (ProcessorSettings, {
             "router_url": ("dispatching lane requests to the router", router_url),
-            "metrics_port": ("the /health healthcheck", SET)}),
+            "metrics_port": ("the /health healthcheck", SET), "router_token": (TRUST, SET)}),
         "router": (build_settings, {
             "engines": ("the engines to route to", engines),
-            "host": ("answering the other containers", "0.0.0.0")}),
+            "host": ("answering the other containers", "0.0.0.0"), "trusted_token": (TRUST, SET)}),
     }
 
 
@@ -131,3 +135,20 @@ def test_every_compose_service_gets_the_settings_its_features_need(monkeypatch):
         settings = settings_under_env(build, service_environment(COMPOSE, service, COMPOSE_SHELL), monkeypatch)
         problems += [f"{service}: {p}" for p in unmet(settings, needs)]
     assert problems == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kubernetes_processors_send_the_routers_trusted_token(rendered, overlay):
+    objects = rendered[overlay]
+    token = pod_env(objects, "backfill-router")["BACKFILL_ROUTER_TRUSTED_TOKEN"]
+    processors = [o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"
+                  and o["metadata"]["name"].startswith("backfill-processor")]
+    assert processors and token
+    assert {name: pod_env(objects, name)["BACKFILL_PROCESSOR_ROUTER_TOKEN"] for name in processors} == \
+        {name: token for name in processors}
+
+
+def test_the_compose_processor_sends_the_routers_trusted_token():
+    router = service_environment(COMPOSE, "router", COMPOSE_SHELL)["BACKFILL_ROUTER_TRUSTED_TOKEN"]
+    processor = service_environment(COMPOSE, "processor", COMPOSE_SHELL)["BACKFILL_PROCESSOR_ROUTER_TOKEN"]
+    assert router == processor == COMPOSE_SHELL["BACKFILL_ROUTER_TOKEN"]

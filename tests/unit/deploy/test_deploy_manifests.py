@@ -22,7 +22,7 @@ from kubernetes.client import ApiClient
 BUILTIN_GROUPS = {"v1", "apps/v1", "batch/v1", "policy/v1", "rbac.authorization.k8s.io/v1"}
 CRD_SCHEMAS = yaml.safe_load((Path(__file__).with_name("crd_schemas.yaml")).read_text())
 #: Secrets the operator creates (deploy/README.md); the dev overlay ships development ones.
-EXTERNAL_SECRETS = {"backfill-stores", "backfill-admin", "backfill-s3", "backfill-hf"}
+EXTERNAL_SECRETS = {"backfill-stores", "backfill-admin", "backfill-router-token", "backfill-s3", "backfill-hf"}
 #: Containers whose image needs a writable root filesystem (see the comment in base/vllm.yaml).
 WRITABLE_ROOT = {("backfill-vllm", "vllm")}
 #: Services that must keep serving through voluntary disruptions.

@@ -349,6 +349,7 @@ def test_eviction_still_works_with_the_shipped_bands():
     result = core.step(1.0, full_pool)  # async never queues: shed now, no eviction for it
     assert result.evicted == [] and [d.reason for _, d in result.expired] == [DropReason.SATURATED]
     for n in range(65):  # interactive bypasses saturation up to 64 in flight; the 65th is blocked
-        core.enqueue(item(f"i{n}", tenant="i", objective="interactive"), now=2.0)
+        # (five tenants of 13: below the per-tenant quota of 16)
+        core.enqueue(item(f"i{n}", tenant=f"t{n % 5}", objective="interactive"), now=2.0)
     result = core.step(2.0, full_pool)
     assert len(result.dispatched) == 64 and ids(result.evicted) == ["b2"]
