@@ -276,8 +276,18 @@ def start_engines(stack: Stack, count: int, served_model_names: list[str],
 def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     """Start ``backfill router`` on a free port in front of ``stack.engine_urls`` and wait until it
     has a healthy engine. Simulated engines run vLLM's priority policy, so the router sends them
-    vLLM's ``priority`` field; real engines given by URL may not, so it does not."""
+    vLLM's ``priority`` field; real engines given by URL may not, so it does not.
+
+    The router honours fairness ids and objectives only from callers with its trusted token
+    (``router/trust.py``): ``stack.env`` gets one (the one already in it, else a new random one) as
+    both ``BACKFILL_ROUTER_TRUSTED_TOKEN`` and ``BACKFILL_PROCESSOR_ROUTER_TOKEN``, so a processor
+    started later from ``stack.env`` is trusted."""
     from router.cli import router_argv
+
+    env = stack.env
+    token = env.get("BACKFILL_ROUTER_TRUSTED_TOKEN") or env.get("BACKFILL_PROCESSOR_ROUTER_TOKEN") \
+        or secrets.token_urlsafe(32)
+    env["BACKFILL_ROUTER_TRUSTED_TOKEN"] = env["BACKFILL_PROCESSOR_ROUTER_TOKEN"] = token
 
     port = free_port(host)
     stack.router_url = f"http://{host}:{port}"
@@ -376,11 +386,6 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         for service in ("WORKER", "PROCESSOR"):
             env.setdefault(f"BACKFILL_{service}_METRICS_PORT", str(free_port(host)))
         env.setdefault("BACKFILL_METRICS_HOST", host)
-        # the router honours fairness ids and objectives only from callers with its trusted token
-        # (router/trust.py): one per stack, unless given, shared by the router and the processor
-        router_token = (env.get("BACKFILL_ROUTER_TRUSTED_TOKEN") or env.get("BACKFILL_PROCESSOR_ROUTER_TOKEN")
-                        or secrets.token_urlsafe(32))
-        env["BACKFILL_ROUTER_TRUSTED_TOKEN"] = env["BACKFILL_PROCESSOR_ROUTER_TOKEN"] = router_token
         if admin_key:
             env["BACKFILL_ADMIN_KEY"] = admin_key
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)

@@ -3,7 +3,9 @@
 ``RouterStack(engines=3, …)`` starts ``backfill engine-sim`` processes on free ports and one
 ``backfill router`` in front of them, waits until the router's ``/health`` answers 200 (≥ 1
 engine healthy) and, with ``wait_all``, until every engine is a candidate. ``kill_engine(i)``
-SIGKILLs one engine; ``restart_engine(i)`` starts it again on the same port.
+SIGKILLs one engine; ``restart_engine(i)`` starts it again on the same port. The router runs with
+the trusted token ``token`` (``router/trust.py``); ``trusted(headers)`` adds it to a request's
+headers, as the async processor does, so their fairness id and objective are honoured.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ import httpx
 
 from engine_twin.launch import sim_engine_argv, wait_ready
 from router.cli import router_argv
+from router.trust import TOKEN_HEADER
 from tests.integration.engine_twin.conftest import free_port
+
+#: The trusted token a :class:`RouterStack`'s router runs with unless told otherwise.
+ROUTER_STACK_TOKEN = "router-stack-token"
 
 
 class RouterStack:
@@ -27,8 +33,9 @@ class RouterStack:
 
     def __init__(self, log_dir: Path, *, engines: int = 3, model: str = "sim-model",
                  engine_options: list[dict[str, Any]] | None = None, router_options: dict[str, Any] | None = None,
-                 kv_events: bool = False) -> None:
+                 kv_events: bool = False, token: str | None = ROUTER_STACK_TOKEN) -> None:
         self.log_dir = log_dir
+        self.token = token
         self.model = model
         self.engine_ports = [free_port() for _ in range(engines)]
         self.engine_urls = [f"http://127.0.0.1:{p}" for p in self.engine_ports]
@@ -40,9 +47,14 @@ class RouterStack:
         self.engines: list[subprocess.Popen | None] = [None] * engines
         self.router: subprocess.Popen | None = None
 
-    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
+    def trusted(self, headers: dict[str, str] | None = None) -> dict[str, str]:
+        """``headers`` plus the router's trusted token (a caller like the async processor)."""
+        assert self.token, "this stack's router trusts nobody"
+        return {**(headers or {}), TOKEN_HEADER: self.token}
+
+    def _spawn(self, argv: list[str], name: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def start_engine(self, i: int) -> None:
@@ -59,7 +71,7 @@ class RouterStack:
                 self.start_engine(i)
             argv = router_argv(self.router_port, self.engine_urls, kv_events_bind=self.kv_bind,
                                **self.router_options)
-            self.router = self._spawn(argv, "router")
+            self.router = self._spawn(argv, "router", {"BACKFILL_ROUTER_TRUSTED_TOKEN": self.token or ""})
             wait_ready(self.url, timeout=30, process=self.router)
             self.wait_candidates(len(self.engine_urls))
             if self.kv_bind:

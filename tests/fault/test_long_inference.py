@@ -49,7 +49,8 @@ def test_an_inference_longer_than_the_base_timeout_finishes_once(ns, tmp_path: P
         ns.put("batch", _message("long-plain"))
         ns.put("batch", _message("long-stream", stream=True))
         started = time.monotonic()
-        with InProcess(ns.settings(stack.url, request_timeout_s=2.0, max_error_attempts=5)):
+        with InProcess(ns.settings(stack.url, request_timeout_s=2.0, max_error_attempts=5,
+                                     router_token=stack.token)):
             results = {r.id: r for r in ns.wait_results(2, timeout_s=60)}
         took = time.monotonic() - started
         served = stack.served_counts()

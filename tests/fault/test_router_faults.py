@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import orjson
 
-from tests.router_stack import RouterStack
+from router.trust import TOKEN_HEADER
+from tests.router_stack import ROUTER_STACK_TOKEN, RouterStack
 
 #: 1,200 bytes = 300 estimate tokens: four 64-token blocks in the router's approximate index.
 PREFIX = "You are a careful assistant. Follow the house rules exactly. " * 20
@@ -132,7 +133,7 @@ def test_eviction_frees_room_for_a_blocked_higher_band(tmp_path: Path) -> None:
 
         async def send(client: httpx.AsyncClient, objective: str, tag: str) -> None:
             r = await client.post(f"{s.url}/v1/chat/completions", json=_body(tag, 100, system=tag),
-                                  headers={"x-llm-d-inference-objective": objective})
+                                  headers=s.trusted({"x-llm-d-inference-objective": objective}))
             done.append((objective, r.status_code, r.headers.get("x-llm-d-request-dropped-reason")))
 
         async def scenario() -> None:
@@ -168,7 +169,8 @@ async def _send(client: httpx.AsyncClient, url: str, tenant: str, objective: str
                 done: list[tuple[str, str, int, str | None]]) -> None:
     # no shared prefix: the requests spread over both engines
     r = await client.post(f"{url}/v1/chat/completions", json=_body(tag, 16, system=f"{tag} "),
-                          headers={"x-llm-d-inference-fairness-id": tenant, "x-llm-d-inference-objective": objective})
+                          headers={"x-llm-d-inference-fairness-id": tenant, "x-llm-d-inference-objective": objective,
+                                   TOKEN_HEADER: ROUTER_STACK_TOKEN})
     done.append((tenant, objective, r.status_code, r.headers.get("x-llm-d-request-dropped-reason")))
     if r.status_code == 429:
         assert r.headers["retry-after"].isdigit() and r.json()["error"]["message"]

@@ -198,3 +198,12 @@ def test_producer_headers_are_case_folded_and_framing_headers_dropped():
     assert h["x-extra"] == "1"
     assert not {"content-length", "host", "transfer-encoding", "connection"} & {k.lower() for k in h}
     assert len({k.lower() for k in h}) == len(h)
+
+
+def test_the_router_token_is_the_processors_own_never_a_producers():
+    req = RequestMessage(id="a", deadline=int(time.time()) + 10, payload={}, metadata={"tenant": "acme"},
+                         headers={"X-Backfill-Router-Token": "guessed"})
+    assert "x-backfill-router-token" not in request_headers(req, "batch", 1.0)
+    h = request_headers(req, "batch", 1.0, "s3cret")
+    assert h["x-backfill-router-token"] == "s3cret" and h["x-llm-d-inference-fairness-id"] == "acme"
+    assert [k for k in h if k.lower() == "x-backfill-router-token"] == ["x-backfill-router-token"]
