@@ -78,8 +78,8 @@ from async_processor.metrics import ProcessorMetrics
 from async_processor.observer import ProcessorObserver, Shed
 from async_processor.retry import (
     backoff_delay,
-    is_retryable,
     is_held_refusal,
+    is_retryable,
     parse_retry_after,
     saturated_hold,
 )
