@@ -35,6 +35,9 @@ from router.settings import build_settings
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
               help="every engine's sequence slots (vLLM --max-num-seqs) for the slot reserve "
                    "(default: learned per engine from its metrics)")
+@click.option("--make-room/--no-make-room", "make_room", default=None,
+              help="evict the newest sheddable request on an engine with no free slot for an interactive one "
+                   "(default on)")
 @click.option("--log-level", default=None, help="logging level (default INFO)")
 def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -> None:
     """Serve the prefix-cache-aware router with flow control in front of the engines."""
