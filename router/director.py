@@ -347,14 +347,18 @@ class Director:
         No free slot means its slot count is known (:attr:`Endpoint.slots`) and ``running +
         unseen ≥ slots``: the last scrape's running requests (including ones the router just
         released, still running there until the engine sees the abort) plus the requests it does
-        not show yet (:func:`router.scheduling.saturation.unseen_requests`). The victim is one of
+        not show yet (:func:`router.scheduling.saturation.unseen_requests`), and — the router's own,
+        fresher view — its requests in flight there (``in_flight_requests``, those already
+        finished since the scrape left out) also fill the slots; with several router replicas
+        that count is low, which only makes room less often. The victim is one of
         the sheddable requests this router forwarded there and that are still running: lowest band
         priority first, then the most recently started (the least work lost: llm-d's eviction
         order). It is evicted the way flow control's evictor does it (its admission is counted
         ``evicted`` and released, the upstream request is cancelled, so the engine aborts it, and
         its client gets 429 ``evicted`` with ``Retry-After``).
         """
-        if endpoint.slots is None or free_slots(endpoint) > unseen_requests(endpoint):
+        if endpoint.slots is None or free_slots(endpoint) > unseen_requests(endpoint) \
+                or endpoint.in_flight_requests < endpoint.slots:
             return None
         victims = [a for a in self._attempts.get(endpoint.name, ()) if a.share.sheddable and a.reason is None]
         if not victims:

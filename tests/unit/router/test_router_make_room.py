@@ -177,6 +177,17 @@ def test_nothing_is_evicted_with_a_free_slot() -> None:
     scenario(body)
 
 
+def test_nothing_is_evicted_when_a_request_ended_since_the_scrape() -> None:
+    """The scrape still shows 4 running, but the router saw one of them end: a slot is free."""
+    async def body(rig: Rig) -> None:
+        batch = [(await rig.start("batch"))[0] for _ in range(3)]
+        rig.scraped(A, 4)
+        await rig.start("interactive")
+        assert _made_room(rig) == [] and not any(t.done() for t in batch)
+
+    scenario(body)
+
+
 def test_nothing_is_evicted_while_the_slot_count_is_unknown() -> None:
     async def body(rig: Rig) -> None:
         batch = [(await rig.start("batch"))[0] for _ in range(4)]
