@@ -14,7 +14,8 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
   their batches, earliest deadline first inside one (:mod:`async_processor.lanes`).
 - **attempts**: one POST ``{router_url}{endpoint}`` each, with the llm-d headers; a retryable answer
   releases the gate slot and puts the work back with a backoff (:mod:`async_processor.retry`).
-  The router's fast refusal of sheddable work (429 ``rejected-saturated``) is held instead: back in
+  The router's fast refusal of sheddable work (429 ``rejected-saturated``), and its eviction of a
+  running one for higher-priority work (429 ``evicted``), is held instead: back in
   the buffer after its ``Retry-After`` (plus jitter), no attempt counted, no backoff growth, and
   the saturation gate shut until its next reading of the router, so the lane does not hammer it.
   429/503 retry until the deadline; a server error or no answer at all ends the request with its
@@ -77,8 +78,8 @@ from async_processor.metrics import ProcessorMetrics
 from async_processor.observer import ProcessorObserver, Shed
 from async_processor.retry import (
     backoff_delay,
+    is_held_refusal,
     is_retryable,
-    is_saturated_refusal,
     parse_retry_after,
     saturated_hold,
 )
@@ -455,9 +456,10 @@ class Processor:
                 timed_out = exc.timed_out
             elapsed = time.monotonic() - started
             self.metrics.attempt_finished(work.lane, status, elapsed)
-            if is_saturated_refusal(status, dropped_reason):
-                # the router would have queued it: not an attempt, no backoff growth, and the
-                # saturation gate shuts until it reads the router again
+            if is_held_refusal(status, dropped_reason):
+                # the router would have queued it, or evicted it for higher-priority work: not an
+                # attempt, no backoff growth, and the saturation gate shuts until it reads the
+                # router again
                 work.attempts -= 1
                 hold = saturated_hold(request.deadline - time.time(), retry_after, rng=self.rng)
                 if hold is None:

@@ -13,6 +13,10 @@ after llm-d-async's ``retryMessage``).
   :data:`MIN_HOLD_S` at least)
   times a jitter factor uniform in [1, 1 + :data:`HOLD_JITTER`), with no exponential growth, since
   the router's answer says when room is expected (:func:`saturated_hold`).
+- The router's eviction (429 with ``x-llm-d-request-dropped-reason: evicted``: a running sheddable
+  request aborted to make room for higher-priority work) is held the same way
+  (:func:`is_held_refusal`): the request did nothing wrong, and a batch request evicted is re-run
+  until its deadline, never failed for it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 """The router's (llm-d's) header naming why a request was not run (shared/contracts/queue-and-headers.md)."""
 REJECTED_SATURATED = "rejected-saturated"
 """Its value for sheddable work refused at once because no engine has room."""
+EVICTED = "evicted"
+"""Its value for a running sheddable request the router evicted for higher-priority work."""
 DEFAULT_HOLD_S = 1.0
 """Hold of a fast refusal without a usable ``Retry-After``: the ``Retry-After: 1`` the router sends
 with its other refusals."""
@@ -73,10 +79,10 @@ def backoff_delay(attempt: int, time_left_s: float, retry_after_s: float | None 
     return min(delay, time_left_s * 0.999)
 
 
-def is_saturated_refusal(status_code: int, dropped_reason: str | None) -> bool:
-    """True for the router's fast refusal of sheddable work: 429 or 503 with
-    ``x-llm-d-request-dropped-reason: rejected-saturated``."""
-    return status_code in (429, 503) and (dropped_reason or "").strip().lower() == REJECTED_SATURATED
+def is_held_refusal(status_code: int, dropped_reason: str | None) -> bool:
+    """True for the router's answers that are held rather than retried as failed attempts: 429
+    or 503 with ``x-llm-d-request-dropped-reason`` ``rejected-saturated`` or ``evicted``."""
+    return status_code in (429, 503) and (dropped_reason or "").strip().lower() in (REJECTED_SATURATED, EVICTED)
 
 
 def saturated_hold(time_left_s: float, retry_after_s: float | None = None, *,

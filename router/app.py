@@ -298,7 +298,8 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                                           observer=metrics, objective_priority=objective_priority,
                                           default_objective=flow_config.default_objective,
                                           sheddable_objectives=frozenset(
-                                              band.objective for band in flow_config.bands if band.sheddable))
+                                              band.objective for band in flow_config.bands if band.sheddable),
+                                          make_room=settings.make_room)
         rt.proxy = app[PROXY_KEY] = Proxy(director=director, tokenizer=tokenizer, session=forward, observer=metrics,
                                           engine_priority=settings.engine_priority,
                                           max_body_bytes=settings.max_body_bytes,

@@ -38,6 +38,9 @@ from router.settings import build_settings
 @click.option("--api-keys", "api_keys", type=click.Path(exists=True, dir_okay=False), default=None,
               help="YAML/JSON file mapping API key -> tenant: the fairness id of callers without the trusted "
                    "token (default: every such caller is tenant 'anonymous')")
+@click.option("--make-room/--no-make-room", "make_room", default=None,
+              help="evict the newest sheddable request on an engine with no free slot for an interactive one "
+                   "(default on)")
 @click.option("--log-level", default=None, help="logging level (default INFO)")
 def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -> None:
     """Serve the prefix-cache-aware router with flow control in front of the engines."""

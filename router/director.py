@@ -10,7 +10,9 @@ and writes what it decides. For one parsed request:
    ``Retry-After`` and ``x-llm-d-request-dropped-reason``;
 3. :meth:`Director.forward`: the scheduler picks an endpoint among the healthy ones, the plugins
    learn (``pre_request``), the pool's in-flight counters rise, and the :class:`Forwarder` (the
-   transport) sends it there. A connection refused before anything ran, or the endpoint declared
+   transport) sends it there. A non-sheddable request bound for an endpoint with no free sequence
+   slot first **makes room** there (:meth:`Director.make_room`): the newest sheddable request this
+   router runs on that endpoint is evicted. A connection refused before anything ran, or the endpoint declared
    down before any byte reached the client, retries once on another endpoint; an eviction by flow
    control or the endpoint going down later ends the request (:class:`Interruption`). The client
    going away cancels the request's task, which ends the forward as a cancellation;
@@ -36,6 +38,7 @@ from router.observer import RouterObserver
 from router.parsing import ParsedRequest
 from router.pool import EndpointPool, InFlight
 from router.scheduling.errors import NoCandidatesError
+from router.scheduling.saturation import free_slots, unseen_requests
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Endpoint, LLMRequest, PrefixMatchInfo, SchedulingResult
 from router.tokenizers import Prompt, to_llm_request
@@ -111,13 +114,16 @@ class Attempt:
     """One try of a request on one endpoint: its share of the endpoint's in-flight counters,
     whether anything reached the client, and why the router interrupted it, if it did."""
 
-    __slots__ = ("task", "pool", "endpoint", "share", "reason", "sent", "cached_tokens")
+    __slots__ = ("task", "pool", "endpoint", "share", "admission", "priority", "reason", "sent", "cached_tokens")
 
-    def __init__(self, task: asyncio.Task[object], pool: EndpointPool, share: InFlight) -> None:
+    def __init__(self, task: asyncio.Task[object], pool: EndpointPool, share: InFlight,
+                 admission: Admission | None = None, priority: int = 0) -> None:
         self.task = task
         self.pool = pool
         self.endpoint: Endpoint = share.endpoint
         self.share = share
+        self.admission = admission  # flow control's slot of the request (None: flow control is off)
+        self.priority = priority  # its band's priority (higher first)
         self.reason: str | None = None
         self.sent = False
         self.cached_tokens: int | None = None
@@ -194,11 +200,14 @@ class Director:
         default_objective: the objective of a request that names none (or an unknown one).
         sheddable_objectives: objectives whose flow-control band is sheddable (the scheduler's
             ``spare-capacity-filter`` places them on engines with room only).
+        make_room: evict a sheddable request to make room for a non-sheddable one on an endpoint
+            with no free slot (:meth:`make_room`; the router's ``make_room`` setting, default on).
     """
 
     def __init__(self, *, pool: EndpointPool, scheduler: Scheduler, profile: str | None,
                  flow: FlowController | None, observer: RouterObserver, objective_priority: dict[str, int],
-                 default_objective: str, sheddable_objectives: frozenset[str] = frozenset()) -> None:
+                 default_objective: str, sheddable_objectives: frozenset[str] = frozenset(),
+                 make_room: bool = False) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.profile = profile
@@ -207,6 +216,7 @@ class Director:
         self.objective_priority = objective_priority
         self.default_objective = default_objective
         self.sheddable_objectives = sheddable_objectives
+        self.make_room_enabled = make_room
         self.decisions = DecisionRate()
         self._attempts: dict[str, set[Attempt]] = {}  # endpoint name → tries running there
 
@@ -290,14 +300,17 @@ class Director:
 
         if admitted.admission is not None:
             admitted.admission.on_evict(evict)
+        made_room = False
         for number in range(2):
             result = self.schedule(llm_request, tried)
             if result is None:
                 return forwarder.rejected(NO_ENDPOINT)
             tried.add(result.endpoint.name)
+            if self.make_room_enabled and not llm_request.sheddable and not made_room:
+                made_room = self.make_room(result.endpoint) is not None
             share = self.pool.started(result.endpoint, _uncached_tokens(result, llm_request),
                                      sheddable=llm_request.sheddable)
-            attempt = Attempt(task, self.pool, share)
+            attempt = Attempt(task, self.pool, share, admitted.admission, llm_request.priority)
             self._attempts.setdefault(result.endpoint.name, set()).add(attempt)
             retry = number == 0
             completed = False
@@ -323,6 +336,38 @@ class Director:
             if response is not None:
                 return response
         return forwarder.rejected(NO_ENDPOINT)
+
+    def make_room(self, endpoint: Endpoint) -> Attempt | None:
+        """Evict a sheddable request from ``endpoint`` for a non-sheddable one about to go there,
+        when the endpoint has no free sequence slot; returns the evicted try, or None.
+
+        On a slot-bound engine scheduled first come first served (vLLM without priority
+        scheduling never preempts a running request; with it, priority orders only the waiting
+        queue) a non-sheddable request that meets full slots waits for a whole request to finish.
+        No free slot means its slot count is known (:attr:`Endpoint.slots`) and ``running +
+        unseen ≥ slots``: the last scrape's running requests (including ones the router just
+        released, still running there until the engine sees the abort) plus the requests it does
+        not show yet (:func:`router.scheduling.saturation.unseen_requests`), and — the router's own,
+        fresher view — its requests in flight there (``in_flight_requests``, those already
+        finished since the scrape left out) also fill the slots; with several router replicas
+        that count is low, which only makes room less often. The victim is one of
+        the sheddable requests this router forwarded there and that are still running: lowest band
+        priority first, then the most recently started (the least work lost: llm-d's eviction
+        order). It is evicted the way flow control's evictor does it (its admission is counted
+        ``evicted`` and released, the upstream request is cancelled, so the engine aborts it, and
+        its client gets 429 ``evicted`` with ``Retry-After``).
+        """
+        if endpoint.slots is None or free_slots(endpoint) > unseen_requests(endpoint) \
+                or endpoint.in_flight_requests < endpoint.slots:
+            return None
+        victims = [a for a in self._attempts.get(endpoint.name, ()) if a.share.sheddable and a.reason is None]
+        if not victims:
+            return None
+        victim = min(victims, key=lambda a: (a.priority, -a.share.started_at))
+        if victim.admission is None or self.flow is None or not self.flow.evict(victim.admission):
+            victim.interrupt(_EVICTED)  # no flow control (or its slot is gone already): cancel it here
+        self.observer.made_room(endpoint.name)
+        return victim
 
     def endpoint_down(self, name: str) -> None:
         """Pool hook: ``name`` left the candidate set. Its requests in flight are interrupted

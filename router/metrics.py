@@ -11,6 +11,8 @@ series                                                 type       labels
                                                                   whole decision)
 ``backfill_router_dispatched_total``                   counter    ``band``
 ``backfill_router_shed_total``                         counter    ``band``, ``reason``
+``backfill_router_make_room_evictions_total``         counter    ``endpoint`` (sheddable requests
+                                                                  evicted for non-sheddable ones)
 ``backfill_router_flow_queue_requests``                gauge      ``band``
 ``backfill_router_flow_queue_bytes``                   gauge      ``band``
 ``backfill_router_flow_wait_seconds``                  histogram  ``band``
@@ -73,6 +75,10 @@ class RouterMetrics:
                                   ["band"], registry=reg)
         self.shed_total = Counter("backfill_router_shed", "Requests refused or dropped by flow control.",
                             ["band", "reason"], registry=reg)
+        self.make_room_evictions = Counter(
+            "backfill_router_make_room_evictions",
+            "Sheddable requests evicted to make room for non-sheddable ones on an endpoint with no free slot.",
+            ["endpoint"], registry=reg)
         self.flow_wait = Histogram("backfill_router_flow_wait_seconds", "Time waiting in flow control.",
                                    ["band"], buckets=WAIT_BUCKETS, registry=reg)
         self.first_byte_seconds = Histogram("backfill_router_time_to_first_byte_seconds",
@@ -98,6 +104,10 @@ class RouterMetrics:
     def shed(self, objective: str, reason: str) -> None:
         """One request refused, dropped or evicted by flow control."""
         self.shed_total.labels(objective, reason).inc()
+
+    def made_room(self, endpoint: str) -> None:
+        """One sheddable request evicted on ``endpoint`` for a non-sheddable one."""
+        self.make_room_evictions.labels(endpoint).inc()
 
     def admitted(self, objective: str, waited_s: float) -> None:
         """One request released by flow control after ``waited_s`` seconds."""

@@ -19,6 +19,10 @@ class RouterObserver(Protocol):
     def shed(self, objective: str, reason: str) -> None:
         """Flow control refused, dropped or evicted a request (``reason``: the drop reason)."""
 
+    def made_room(self, endpoint: str) -> None:
+        """A sheddable request on ``endpoint`` was evicted to make room for a non-sheddable one
+        (the director's make-room; the victim's own ``shed(…, "evicted")`` follows when it ends)."""
+
     def admitted(self, objective: str, waited_s: float) -> None:
         """Flow control released a request after ``waited_s`` seconds since it was received."""
 

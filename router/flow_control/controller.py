@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.flow_control.config import FlowControlConfig
-from router.flow_control.core import FlowControlCore, FlowItem, Ticket, TicketState
+from router.flow_control.core import FlowControlCore, FlowItem, Ticket, TicketState, retry_after_for
 from router.flow_control.errors import DropReason, RequestDropped
 
 log = logging.getLogger(__name__)
@@ -176,6 +176,23 @@ class FlowController:
         """Saturation may have changed (metrics scraped, a request ended): run a dispatch step soon."""
         self._wake.set()
 
+    def evict(self, admission: Admission) -> bool:
+        """Evict ``admission`` now, a request the caller chose (the router's make-room): the core
+        counts it ``evicted`` and frees its slot, and its ``on_evict`` callbacks run (they cancel
+        the upstream request) with :attr:`Admission.evicted` set, as for the controller's own
+        evictions.
+
+        Returns:
+            True if it was evicted; False when it is no longer in flight (released, evicted) or
+            not of a sheddable band.
+        """
+        ticket = admission._ticket
+        if not self._core.evict(ticket):
+            return False
+        self._notify_evicted(ticket)
+        self._wake.set()
+        return True
+
     @property
     def in_flight_requests(self) -> int:
         """Requests dispatched and not yet released (counts a running step's dispatches at once)."""
@@ -266,13 +283,16 @@ class FlowController:
             admission = self._admissions[ticket] = Admission(self, ticket)
             future.set_result(admission)
         for ticket in result.evicted:
-            evicted = self._admissions.pop(ticket, None)
-            log.info("evicted", extra={"action": "flow_control.evicted", "request_id": ticket.item.request_id,
-                                       "band": ticket.band.objective})
-            if evicted is not None:
-                evicted._evict(RequestDropped(DropReason.EVICTED,
-                                                f"{ticket.band.objective} band: evicted for higher-priority work",
-                                                retry_after_s=1.0))
+            self._notify_evicted(ticket)
+
+    def _notify_evicted(self, ticket: Ticket) -> None:
+        evicted = self._admissions.pop(ticket, None)
+        log.info("evicted", extra={"action": "flow_control.evicted", "request_id": ticket.item.request_id,
+                                   "band": ticket.band.objective})
+        if evicted is not None:
+            evicted._evict(RequestDropped(DropReason.EVICTED,
+                                          f"{ticket.band.objective} band: evicted for higher-priority work",
+                                          retry_after_s=retry_after_for(DropReason.EVICTED, ticket.band)))
 
     async def _run(self) -> None:
         poll = self.config.poll_interval_s

@@ -402,6 +402,19 @@ class FlowControlCore:
         self._end_flight(ticket, TicketState.RELEASED)
         return True
 
+    def evict(self, ticket: Ticket) -> bool:
+        """Evict an in-flight ticket the caller chose (the router's make-room: a non-sheddable
+        request reached an engine with no free slot), counted as ``evicted`` in its band.
+
+        Returns:
+            True if it was in flight of a sheddable band; False (and nothing changes) otherwise.
+        """
+        if ticket.state is not TicketState.IN_FLIGHT or not ticket.band.sheddable:
+            return False
+        self._end_flight(ticket, TicketState.EVICTED)
+        self._by_objective[ticket.band.objective].shed[DropReason.EVICTED] += 1
+        return True
+
     def expire(self, now: float) -> list[tuple[Ticket, RequestDropped]]:
         """Shed every waiting ticket past its TTL or deadline (``now > expires_at``).
 

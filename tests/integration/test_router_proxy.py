@@ -392,6 +392,43 @@ def test_a_request_past_its_deadline_is_shed_with_the_reason(stack: RouterStack)
     assert batch["shed_total"]["rejected-ttl-expired"] >= 1
 
 
+def test_an_interactive_request_makes_room_by_evicting_the_newest_batch_request(tmp_path: Path, monkeypatch) -> None:
+    # no slot reserve: batch may hold all 4 slots of the engine; an interactive request then evicts one
+    monkeypatch.setenv("BACKFILL_ROUTER_MIN_SLOT_RESERVE", "0")
+    monkeypatch.setenv("BACKFILL_ROUTER_SLOT_RESERVE_FRACTION", "0")
+    with RouterStack(tmp_path, engines=1, engine_options=[{"time_scale": 1.0, "max_num_seqs": 4}]) as s:
+        url = s.engine_urls[0]
+        _hog(url, 6)  # fills the 4 slots with 2 waiting: the router learns the slot count
+        _until(lambda: _endpoint(s, url)["num_requests_waiting"] >= 2, "the engine never showed 2 waiting")
+        _until(lambda: _endpoint(s, url)["num_requests_running"] == 0, "the direct requests never ended", 30)
+        body = {"model": "sim-model", "prompt": "batch line", "max_tokens": 400}  # ~5 s at 12 ms a token
+        batch = s.trusted({"x-llm-d-inference-objective": "batch"})
+        results: list[httpx.Response] = []
+
+        def send() -> None:
+            results.append(httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=60))
+
+        senders = []
+        for _ in range(4):
+            senders.append(threading.Thread(target=send))
+            senders[-1].start()
+            n = len(senders)
+            _until(lambda n=n: _endpoint(s, url)["num_requests_running"] == n, f"batch request {n} never ran")
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        chat(client, "interactive", "now")  # evicts one batch request: no wait for a ~5-s one to end
+        assert [r.status_code for r in results] == [429]  # only the evicted one has ended
+        evicted = results[0]
+        assert evicted.headers["x-llm-d-request-dropped-reason"] == "evicted"
+        assert evicted.headers["retry-after"] == "1" and evicted.json()["error"]["code"] == "evicted"
+        for t in senders:
+            t.join()
+        assert sorted(r.status_code for r in results) == [200, 200, 200, 429]
+        metrics = httpx.get(f"{s.url}/metrics").text
+        assert f'backfill_router_make_room_evictions_total{{endpoint="{url}"}} 1.0' in metrics
+        assert 'backfill_router_shed_total{band="batch",reason="evicted"} 1.0' in metrics
+        assert _aborted(url) >= 1  # the engine aborted the evicted request
+
+
 # ---- trusted identities (issue 17, item 12; router/trust.py) -----------------------------------------
 #: ~5 s per request at the simulator's ~12 ms a token: a flood stays in flight while the test looks.
 SLOW_TOKENS = 400

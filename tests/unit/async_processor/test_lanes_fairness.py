@@ -14,7 +14,7 @@ import pytest
 from async_processor.backends.base import Delivery
 from async_processor.gates import AllGates, ConcurrencyGate, SaturationGate, effective_reserves
 from async_processor.lanes import LaneBuffer, Work
-from async_processor.retry import is_saturated_refusal, parse_retry_after, saturated_hold
+from async_processor.retry import is_held_refusal, parse_retry_after, saturated_hold
 from async_processor.settings import build_settings
 from async_processor.testing import mock_target
 from common.contracts.queue import RequestMessage
@@ -231,9 +231,10 @@ def test_reserves_follow_the_lanes_read_and_leave_the_lowest_lane_a_slot():
 
 
 def test_a_fast_refusal_is_told_by_its_header_and_held_for_its_fractional_retry_after():
-    assert is_saturated_refusal(429, "rejected-saturated") and is_saturated_refusal(503, " Rejected-Saturated")
-    assert not is_saturated_refusal(429, "rejected-capacity") and not is_saturated_refusal(429, None)
-    assert not is_saturated_refusal(500, "rejected-saturated")
+    assert is_held_refusal(429, "rejected-saturated") and is_held_refusal(503, " Rejected-Saturated")
+    assert is_held_refusal(429, "evicted")  # evicted for higher-priority work: held the same way
+    assert not is_held_refusal(429, "rejected-capacity") and not is_held_refusal(429, None)
+    assert not is_held_refusal(500, "rejected-saturated") and not is_held_refusal(500, "evicted")
     rng = random.Random(1)
     holds = [saturated_hold(60, parse_retry_after("0.5"), rng=rng) for _ in range(200)]
     assert all(h is not None and 0.5 <= h < 0.6 for h in holds) and len(set(holds)) > 1  # jittered

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import orjson
+import pytest
 
 from async_processor.backends.memory import MemoryBackend
 from async_processor.settings import build_settings
@@ -77,8 +78,9 @@ def test_interactive_is_read_and_dispatched_while_batch_holds_its_buffer_and_eve
     asyncio.run(scenario())
 
 
-def _refusing_router(refusals: int, events: list[tuple[str, float, str]], then: list[int]):
-    """POSTs: ``refusals`` fast refusals, then the statuses in ``then`` (200 after). GETs of the
+def _refusing_router(refusals: int, events: list[tuple[str, float, str]], then: list[int],
+                     headers: dict[str, str] = REFUSAL):
+    """POSTs: ``refusals`` fast refusals (``headers``), then the statuses in ``then`` (200 after). GETs of the
     router state: some engine has room. ``events``: (kind, monotonic start, detail)."""
     answered = [0]
 
@@ -91,15 +93,19 @@ def _refusing_router(refusals: int, events: list[tuple[str, float, str]], then: 
         n = answered[0]
         if n <= refusals:
             events.append(("refused", started, ""))
-            return httpx.Response(429, json={"error": "saturated"}, headers=REFUSAL)
+            return httpx.Response(429, json={"error": "saturated"}, headers=headers)
         status = then[n - refusals - 1] if n - refusals - 1 < len(then) else 200
         events.append((str(status), started, ""))
         return httpx.Response(status, json={"n": n})
     return router
 
 
-def test_a_fast_refusal_is_held_for_its_retry_after_and_counts_no_attempt():
+@pytest.mark.parametrize("reason", ["rejected-saturated", "evicted"])
+def test_a_fast_refusal_is_held_for_its_retry_after_and_counts_no_attempt(reason: str):
+    # "evicted": the router aborted the running request to make room for interactive work; a
+    # batch request is re-run after the hold, never failed for it
     events: list[tuple[str, float, str]] = []
+    refusal = {**REFUSAL, "x-llm-d-request-dropped-reason": reason}
     # two error attempts allowed: were the three refusals attempts, the 500 would be the last one
     settings = build_settings(backend="memory", lanes=["batch"], max_error_attempts=2, backoff_base_s=0.01,
                               poll_interval_s=0.005)
@@ -107,7 +113,7 @@ def test_a_fast_refusal_is_held_for_its_retry_after_and_counts_no_attempt():
     async def scenario():
         backend = MemoryBackend()
         await backend.publish_request("batch", request("r1"))
-        async with running(settings, backend, mock_target(_refusing_router(3, events, [500]))) as processor:
+        async with running(settings, backend, mock_target(_refusing_router(3, events, [500], refusal))) as processor:
             async def answered() -> bool:
                 return "r1" in results(backend)
 
