@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+import yaml
+
 from backfill.bench.engine_sim import free_port
 from common.executable import backfill_executable
 from engine_twin.launch import kv_events_config_json, sim_engine_argv, wait_ready
@@ -206,13 +208,33 @@ def _sglang_router(policy: str) -> Callable[..., list[str]]:
     return argv
 
 
+def bench_flow_control() -> Path:
+    """A flow-control file for our router in the routing benchmarks: the shipped defaults without
+    the interactive band's per-tenant limits. A trace replayer is one untrusted client, so with the
+    defaults all of its calls would share the ``anonymous`` tenant's 16 in flight and get 429s
+    under load, while the peers it is compared with have no such limit; the benchmarks measure
+    placement, not tenant limits (those have their own tests). Written once per process, in the
+    temporary directory."""
+    from router.flow_control.config import FlowControlConfig
+
+    path = Path(tempfile.gettempdir()) / f"backfill-bench-flow-{os.getpid()}.yaml"
+    if not path.exists():
+        data = FlowControlConfig().model_dump(mode="json")
+        for band in data["bands"]:
+            if band["objective"] == "interactive":
+                band["tenant_max_in_flight"] = band["tenant_max_queued"] = None
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def _ours(config: Path) -> Callable[..., list[str]]:
     def argv(port: int, engines: list[str], event_endpoints: list[str], opts: EngineOptions,
              router_events_port: int | None) -> list[str]:
         cmd = [*backfill_executable(), "router", "--host", HOST, "--port", str(port)]
         for url in engines:
             cmd += ["--engine", url]
-        cmd += ["--config", str(config), "--profile", "default", "--tokenizer", "estimate"]
+        cmd += ["--config", str(config), "--profile", "default", "--tokenizer", "estimate",
+                "--flow-control", str(bench_flow_control())]
         if router_events_port is not None:
             cmd += ["--kv-events-bind", f"tcp://{HOST}:{router_events_port}"]
         return cmd

@@ -207,12 +207,14 @@ def test_f11_flood_in_the_batch_band(tmp_path: Path) -> None:
         asyncio.run(scenario())
         state = s.state()
 
-    rejected = [d for d in done if d[2] == 429]
+    rejected = [d for d in done if d[2] == 429 and d[3] == "rejected-quota"]
     # bounded queues: the flooder is refused past its share of the band's queue, the other tenant is not
     assert rejected and {d[0] for d in rejected} == {"tenant-a"}
-    assert {d[3] for d in rejected} == {"rejected-quota"}
+    # make room: tenant-c's interactive requests may evict running batch work (re-run by a processor)
+    evicted = [d for d in done if d[2] == 429 and d[3] == "evicted"]
+    assert {d[1] for d in evicted} <= {"batch"} and len(evicted) <= 5
     order = [d for d in done if d[2] == 200]
-    assert len(order) == len(done) - len(rejected)
+    assert len(order) == len(done) - len(rejected) - len(evicted)
     # interactive first: every interactive request finished while batch work was still queued
     last_c = max(i for i, d in enumerate(order) if d[0] == "tenant-c")
     assert sum(1 for d in order[last_c + 1:] if d[1] == "batch") >= 10
