@@ -31,7 +31,14 @@ def json_lines():
         root.setLevel(saved[1])
 
 
-def test_uvicorn_color_message_is_dropped(json_lines):
+def test_uvicorn_color_message_is_dropped(json_lines, monkeypatch):
+    # an in-process uvicorn of an earlier test may have left its own log config on these loggers
+    for name in ("uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "handlers", [])
+        monkeypatch.setattr(logger, "propagate", True)
+        monkeypatch.setattr(logger, "disabled", False)
+        monkeypatch.setattr(logger, "level", logging.NOTSET)
     logging.getLogger("uvicorn.error").info("Uvicorn running on %s", "http://x",
                                             extra={"color_message": "Uvicorn running on \x1b[1m%s\x1b[0m"})
     [line] = json_lines()
