@@ -9,12 +9,14 @@ stores under ``--data-dir``, so they work on a fresh machine too.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -196,10 +198,13 @@ def keys_create(tenant: str, data_dir: Path) -> None:
 
 @keys_group.command("list")
 @click.option("--tenant", help="Only this tenant's keys.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array instead of the table (for scripts).")
 @DATA_DIR_OPTION
-def keys_list(tenant: str | None, data_dir: Path) -> None:
+def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
     """List API keys as a table: tenant, key (its first 12 characters — fewer for a short key, so a
-    key is never shown whole), state, and when it was created and revoked (UTC)."""
+    key is never shown whole), state, and when it was created and revoked (UTC); ``--json``: the
+    same as objects (``tenant``, ``key_prefix``, ``state``, ``created_at``, ``revoked_at``: Unix
+    seconds or null)."""
     from backfill.output import echo_table, format_time
     from batch_gateway.store import queries
 
@@ -207,9 +212,19 @@ def keys_list(tenant: str | None, data_dir: Path) -> None:
     with _session(data_dir) as session:
         for name, prefix, created_at, revoked_at in queries.list_api_keys(session, tenant):
             shown = prefix if len(prefix) >= 12 else prefix[: len(prefix) // 2]  # a short key is stored whole
-            rows.append((name, f"{shown}…", "revoked" if revoked_at else "active", format_time(created_at),
-                         format_time(revoked_at)))
-    echo_table(("TENANT", "KEY", "STATE", "CREATED", "REVOKED"), rows)
+            rows.append((name, shown, "revoked" if revoked_at else "active", created_at, revoked_at))
+    if as_json:
+        def unix(value: datetime | float | None) -> int | None:
+            if isinstance(value, datetime):
+                return int((value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp())
+            return None if value is None else int(value)
+
+        click.echo(json.dumps([{"tenant": name, "key_prefix": shown, "state": state, "created_at": unix(created),
+                                "revoked_at": unix(revoked)} for name, shown, state, created, revoked in rows]))
+        return
+    echo_table(("TENANT", "KEY", "STATE", "CREATED", "REVOKED"),
+               [(name, f"{shown}…", state, format_time(created), format_time(revoked))
+                for name, shown, state, created, revoked in rows])
 
 
 @keys_group.command("revoke")

@@ -180,6 +180,11 @@ def test_keys_list_uses_the_stacks_database_and_prints_a_table(cli):
     assert header.split() == ["TENANT", "KEY", "STATE", "CREATED", "REVOKED"]
     assert row.split()[0] == "acme" and row.split()[2] == "active" and row.rstrip().endswith("-")
     assert row.split()[5] == "UTC"  # CREATED as YYYY-MM-DD HH:MM:SS UTC
+    as_json = cli("keys", "list", "--tenant", "acme", "--json")
+    assert as_json.exit_code == 0, as_json.output
+    [key] = json.loads(as_json.stdout)[-1:]
+    assert key["tenant"] == "acme" and key["state"] == "active" and key["revoked_at"] is None
+    assert isinstance(key["created_at"], int) and len(key["key_prefix"]) == 12
 
 
 def test_a_killed_stacks_file_is_reported_stale(tmp_path, monkeypatch):
