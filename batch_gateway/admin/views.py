@@ -324,6 +324,13 @@ def build_router() -> APIRouter:
                                  if page["next"] else None),
                        first_url=f"/admin?{_query(status=status, tenant=tenant, limit=limit)}" if after else None)
 
+    @router.get("/jobs")
+    def jobs_alias(request: Request) -> RedirectResponse:
+        """``/admin/jobs`` (where a job's page lives below) is the job list at ``/admin``; the
+        query string is kept."""
+        query = request.url.query
+        return RedirectResponse("/admin" + (f"?{query}" if query else ""), status_code=307)
+
     @router.get("/fragments/jobs")
     def jobs_fragment(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
                       tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE) -> HTMLResponse:

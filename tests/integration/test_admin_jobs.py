@@ -148,6 +148,8 @@ def test_job_page_shows_validation_errors_with_line_numbers_and_file_links(gatew
     assert admin.get("/admin/fragments/jobs/batch_nope").json()["error"]["code"] == "not_found"
     assert admin.get("/admin/files/file-nope").status_code == 404
     assert admin.post("/admin/jobs/batch_nope/cancel").status_code == 404
+    alias = admin.get("/admin/jobs?status=failed", follow_redirects=False)
+    assert alias.status_code == 307 and alias.headers["location"] == "/admin?status=failed"
 
 
 def test_cancel_from_the_dashboard_goes_cancelling_then_cancelled(gateway):
