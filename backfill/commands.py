@@ -203,7 +203,7 @@ def keys_create(tenant: str, data_dir: Path) -> None:
 def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
     """List API keys as a table: tenant, key (its first 12 characters — fewer for a short key, so a
     key is never shown whole), state, and when it was created and revoked (UTC); ``--json``: the
-    same as objects (``tenant``, ``key_prefix``, ``state``, ``created_at``, ``revoked_at``: Unix
+    same as objects (``tenant_name``, ``key_prefix``, ``state``, ``created_at``, ``revoked_at``: Unix
     seconds or null)."""
     from backfill.output import echo_table, format_time
     from batch_gateway.store import queries
@@ -219,7 +219,7 @@ def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
                 return int((value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp())
             return None if value is None else int(value)
 
-        click.echo(json.dumps([{"tenant": name, "key_prefix": shown, "state": state, "created_at": unix(created),
+        click.echo(json.dumps([{"tenant_name": name, "key_prefix": shown, "state": state, "created_at": unix(created),
                                 "revoked_at": unix(revoked)} for name, shown, state, created, revoked in rows]))
         return
     echo_table(("TENANT", "KEY", "STATE", "CREATED", "REVOKED"),

@@ -183,7 +183,7 @@ def test_keys_list_uses_the_stacks_database_and_prints_a_table(cli):
     as_json = cli("keys", "list", "--tenant", "acme", "--json")
     assert as_json.exit_code == 0, as_json.output
     [key] = json.loads(as_json.stdout)[-1:]
-    assert key["tenant"] == "acme" and key["state"] == "active" and key["revoked_at"] is None
+    assert key["tenant_name"] == "acme" and key["state"] == "active" and key["revoked_at"] is None
     assert isinstance(key["created_at"], int) and len(key["key_prefix"]) == 12
 
 
