@@ -11,6 +11,7 @@ process exits.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -131,24 +132,21 @@ def _stop_orphan_redis(socket_path: Path) -> None:
 
     if not socket_path.exists():
         return
-    client = redis.Redis(unix_socket_path=str(socket_path), socket_timeout=5)
-    try:
-        client.ping()
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
-        return  # nothing listens: a stale socket file
-    try:
-        client.shutdown(save=True)
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
-        pass  # the server closes the connection as it exits
-    finally:
-        client.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    gone = (redis.ConnectionError, redis.TimeoutError, OSError)
+    with redis.Redis(unix_socket_path=str(socket_path), socket_timeout=5) as client:
         try:
-            redis.Redis(unix_socket_path=str(socket_path), socket_timeout=1).ping()
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            return
-        time.sleep(0.05)
+            client.ping()
+        except gone:
+            return  # nothing listens: a stale socket file
+        with contextlib.suppress(*gone):  # the server closes the connection as it exits
+            client.shutdown(save=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                client.ping()
+            except gone:
+                return
+            time.sleep(0.05)
 
 
 def _start_redis(directory: Path, stores: Stores) -> str:

@@ -481,11 +481,18 @@ class FlowControlCore:
         while self.queued_requests:
             chosen: Ticket | None = None
             blocked_seen = False
+            readings: dict[bool, bool] = {}  # sheddable -> saturated, each signal read once a dispatch
             for band in self._bands:
                 if not band.queued:
                     continue
-                saturated = not (saturation() if band.config.sheddable else unreserved()) < 1.0
-                if saturated and not band.can_bypass():
+                if band.can_bypass():
+                    saturated = False
+                else:
+                    sheddable = band.config.sheddable
+                    if sheddable not in readings:
+                        readings[sheddable] = not (saturation() if sheddable else unreserved()) < 1.0
+                    saturated = readings[sheddable]
+                if saturated:
                     if self.config.eviction and not blocked_seen and band.has_eligible():
                         blocked_seen = True  # the highest band held back by saturation alone
                         if band.config.ttl_s != 0:  # a band that never queues would not wait for the room
