@@ -10,6 +10,7 @@
 | ``processor`` | ``backfill bench processor``: messages/s through one async processor |
 | ``engine_sim`` | ``backfill bench engine-sim``: requests/s of one engine simulator (``engine_twin``) |
 | ``prefix`` | ``backfill bench prefix``: captured prefix reuse and TTFT, ours vs other routers |
+| ``sessions`` | ``backfill bench sessions``: agent sessions beside a batch backlog, turn priority off vs on |
 | ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
 | ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups, tool agents, a shared-prefix batch, long-context conversations), Mooncake-format traces, the oracle-reusable tokens |
 | ``replay`` | async replayer: sessions closed-loop, arrivals open-loop, TTFT, cached tokens, captured reuse |
@@ -41,6 +42,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "Interactive (queued, direct), small tenants, a shared-prefix batch: together vs each alone."),
     "router-overhead": ("backfill.bench.router_overhead:router_overhead_command",
                         "Decision time, added proxy latency and max requests/s: ours vs vllm-router."),
+    "sessions": ("backfill.bench.sessions:sessions_command",
+                 "Agent sessions beside a batch backlog: later turns' TTFT, turn priority off vs on."),
 }
 
 
