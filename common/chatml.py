@@ -14,8 +14,9 @@ from typing import Any
 #: Name of the built-in template, as the simulator reports it.
 CHAT_TEMPLATE_NAME = "chatml"
 
-#: Content-part types whose ``text`` counts as prompt text (chat ``text``, responses ``input_text``).
-TEXT_PART_TYPES = ("text", "input_text")
+#: Content-part types whose ``text`` counts as prompt text (chat ``text``, responses ``input_text``, and
+#: ``output_text``: an earlier response's output passed back as input, as OpenAI's conversation-state guide does).
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
 
 def content_text(content: Any, separator: str = "") -> str:

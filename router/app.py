@@ -5,8 +5,9 @@ Routes:
 ==============================  ==============================================================
 ``POST /v1/chat/completions``,  inference: :mod:`router.proxy` (transport) and :mod:`router.director`
 ``/v1/completions``,            (flow control → scheduling → forward)
-``/v1/embeddings``,
-``/v1/responses``
+``/v1/embeddings``
+``/v1/responses`` (POST, GET,   the Responses API with the router's state (:mod:`router.responses`):
+DELETE, ``…/input_items``)      inference as above, the input rebuilt from ``previous_response_id``
 ``GET /v1/models``              models served by healthy endpoints (OpenAI list shape)
 ``GET /health``                 200 ``{"status": "ok", …}`` with ≥ 1 healthy endpoint, else 503
 ``GET /admin/state``            the admin JSON (:func:`admin_state`); the async processor's
@@ -35,8 +36,10 @@ from router.flow_control import FlowControlConfig, FlowController
 from router.kv_index.index import KVBlockIndex
 from router.kv_index.subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
+from router.parsing import RESPONSES_PATH
 from router.pool import EndpointPool, KubernetesSource
 from router.proxy import Proxy, error_response
+from router.responses import ResponsesAPI
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
 from router.scheduling.plugins.session import working_set_of
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy", Proxy)
+RESPONSES_KEY: web.AppKey[ResponsesAPI] = web.AppKey("responses", ResponsesAPI)
 
 
 class RouterRuntime:
@@ -235,7 +239,10 @@ def create_app(settings: RouterSettings) -> web.Application:
         return error_response(404, f"Unknown path {request.path}", code="unknown_url")
 
     for path in INFERENCE_PATHS:
-        app.router.add_post(path, inference)
+        if path != RESPONSES_PATH:
+            app.router.add_post(path, inference)
+    responses = app[RESPONSES_KEY] = ResponsesAPI(lambda: app[PROXY_KEY])
+    responses.add_routes(app.router)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/admin/state", state)
@@ -322,6 +329,7 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                                           request_timeout_per_token_s=settings.request_timeout_per_token_s,
                                           trust=build_trust(settings))
         pool.add_on_down(director.endpoint_down)
+        app[RESPONSES_KEY].open(settings.state_redis_url, settings.responses_ttl_s)
         for profile in scheduler.profiles.values():
             profile.plugin_timer = metrics.plugin_timing
         if rt.subscriber is not None:
@@ -345,5 +353,6 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
             await rt.subscriber.stop()
         if tokenizer is not None:
             await tokenizer.aclose()
+        await app[RESPONSES_KEY].aclose()
         await forward.close()
         await control.close()

@@ -41,6 +41,8 @@ from router.settings import build_settings
 @click.option("--make-room/--no-make-room", "make_room", default=None,
               help="evict the newest sheddable request on an engine with no free slot for an interactive one "
                    "(default on)")
+@click.option("--state-redis-url", default=None,
+              help="Redis URL for the Responses API state shared by every replica (store, previous_response_id)")
 @click.option("--log-level", default=None, help="logging level (default INFO)")
 def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -> None:
     """Serve the prefix-cache-aware router with flow control in front of the engines."""

@@ -14,6 +14,9 @@ One request:
    error event; the client going away cancels the upstream request (aiohttp closes the
    connection, which vLLM treats as an abort);
 4. the cached prompt tokens the engine reported (:mod:`router.usage`) go back to the director.
+
+An :class:`ExchangeHook` (``handle(request, hook)``; :mod:`router.responses` for ``/v1/responses``)
+may replace the parsed request after the trust decision and rewrite the engine's answer.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -44,6 +48,29 @@ log = logging.getLogger(__name__)
 FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate", "x-session-id")
 #: Response headers passed back from the engine.
 RETURNED_HEADERS = ("content-type", "x-request-id")
+
+
+class ExchangeHook(Protocol):
+    """Per-request changes around the forward (one instance per request).
+
+    Attributes:
+        cached_tokens: the cached prompt tokens the hook read from the answer (None: unknown).
+    """
+
+    cached_tokens: int | None
+
+    async def prepare(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> ParsedRequest:
+        """The request to schedule and forward instead of ``parsed`` (identity already decided).
+
+        Raises:
+            RequestError: the request is refused (its status and envelope are answered).
+        """
+
+    async def answer(self, status: int, data: bytes) -> bytes:
+        """The body for the client of a non-streamed engine answer."""
+
+    def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The chunks for the client of a streamed engine answer."""
 
 
 def error_response(status: int, message: str, *, code: str | None = None, err_type: str | None = None,
@@ -102,8 +129,8 @@ class Proxy:
                                      sock_connect=self.connect_timeout_s)
 
     # ---- entry point --------------------------------------------------------------------------------
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        """Serve one inference request (any of the OpenAI POST paths)."""
+    async def handle(self, request: web.Request, hook: ExchangeHook | None = None) -> web.StreamResponse:
+        """Serve one inference request (any of the OpenAI POST paths), through ``hook`` if given."""
         received = time.monotonic()
         objective = "unknown"
         response: web.StreamResponse | None = None
@@ -113,8 +140,10 @@ class Proxy:
             body = await request.read()
             parsed = parse_request(request.path, body, request.headers)
             self._identify(request, parsed)
+            if hook is not None:
+                parsed = await hook.prepare(parsed, request.headers)
             objective = self.director.objective(parsed)
-            response = await self._serve(request, parsed, objective, received)
+            response = await self._serve(request, parsed, objective, received, hook)
             return response
         except web.HTTPRequestEntityTooLarge:
             response = error_response(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
@@ -141,7 +170,7 @@ class Proxy:
             self.observer.untrusted_header(header)
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest, objective: str,
-                     received: float) -> web.StreamResponse:
+                     received: float, hook: ExchangeHook | None = None) -> web.StreamResponse:
         director = self.director
         refused = director.precheck(parsed)
         if refused is not None:
@@ -152,7 +181,7 @@ class Proxy:
         if isinstance(admitted, Rejected):
             return rejected_response(admitted)
         try:
-            exchange = _Exchange(self, request, parsed, self._body(parsed, llm_request), objective, received)
+            exchange = _Exchange(self, request, parsed, self._body(parsed, llm_request), objective, received, hook)
             return await director.forward(llm_request, objective, admitted, exchange)
         finally:
             admitted.release()
@@ -177,10 +206,10 @@ class _Exchange:
     """The transport of one request across its tries (:class:`router.director.Forwarder`):
     ``response`` is what the current try has written to the client, if anything."""
 
-    __slots__ = ("proxy", "request", "parsed", "body", "headers", "objective", "received", "response")
+    __slots__ = ("proxy", "request", "parsed", "body", "headers", "objective", "received", "response", "hook")
 
     def __init__(self, proxy: Proxy, request: web.Request, parsed: ParsedRequest, body: bytes, objective: str,
-                 received: float) -> None:
+                 received: float, hook: ExchangeHook | None = None) -> None:
         self.proxy = proxy
         self.request = request
         self.parsed = parsed
@@ -189,6 +218,7 @@ class _Exchange:
         self.objective = objective
         self.received = received
         self.response: web.StreamResponse | None = None
+        self.hook = hook
 
     def rejected(self, rejected: Rejected) -> web.StreamResponse:
         """The director's refusal as an error response."""
@@ -250,18 +280,23 @@ class _Exchange:
         content_type = upstream.headers.get("content-type", "")
         if not content_type.startswith("text/event-stream"):
             data = await upstream.read()
+            if self.hook is not None:
+                data = await self.hook.answer(upstream.status, data)
             self.response = web.Response(status=upstream.status, body=data, headers=out_headers)
-            return cached_tokens_from_json(data)
+            return self.hook.cached_tokens if self.hook is not None else cached_tokens_from_json(data)
         response = self.response = web.StreamResponse(status=upstream.status, headers=out_headers)
         response.headers["Cache-Control"] = "no-cache"
         await _to_client(response.prepare(self.request))
         tail = b""
-        async for chunk in upstream.content.iter_any():
+        chunks: AsyncIterator[bytes] = upstream.content.iter_any()
+        if self.hook is not None:
+            chunks = self.hook.stream(chunks)
+        async for chunk in chunks:
             attempt.chunk_sent()
             await _to_client(response.write(chunk))
             tail = (tail + chunk)[-SSE_TAIL_BYTES:]
         await _to_client(response.write_eof())
-        return cached_tokens_from_sse_tail(tail)
+        return self.hook.cached_tokens if self.hook is not None else cached_tokens_from_sse_tail(tail)
 
     async def interrupted(self, attempt: Attempt, interruption: Interruption) -> web.StreamResponse:
         """End a request the director interrupted (eviction, endpoint down)."""

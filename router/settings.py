@@ -17,6 +17,10 @@ Every field can come from the environment (``BACKFILL_ROUTER_PORT=8100``) or fro
   work so far, and the async processor re-sends it (it holds an ``evicted`` 429 like a
   ``rejected-saturated`` one). Turn it off when sheddable work must never be aborted once started.
 * ``port`` 8100 — beside the gateway's 8000 and the simulated engines' 8001+ on one host.
+* ``responses_ttl_s`` 30 days — OpenAI keeps stored responses 30 days by default (its "conversation
+  state" guide), and clients resume agent sessions days later with ``previous_response_id``. Each
+  record holds its conversation so far (``common/contracts/responses.py``), so a Redis short of
+  memory should run ``maxmemory-policy volatile-ttl`` (every record has a TTL) or lower this.
 """
 
 from __future__ import annotations
@@ -76,6 +80,11 @@ class RouterSettings(BaseSettings):
             no caller is trusted. ``backfill up`` generates one.
         api_keys: YAML/JSON file mapping API key → tenant: an untrusted caller's fairness id is
             its ``Authorization: Bearer`` key's tenant (else ``anonymous``). None: no map.
+        state_redis_url: redis-py URL of the Redis holding the Responses API state, shared by every
+            router replica (``router/responses/``). None (default): ``store`` is not honoured (answers
+            say ``store: false``) and every ``previous_response_id`` is unknown (OpenAI's 400
+            ``previous_response_not_found``).
+        responses_ttl_s: seconds a stored response is kept (module doc: why 30 days).
         log_level: Python logging level name.
     """
 
@@ -113,6 +122,9 @@ class RouterSettings(BaseSettings):
     trusted_token: SecretStr | None = None
     api_keys: Path | None = None
     log_level: str = "INFO"
+    # Responses API state (router/responses/)
+    state_redis_url: str | None = None
+    responses_ttl_s: int = Field(30 * 24 * 3600, ge=1)
 
     @field_validator("engines", mode="before")
     @classmethod
