@@ -43,6 +43,8 @@ from router.settings import build_settings
                    "(default on)")
 @click.option("--state-redis-url", default=None,
               help="Redis URL for the Responses API state shared by every replica (store, previous_response_id)")
+@click.option("--responses-ttl-s", type=click.IntRange(min=1), default=None,
+              help="seconds a stored response is kept (default 30 days, as OpenAI)")
 @click.option("--log-level", default=None, help="logging level (default INFO)")
 def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -> None:
     """Serve the prefix-cache-aware router with flow control in front of the engines."""
