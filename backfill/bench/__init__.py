@@ -12,6 +12,7 @@
 | ``prefix`` | ``backfill bench prefix``: captured prefix reuse and TTFT, ours vs other routers |
 | ``sessions`` | ``backfill bench sessions``: agent sessions beside a batch backlog, turn priority off vs on |
 | ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
+| ``responses`` | ``backfill bench responses``: agent sessions via ``previous_response_id`` vs resending the history |
 | ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups, tool agents, a shared-prefix batch, long-context conversations), Mooncake-format traces, the oracle-reusable tokens |
 | ``replay`` | async replayer: sessions closed-loop, arrivals open-loop, TTFT, cached tokens, captured reuse |
 | ``launch`` | subprocess fleet of simulated engines and the routers (ours, ``vllm-router``, ``sglang-router``) |
@@ -44,6 +45,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                         "Decision time, added proxy latency and max requests/s: ours vs vllm-router."),
     "sessions": ("backfill.bench.sessions:sessions_command",
                  "Agent sessions beside a batch backlog: later turns' TTFT, turn priority off vs on."),
+    "responses": ("backfill.bench.responses:responses_command",
+                  "Agent sessions via previous_response_id vs resending the history: bytes, TTFT, reuse."),
 }
 
 

@@ -48,6 +48,7 @@ import hashlib
 import secrets
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.contracts.errors import ErrorType, error_json
@@ -93,6 +94,23 @@ class StoredResponse(BaseModel):
     v: int = RECORD_VERSION
     response: dict[str, Any]
     input: list[dict[str, Any]] = Field(default_factory=list)
+
+    def to_json(self) -> bytes:
+        """The Redis value (orjson: records hold whole conversations, so this is on the hot path)."""
+        return orjson.dumps({"v": self.v, "response": self.response, "input": self.input})
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> StoredResponse:
+        """Read a Redis value; only the top-level shape is checked (the router wrote it).
+
+        Raises:
+            ValueError: not JSON, or not ``{"v": int, "response": object, "input": array}``.
+        """
+        value = orjson.loads(data)
+        if not (isinstance(value, dict) and isinstance(value.get("v"), int) and isinstance(value.get("response"), dict)
+                and isinstance(value.get("input", []), list)):
+            raise ValueError("not a stored response record")
+        return cls.model_construct(v=value["v"], response=value["response"], input=value.get("input", []))
 
     @property
     def output(self) -> list[dict[str, Any]]:

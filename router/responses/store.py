@@ -13,9 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-import orjson
-from pydantic import ValidationError
-
 from common.contracts.responses import MAX_RESPONSE_ID_CHARS, RECORD_VERSION, StoredResponse, record_key
 
 log = logging.getLogger(__name__)
@@ -51,8 +48,8 @@ def _decode(data: bytes | str | None, response_id: str) -> StoredResponse | None
     if data is None:
         return None
     try:
-        record = StoredResponse.model_validate(orjson.loads(data))
-    except (orjson.JSONDecodeError, ValidationError) as exc:
+        record = StoredResponse.from_json(data)
+    except ValueError as exc:  # orjson.JSONDecodeError is one
         log.warning("stored response unreadable", extra={"action": "router.responses.bad_record",
                                                          "response_id": response_id, "error": str(exc)[:200]})
         return None
@@ -90,7 +87,7 @@ class RedisResponseStore:
     async def put(self, tenant: str, response_id: str, record: StoredResponse) -> None:
         """See :meth:`ResponseStore.put`."""
         try:
-            await self._redis.set(record_key(tenant, response_id), record.model_dump_json(), ex=self.ttl_s)
+            await self._redis.set(record_key(tenant, response_id), record.to_json(), ex=self.ttl_s)
         except Exception as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
@@ -131,8 +128,7 @@ class MemoryResponseStore:
 
     async def put(self, tenant: str, response_id: str, record: StoredResponse) -> None:
         """See :meth:`ResponseStore.put`."""
-        self._records[record_key(tenant, response_id)] = (self.clock() + self.ttl_s,
-                                                          record.model_dump_json().encode())
+        self._records[record_key(tenant, response_id)] = (self.clock() + self.ttl_s, record.to_json())
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         """See :meth:`ResponseStore.delete`."""

@@ -329,6 +329,18 @@ def test_listed_items_get_ids_and_parts():
 
 def test_stored_records_are_the_contracts_json():
     record = StoredResponse(response=engine_response(), input=[{"type": "message", "role": "user", "content": "x"}])
-    data = orjson.loads(record.model_dump_json())
+    data = orjson.loads(record.to_json())
     assert data["v"] == 1 and set(data) == {"v", "response", "input"}
-    assert StoredResponse.model_validate(data).output == engine_response()["output"]
+    assert StoredResponse.from_json(record.to_json()).output == engine_response()["output"]
+    for bad in (b"[]", b'{"v": 1}', b'{"v": "1", "response": {}}', b"{"):
+        with pytest.raises(ValueError):
+            StoredResponse.from_json(bad)
+
+
+def test_unreadable_or_newer_records_are_absent():
+    async def run():
+        store = MemoryResponseStore(ttl_s=60)
+        store._records[record_key("t", "resp_bad")] = (float("inf"), b"not json")
+        store._records[record_key("t", "resp_new")] = (float("inf"), b'{"v": 2, "response": {}, "input": []}')
+        return await store.get("t", "resp_bad"), await store.get("t", "resp_new")
+    assert asyncio.run(run()) == (None, None)
