@@ -225,7 +225,7 @@ def _fmt(value: Any) -> str:
 @click.option("--turn-tokens", type=click.IntRange(min=1), default=150, show_default=True)
 @click.option("--output-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--engines", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--time-scale", type=click.FloatRange(min=0), default=0.2, show_default=True,
+@click.option("--time-scale", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="engine wall seconds per model second")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
