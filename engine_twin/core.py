@@ -53,7 +53,7 @@ from enum import Enum
 
 from engine_twin.kv_cache import DEFAULT_RETENTION, Block, TieredPrefixCache
 from engine_twin.settings import EngineSimSettings
-from engine_twin.step_model import StepModel, StepWork, chunk_pairs
+from engine_twin.step_model import StepModel, StepWork
 
 
 class Status(Enum):
@@ -325,14 +325,13 @@ class EngineCore:
         for req, n in scheduled.items():
             c = req.num_computed_tokens
             tokens += n
-            pairs += chunk_pairs(c, n)
+            pairs += n * c + n * (n + 1) // 2  # chunk_pairs(c, n), inlined: the hot loop
             context += c
             c += n
             req.num_computed_tokens = c
             full = min(c // bs, len(req.hashes))
-            for k in range(req.committed, full):
-                cache.commit(req.blocks, k, req.hashes, req.prompt, req.retention)
             if full > req.committed:
+                cache.commit(req.blocks, req.committed, full, req.hashes, req.prompt, req.retention)
                 req.committed = full
             if c == req.num_tokens:
                 req.output_tokens += 1

@@ -55,6 +55,8 @@ class RequestGroup:
     token_times: list[float] = field(default_factory=list)
     """Delivery times of the first child's tokens."""
     done: int = 0
+    want: int = 1
+    """Tokens per child the handler waits for; ``changed`` is set once they are all there."""
 
     @property
     def cached_tokens(self) -> int:
@@ -167,6 +169,7 @@ class SimEngine:
 
     async def _wait(self, group: RequestGroup, tokens: int) -> None:
         """Return once every child has delivered ``tokens`` tokens."""
+        group.want = tokens
         while group.generated < tokens:
             group.changed.clear()
             await group.changed.wait()
@@ -242,12 +245,14 @@ class SimEngine:
             if entry is None:
                 continue
             group, k = entry
-            group.delivered[k] += 1
+            delivered = group.delivered
+            delivered[k] += 1
             if k == 0:
                 if not group.token_times:
                     self.metrics.first_token(now - group.arrival)
                 group.token_times.append(now)
-            group.changed.set()
+            if delivered[k] >= group.want and (len(delivered) == 1 or min(delivered) >= group.want):
+                group.changed.set()
         for rid in outcome.finished:
             entry = groups.pop(rid, None)
             if entry is not None:

@@ -223,7 +223,7 @@ class TieredPrefixCache:
             for tier in (self._cpu, self._disk):
                 if h in tier:
                     tier.move_to_end(h)
-            self._stored(hashes, i, tokens)
+            self._stored(hashes, i, i + 1, tokens)
             table.append(h)
         self._uncached += new_blocks
         self._take_room(new_blocks)
@@ -239,19 +239,28 @@ class TieredPrefixCache:
         table.extend([None] * blocks)
         return True
 
-    def commit(self, table: list[Block], index: int, hashes: Sequence[bytes], tokens: Sequence[int],
+    def commit(self, table: list[Block], start: int, end: int, hashes: Sequence[bytes], tokens: Sequence[int],
                retention: int) -> None:
-        """Block ``index`` of ``table`` now holds computed prompt tokens: cache it under ``hashes[index]``
-        (``BlockStored``). A block another request cached meanwhile stays an uncached duplicate, as
-        vLLM keeps the first copy."""
-        h = hashes[index]
-        if table[index] is not None or h in self._ref:
-            return
-        table[index] = h
-        self._uncached -= 1
-        self._ref[h] = 1
-        self._retention[h] = retention
-        self._stored(hashes, index, tokens)
+        """Blocks ``start`` … ``end - 1`` of ``table`` now hold computed prompt tokens: cache them under
+        their ``hashes`` (one ``BlockStored`` per contiguous run). A block another request cached
+        meanwhile stays an uncached duplicate, as vLLM keeps the first copy."""
+        ref, keep = self._ref, self._retention
+        run_start = -1
+        for i in range(start, end):
+            h = hashes[i]
+            if table[i] is not None or h in ref:
+                if run_start >= 0:
+                    self._stored(hashes, run_start, i, tokens)
+                    run_start = -1
+                continue
+            table[i] = h
+            ref[h] = 1
+            keep[h] = retention
+            self._uncached -= 1
+            if run_start < 0:
+                run_start = i
+        if run_start >= 0:
+            self._stored(hashes, run_start, end, tokens)
 
     def free(self, table: list[Block]) -> None:
         """Release every block of ``table`` (deepest first) and empty it; cached blocks stay evictable."""
@@ -312,37 +321,46 @@ class TieredPrefixCache:
     def _take_room(self, blocks: int) -> None:
         """Evict until ``blocks`` just-counted uncached blocks fit beside the cached ones."""
         over = len(self._ref) + self._uncached - self.num_gpu_blocks
-        for _ in range(over):
-            self._evict_one()
+        if over > 0:
+            self._evict(over)
 
     def _take_block(self) -> None:
         """Make room for one more cached block."""
         if len(self._ref) + self._uncached >= self.num_gpu_blocks:
-            self._evict_one()
+            self._evict(1)
 
-    def _stored(self, hashes: Sequence[bytes], i: int, tokens: Sequence[int]) -> None:
-        """``BlockStored`` (GPU) for block ``i``, merged into the previous event when it continues it."""
+    def _stored(self, hashes: Sequence[bytes], start: int, end: int, tokens: Sequence[int]) -> None:
+        """``BlockStored`` (GPU) for blocks ``start`` … ``end - 1``, merged into the previous event when
+        it continues it."""
         bs = self.block_size
-        parent = external_hash(hashes[i - 1]) if i else None
-        block_tokens = list(tokens[i * bs:(i + 1) * bs])
+        ext = [int.from_bytes(h[-8:], "big") for h in hashes[start:end]]
+        parent = external_hash(hashes[start - 1]) if start else None
+        block_tokens = list(tokens[start * bs:end * bs])
         last = self._events[-1] if self._events else None
         if (isinstance(last, BlockStored) and last.medium == MEDIUM_GPU and parent is not None
                 and last.block_hashes[-1] == parent):
-            last.block_hashes.append(external_hash(hashes[i]))
+            last.block_hashes.extend(ext)
             last.token_ids.extend(block_tokens)
             return
-        self._events.append(BlockStored([external_hash(hashes[i])], parent, block_tokens, bs))
+        self._events.append(BlockStored(ext, parent, block_tokens, bs))
 
-    def _evict_one(self) -> None:
-        level = min(k for k, q in self._free.items() if q)
-        h, _ = self._free[level].popitem(last=False)
-        self._free_count -= 1
-        del self._ref[h]
-        del self._retention[h]
-        self.stats.gpu_evictions += 1
-        self._events.append(BlockRemoved([external_hash(h)], MEDIUM_GPU))
-        if self.cpu_capacity:
-            self._offload(h, self._cpu, self.cpu_capacity, MEDIUM_CPU)
+    def _evict(self, count: int) -> None:
+        """Evict ``count`` evictable blocks: lowest retention first, oldest-freed first within one."""
+        events, ref, keep = self._events, self._ref, self._retention
+        for level in sorted(self._free):
+            queue = self._free[level]
+            while count and queue:
+                h, _ = queue.popitem(last=False)
+                count -= 1
+                self._free_count -= 1
+                del ref[h]
+                del keep[h]
+                self.stats.gpu_evictions += 1
+                events.append(BlockRemoved([int.from_bytes(h[-8:], "big")], MEDIUM_GPU))
+                if self.cpu_capacity:
+                    self._offload(h, self._cpu, self.cpu_capacity, MEDIUM_CPU)
+            if not count:
+                return
 
     def _offload(self, h: bytes, tier: OrderedDict[bytes, None], capacity: int, medium: str) -> None:
         if h in tier:

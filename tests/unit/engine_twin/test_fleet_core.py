@@ -229,8 +229,7 @@ def test_an_interactive_hit_raises_a_batch_block_to_its_retention():
     tokens = list(range(8))
     hashes = block_hashes(tokens, BS, ROOT)
     table = cache.admit(hashes, cache.find_hits(hashes, 1), 2, tokens, 0)
-    for k in range(2):
-        cache.commit(table, k, hashes, tokens, 0)
+    cache.commit(table, 0, 2, hashes, tokens, 0)
     cache.free(table)
     hits = cache.find_hits(hashes, 1)
     again = cache.admit(hashes, hits, 1, tokens, DEFAULT_RETENTION)

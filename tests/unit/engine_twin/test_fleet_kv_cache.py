@@ -61,8 +61,7 @@ def alloc(cache, tokens, root=none_hash("0")):
     total = -(-len(tokens) // BS)
     table = cache.admit(hashes, hits, total - hits.blocks, tokens, 35)
     if table is not None:
-        for k in range(hits.blocks, len(hashes)):
-            cache.commit(table, k, hashes, tokens, 35)
+        cache.commit(table, hits.blocks, len(hashes), hashes, tokens, 35)
     cache.flush()
     return hashes, table, hits
 
@@ -141,8 +140,8 @@ def test_a_step_sends_one_batch_and_a_continued_run_is_one_block_stored():
     tokens = list(range(12))
     hashes = block_hashes(tokens, BS, none_hash("0"))
     table = cache.admit(hashes, cache.find_hits(hashes, 2), 3, tokens, 35)
-    for k in range(3):
-        cache.commit(table, k, hashes, tokens, 35)
+    cache.commit(table, 0, 1, hashes, tokens, 35)
+    cache.commit(table, 1, 3, hashes, tokens, 35)
     cache.flush()
     cache.flush()  # nothing new: nothing sent
     assert len(batches) == 1 and len(batches[0]) == 1
