@@ -106,3 +106,12 @@ class StepModel:
 def chunk_pairs(computed: int, new: int) -> int:
     """(query, key) pairs of ``new`` tokens scheduled after ``computed`` ones, causal attention."""
     return new * computed + new * (new + 1) // 2
+
+
+def overhead_ms_for_idle_step(itl_ms: float, settings: EngineSimSettings | None = None) -> float:
+    """The ``step_overhead_ms`` that makes an idle engine's decode step (one request, short context)
+    last ``itl_ms``; 0 when the weights read alone takes longer. For launch lines that used to name
+    an inter-token latency (``--itl-ms``)."""
+    s = settings or EngineSimSettings(step_overhead_ms=0.0)
+    bare = StepModel.from_settings(s.model_copy(update={"step_overhead_ms": 0.0}))
+    return max(0.0, itl_ms - 1000 * bare.seconds(StepWork(1, 1, 0)))
