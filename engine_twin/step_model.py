@@ -33,13 +33,14 @@ GPU was available when this was written):
 * ``step_overhead = 2 ms``: per-step CPU work (scheduling, input preparation, sampling, detokenizing)
   that vLLM's v0.6.0 performance post (blog.vllm.ai, 2024-09-05) found to be a large share of an
   8B model's step on one H100 before it was overlapped; an estimate, not a measured figure.
-* PCIe Gen5 x16 about 25 GB/s effective host-device copies; a local NVMe SSD about 5 GB/s.
+* CPU tier 25 GB/s (PCIe host-device copies, Gen4 x16 effective; Gen5 doubles it) and disk tier
+  5 GB/s (a local NVMe SSD): the twin's block load times before this model, 0.08 and 0.4 ms per 2 MiB.
 
 Sanity checks against published measurements: an idle engine's decode step is 16.06 GB /
 (3.35 TB/s × 0.77) + 2 ms ≈ 8.2 ms (llm-d's inference simulator profile for an 8B model on H100:
 12 ms inter-token latency; the A100 measurement above: 13 ms on a GPU with half the bandwidth). A
 prefill runs at 2 × 8.03e9 / (989e12 × 0.5) ≈ 32 µs per token before attention, about 30,000
-tokens/s for short prompts, falling to ~21,000 tokens/s over a 24k-token prompt as attention grows.
+tokens/s for short prompts, about 21,600 tokens/s over a whole 24k-token prompt as attention grows.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def overhead_ms_for_idle_step(itl_ms: float, settings: EngineSimSettings | None 
     """The ``step_overhead_ms`` that makes an idle engine's decode step (one request, short context)
     last ``itl_ms``; 0 when the weights read alone takes longer. For launch lines that used to name
     an inter-token latency (``--itl-ms``)."""
-    s = settings or EngineSimSettings(step_overhead_ms=0.0)
+    from engine_twin.settings import build_settings
+
+    s = settings or build_settings()
     bare = StepModel.from_settings(s.model_copy(update={"step_overhead_ms": 0.0}))
     return max(0.0, itl_ms - 1000 * bare.seconds(StepWork(1, 1, 0)))
