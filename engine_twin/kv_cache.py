@@ -9,12 +9,27 @@ Hashing (vLLM ``vllm/v1/core/kv_cache_utils.py`` with ``--prefix-caching-hash-al
   ``parent = NONE_HASH`` for block 0 and the previous block's hash after that;
 * events carry ``int.from_bytes(h, "big") & (2**64 - 1)`` (the last 8 bytes), see :func:`external_hash`.
 
-Tiers: ``num_gpu_blocks`` GPU blocks (pinned while a request runs; free cached blocks are evicted
-LRU, the deepest block of a finished request first, as vLLM frees blocks in reverse order); an
-optional CPU tier receiving GPU evictions (write-back offload), and an optional disk tier receiving
-CPU evictions. A request reuses the longest run of blocks from block 0 found on GPU, then continues
-the run on CPU or disk (loaded back, costing load time, and cached on GPU again). At most
-``prompt_len - 1`` tokens count as cached, as vLLM always recomputes the last prompt token.
+Blocks (vLLM's ``BlockPool`` / ``KVCacheManager``): a request holds a *block table*, one entry per
+GPU block, the block's hash once it is cached (a full block of computed prompt tokens) or ``None``
+(a block still filling, or holding generated tokens, which the twin does not cache). Blocks are
+taken one at a time as the scheduler needs them (:meth:`TieredPrefixCache.grow`); a freed cached
+block stays on the GPU as an *evictable* block until a new block needs its room. Eviction takes
+the oldest-freed evictable block, and a request frees its blocks deepest first, as vLLM does.
+
+Retention (the cache-pollution guard): every cached block carries a retention priority (0 … 100,
+higher kept longer; :data:`DEFAULT_RETENTION` for ordinary requests). A block computed by a request
+takes that request's retention; a block another request hits keeps the higher of the two. Evictable
+blocks of the lowest retention go first, so a batch request at retention 0 evicts its own blocks
+before any interactive prefix, while its hits on shared prefixes leave those prefixes' retention
+alone. vLLM's block pool is plain LRU today; see docs/engine-simulator.md for what it offers.
+
+Tiers: an optional CPU tier receiving GPU evictions (write-back offload) and an optional disk tier
+receiving CPU evictions. A request reuses the longest run of blocks from block 0 found on GPU, then
+continues the run on CPU or disk (loaded back, costing step time, and cached on GPU again). At most
+``num_tokens - 1`` tokens count as cached, as vLLM always recomputes the last token.
+
+KV events are collected as the cache changes and sent as one batch per engine step
+(:meth:`TieredPrefixCache.flush`), as vLLM publishes them.
 """
 
 from __future__ import annotations
@@ -23,7 +38,7 @@ import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import cbor2
@@ -72,38 +87,48 @@ def external_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-@dataclass(slots=True)
-class Allocation:
-    """Blocks one running request holds. Hit counts are in blocks (multiply by block size)."""
+DEFAULT_RETENTION = 35
+"""Retention priority of ordinary requests: TensorRT-LLM's default (``KvCacheRetentionConfig``, 0 … 100)."""
+LOWEST_RETENTION = 0
 
-    pinned: list[bytes]
-    unhashed: int
-    gpu_hits: int
-    cpu_hits: int
-    disk_hits: int
-    released: bool = False
-
-    @property
-    def cached_blocks(self) -> int:
-        return self.gpu_hits + self.cpu_hits + self.disk_hits
+Block = bytes | None
+"""One entry of a request's block table: the block hash when cached, None for an uncached block."""
 
 
 @dataclass
 class CacheStats:
-    """Counters since start (tokens), read by the metrics collector."""
+    """Counters since start, read by the metrics collector and the step model. Tokens for queries
+    and hits (first schedule of a request only, as vLLM's ``PrefixCacheStats`` counts them), blocks
+    for the rest."""
 
     queries_tokens: int = 0
     hits_tokens: int = 0
     external_hits_tokens: int = 0
     gpu_evictions: int = 0
     cpu_evictions: int = 0
+    cpu_stores: int = 0
+    disk_stores: int = 0
+
+
+@dataclass(slots=True)
+class Hits:
+    """Cached blocks found for a request, from block 0: first on GPU, then on CPU or disk."""
+
+    gpu: int = 0
+    cpu: int = 0
+    disk: int = 0
+    tier_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> int:
+        return self.gpu + self.cpu + self.disk
 
 
 class TieredPrefixCache:
-    """GPU blocks with LRU eviction plus optional CPU and disk tiers; emits KV events to ``sink``.
+    """GPU blocks with retention-then-LRU eviction plus optional CPU and disk tiers.
 
-    ``sink(events)`` is called once per operation with the list of :mod:`kv_events` events (never
-    with an empty list). Not thread-safe: call from the event loop only.
+    ``sink(events)`` receives each step's :mod:`kv_events` events (never an empty list) when
+    :meth:`flush` is called. Pure and single-threaded: no I/O besides the sink, no clock.
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, cpu_blocks: int = 0, disk_blocks: int = 0,
@@ -113,31 +138,34 @@ class TieredPrefixCache:
         self.cpu_capacity = cpu_blocks
         self.disk_capacity = disk_blocks
         self._sink = sink
-        self._gpu: dict[bytes, int] = {}  # block hash -> requests holding it
-        self._free_lru: OrderedDict[bytes, None] = OrderedDict()
-        self._unhashed = 0
+        self._ref: dict[bytes, int] = {}  # cached GPU block -> requests holding it
+        self._retention: dict[bytes, int] = {}
+        self._free: dict[int, OrderedDict[bytes, None]] = {}  # evictable cached blocks by retention
+        self._free_count = 0
+        self._uncached = 0  # GPU blocks held without a hash
         self._cpu: OrderedDict[bytes, None] = OrderedDict()
         self._disk: OrderedDict[bytes, None] = OrderedDict()
+        self._events: list[KVEvent] = []
         self.stats = CacheStats()
 
     # ---- views -----------------------------------------------------------------------------
     @property
     def used_blocks(self) -> int:
-        """Blocks held by running requests (vLLM's ``kv_cache_usage_perc`` numerator)."""
-        return len(self._gpu) - len(self._free_lru) + self._unhashed
+        """Blocks held by requests (vLLM's ``kv_cache_usage_perc`` numerator)."""
+        return len(self._ref) - self._free_count + self._uncached
 
     @property
     def usage(self) -> float:
-        """Share of GPU blocks held by running requests, 0..1."""
+        """Share of GPU blocks held by requests, 0..1."""
         return self.used_blocks / self.num_gpu_blocks
 
     def available(self) -> int:
-        """GPU blocks a new request could get now (empty plus evictable)."""
+        """GPU blocks a request could take now (empty plus evictable)."""
         return self.num_gpu_blocks - self.used_blocks
 
     def tier_of(self, block_hash: bytes) -> str | None:
         """``"GPU"``, ``"CPU"``, ``"DISK"`` or None: the fastest tier holding the block."""
-        if block_hash in self._gpu:
+        if block_hash in self._ref:
             return MEDIUM_GPU
         if block_hash in self._cpu:
             return MEDIUM_CPU
@@ -145,135 +173,209 @@ class TieredPrefixCache:
             return MEDIUM_DISK
         return None
 
+    def retention_of(self, block_hash: bytes) -> int | None:
+        """Retention priority of a cached GPU block (None when not on GPU)."""
+        return self._retention.get(block_hash)
+
     def sizes(self) -> dict[str, int]:
-        """Blocks per tier (GPU counts cached and in-use hashed blocks)."""
-        return {MEDIUM_GPU: len(self._gpu), MEDIUM_CPU: len(self._cpu), MEDIUM_DISK: len(self._disk)}
+        """Blocks per tier (GPU counts cached blocks, held or evictable)."""
+        return {MEDIUM_GPU: len(self._ref), MEDIUM_CPU: len(self._cpu), MEDIUM_DISK: len(self._disk)}
 
-    # ---- allocation ------------------------------------------------------------------------
-    def allocate(self, hashes: list[bytes], tokens: Sequence[int], total_blocks: int,
-                 prompt_len: int) -> Allocation | None:
-        """Reserve ``total_blocks`` GPU blocks for a request whose full prompt blocks are ``hashes``.
+    # ---- scheduling ------------------------------------------------------------------------
+    def find_hits(self, hashes: Sequence[bytes], max_blocks: int) -> Hits:
+        """The longest run of cached blocks from block 0, at most ``max_blocks`` (no change made)."""
+        hits = Hits()
+        limit = min(len(hashes), max_blocks)
+        ref = self._ref
+        i = 0
+        while i < limit and hashes[i] in ref:
+            i += 1
+        hits.gpu = i
+        if self.cpu_capacity or self.disk_capacity:
+            while i < limit:
+                h = hashes[i]
+                if h in self._cpu:
+                    hits.cpu += 1
+                elif h in self._disk:
+                    hits.disk += 1
+                else:
+                    break
+                hits.tier_hashes.append(h)
+                i += 1
+        return hits
 
-        Returns None (nothing changed) when not enough blocks can be freed; the caller waits.
-        ``tokens`` are the prompt tokens (for ``BlockStored.token_ids``); ``prompt_len`` caps hits
-        at ``prompt_len - 1`` tokens. Emits ``BlockStored`` (GPU) for newly cached blocks, and
-        ``BlockRemoved`` / offload events for the evictions this causes.
-        """
-        gpu_hits = 0
-        for h in hashes:
-            if h not in self._gpu:
-                break
-            gpu_hits += 1
-        cpu_hits = disk_hits = 0
-        for h in hashes[gpu_hits:]:
-            if h in self._cpu:
-                cpu_hits += 1
-            elif h in self._disk:
-                disk_hits += 1
-            else:
-                break
-        present = [h in self._gpu for h in hashes]
-        new_blocks = total_blocks - sum(present)
-        pinned_free = sum(1 for h, p in zip(hashes, present) if p and self._gpu[h] == 0)
-        if new_blocks > self.available() - pinned_free:
+    def admit(self, hashes: Sequence[bytes], hits: Hits, new_blocks: int, tokens: Sequence[int],
+              retention: int) -> list[Block] | None:
+        """Block table of a request being scheduled from the waiting queue: its GPU hits pinned, its
+        CPU/disk hits loaded back (cached on GPU again, ``BlockStored`` GPU), ``new_blocks`` uncached
+        blocks for the tokens it computes this step. None, changing nothing, when the room is short."""
+        gpu = hashes[:hits.gpu]
+        pinned_evictable = sum(1 for h in gpu if self._ref[h] == 0)
+        if len(hits.tier_hashes) + new_blocks > self.available() - pinned_evictable:
             return None
-        events: list[KVEvent] = []
-        for h, p in zip(hashes, present):
-            if p:
-                if self._gpu[h] == 0:
-                    del self._free_lru[h]
-                self._gpu[h] += 1
-        empty = self.num_gpu_blocks - len(self._gpu) - self._unhashed
-        for _ in range(new_blocks - empty):
-            self._evict_one(events)
-        run: list[int] = []
-        for i, h in enumerate(hashes):
-            if present[i]:
-                self._store_run(run, hashes, tokens, events)
-                run = []
-                continue
-            self._gpu[h] = 1
+        for h in gpu:
+            self._pin(h, retention)
+        table: list[Block] = list(gpu)
+        for i, h in enumerate(hits.tier_hashes, hits.gpu):
+            self._take_block()
+            self._ref[h] = 1
+            self._retention[h] = retention
             for tier in (self._cpu, self._disk):
                 if h in tier:
                     tier.move_to_end(h)
-            run.append(i)
-        self._store_run(run, hashes, tokens, events)
-        self._unhashed += total_blocks - len(hashes)
-        # vLLM recomputes at least the last prompt token: cap hits at prompt_len - 1 tokens.
-        bs = self.block_size
-        cap = (prompt_len - 1) // bs
-        gpu_c = min(gpu_hits, cap)
-        cpu_c = min(cpu_hits, cap - gpu_c)
-        disk_c = min(disk_hits, cap - gpu_c - cpu_c)
-        self.stats.queries_tokens += prompt_len
-        self.stats.hits_tokens += gpu_c * bs
-        self.stats.external_hits_tokens += (cpu_c + disk_c) * bs
-        self._emit(events)
-        return Allocation(list(hashes), total_blocks - len(hashes), gpu_c, cpu_c, disk_c)
+            self._stored(hashes, i, i + 1, tokens)
+            table.append(h)
+        self._uncached += new_blocks
+        self._take_room(new_blocks)
+        table.extend([None] * new_blocks)
+        return table
 
-    def release(self, alloc: Allocation) -> None:
-        """Unpin a request's blocks (idempotent); they stay cached and become evictable, deepest first."""
-        if alloc.released:
-            return
-        alloc.released = True
-        for h in reversed(alloc.pinned):
-            ref = self._gpu.get(h)
-            if ref is None:
+    def grow(self, table: list[Block], blocks: int) -> bool:
+        """Append ``blocks`` uncached blocks to ``table``; False, changing nothing, when short."""
+        if blocks > self.available():
+            return False
+        self._uncached += blocks
+        self._take_room(blocks)
+        table.extend([None] * blocks)
+        return True
+
+    def commit(self, table: list[Block], start: int, end: int, hashes: Sequence[bytes], tokens: Sequence[int],
+               retention: int) -> None:
+        """Blocks ``start`` … ``end - 1`` of ``table`` now hold computed prompt tokens: cache them under
+        their ``hashes`` (one ``BlockStored`` per contiguous run). A block another request cached
+        meanwhile stays an uncached duplicate, as vLLM keeps the first copy."""
+        ref, keep = self._ref, self._retention
+        run_start = -1
+        for i in range(start, end):
+            h = hashes[i]
+            if table[i] is not None or h in ref:
+                if run_start >= 0:
+                    self._stored(hashes, run_start, i, tokens)
+                    run_start = -1
                 continue
-            self._gpu[h] = ref - 1
-            if ref == 1:
-                self._free_lru[h] = None
-        self._unhashed -= alloc.unhashed
+            table[i] = h
+            ref[h] = 1
+            keep[h] = retention
+            self._uncached -= 1
+            if run_start < 0:
+                run_start = i
+        if run_start >= 0:
+            self._stored(hashes, run_start, end, tokens)
+
+    def free(self, table: list[Block]) -> None:
+        """Release every block of ``table`` (deepest first) and empty it; cached blocks stay evictable."""
+        for h in reversed(table):
+            if h is None:
+                self._uncached -= 1
+                continue
+            ref = self._ref[h] - 1
+            self._ref[h] = ref
+            if ref == 0:
+                level = self._retention[h]
+                queue = self._free.get(level)
+                if queue is None:
+                    queue = self._free[level] = OrderedDict()
+                queue[h] = None
+                self._free_count += 1
+        table.clear()
+
+    def record_query(self, tokens: int, gpu_hit_blocks: int, external_hit_blocks: int) -> None:
+        """Count a first schedule's lookup (vLLM's prefix-cache queries and hits, in tokens)."""
+        self.stats.queries_tokens += tokens
+        self.stats.hits_tokens += gpu_hit_blocks * self.block_size
+        self.stats.external_hits_tokens += external_hit_blocks * self.block_size
+
+    def flush(self) -> None:
+        """Send the events collected since the last flush as one batch (one engine step's)."""
+        if self._events:
+            events, self._events = self._events, []
+            if self._sink is not None:
+                self._sink(events)
 
     def clear(self) -> bool:
         """Drop every cached block on every tier (vLLM ``/reset_prefix_cache``); emits
         ``AllBlocksCleared``. Returns False, changing nothing, while requests hold blocks."""
         if self.used_blocks:
             return False
-        self._gpu.clear()
-        self._free_lru.clear()
+        self._ref.clear()
+        self._retention.clear()
+        self._free.clear()
+        self._free_count = 0
         self._cpu.clear()
         self._disk.clear()
-        self._emit([AllBlocksCleared()])
+        self.flush()
+        self._events.append(AllBlocksCleared())
+        self.flush()
         return True
 
     # ---- internals -------------------------------------------------------------------------
-    def _store_run(self, run: list[int], hashes: list[bytes], tokens: Sequence[int],
-                   events: list[KVEvent]) -> None:
-        """One ``BlockStored`` (GPU) for a contiguous run of newly cached block indexes."""
-        if not run:
+    def _pin(self, h: bytes, retention: int) -> None:
+        ref = self._ref[h]
+        if ref == 0:
+            del self._free[self._retention[h]][h]
+            self._free_count -= 1
+        self._ref[h] = ref + 1
+        if retention > self._retention[h]:
+            self._retention[h] = retention
+
+    def _take_room(self, blocks: int) -> None:
+        """Evict until ``blocks`` just-counted uncached blocks fit beside the cached ones."""
+        over = len(self._ref) + self._uncached - self.num_gpu_blocks
+        if over > 0:
+            self._evict(over)
+
+    def _take_block(self) -> None:
+        """Make room for one more cached block."""
+        if len(self._ref) + self._uncached >= self.num_gpu_blocks:
+            self._evict(1)
+
+    def _stored(self, hashes: Sequence[bytes], start: int, end: int, tokens: Sequence[int]) -> None:
+        """``BlockStored`` (GPU) for blocks ``start`` … ``end - 1``, merged into the previous event when
+        it continues it."""
+        bs = self.block_size
+        ext = [int.from_bytes(h[-8:], "big") for h in hashes[start:end]]
+        parent = external_hash(hashes[start - 1]) if start else None
+        block_tokens = list(tokens[start * bs:end * bs])
+        last = self._events[-1] if self._events else None
+        if (isinstance(last, BlockStored) and last.medium == MEDIUM_GPU and parent is not None
+                and last.block_hashes[-1] == parent):
+            last.block_hashes.extend(ext)
+            last.token_ids.extend(block_tokens)
             return
-        bs, first = self.block_size, run[0]
-        events.append(BlockStored(
-            [external_hash(hashes[i]) for i in run],
-            external_hash(hashes[first - 1]) if first else None,
-            list(tokens[first * bs:(run[-1] + 1) * bs]),
-            bs,
-        ))
+        self._events.append(BlockStored(ext, parent, block_tokens, bs))
 
-    def _evict_one(self, events: list[KVEvent]) -> None:
-        h, _ = self._free_lru.popitem(last=False)
-        del self._gpu[h]
-        self.stats.gpu_evictions += 1
-        events.append(BlockRemoved([external_hash(h)], MEDIUM_GPU))
-        if self.cpu_capacity:
-            self._offload(h, self._cpu, self.cpu_capacity, MEDIUM_CPU, events)
+    def _evict(self, count: int) -> None:
+        """Evict ``count`` evictable blocks: lowest retention first, oldest-freed first within one."""
+        events, ref, keep = self._events, self._ref, self._retention
+        for level in sorted(self._free):
+            queue = self._free[level]
+            while count and queue:
+                h, _ = queue.popitem(last=False)
+                count -= 1
+                self._free_count -= 1
+                del ref[h]
+                del keep[h]
+                self.stats.gpu_evictions += 1
+                events.append(BlockRemoved([int.from_bytes(h[-8:], "big")], MEDIUM_GPU))
+                if self.cpu_capacity:
+                    self._offload(h, self._cpu, self.cpu_capacity, MEDIUM_CPU)
+            if not count:
+                return
 
-    def _offload(self, h: bytes, tier: OrderedDict[bytes, None], capacity: int, medium: str,
-                 events: list[KVEvent]) -> None:
+    def _offload(self, h: bytes, tier: OrderedDict[bytes, None], capacity: int, medium: str) -> None:
         if h in tier:
             tier.move_to_end(h)
             return
         if len(tier) >= capacity:
             old, _ = tier.popitem(last=False)
-            events.append(BlockRemoved([external_hash(old)], medium))
+            self._events.append(BlockRemoved([external_hash(old)], medium))
             if tier is self._cpu:
                 self.stats.cpu_evictions += 1
                 if self.disk_capacity:
-                    self._offload(old, self._disk, self.disk_capacity, MEDIUM_DISK, events)
+                    self._offload(old, self._disk, self.disk_capacity, MEDIUM_DISK)
         tier[h] = None
-        events.append(BlockStored([external_hash(h)], None, [], self.block_size, medium))
-
-    def _emit(self, events: list[KVEvent]) -> None:
-        if events and self._sink is not None:
-            self._sink(events)
+        if tier is self._cpu:
+            self.stats.cpu_stores += 1
+        else:
+            self.stats.disk_stores += 1
+        self._events.append(BlockStored([external_hash(h)], None, [], self.block_size, medium))

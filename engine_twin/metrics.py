@@ -1,9 +1,9 @@
 """Prometheus metrics of one simulated engine, with vLLM's names and labels (``model_name``,
 ``engine``), in a registry owned by the app (no process globals).
 
-Live values (running, waiting, KV usage, prefix-cache counters) are read from the scheduler and the
-cache at scrape time; latencies arrive through the :class:`~engine_twin.scheduler.SchedulerObserver`
-hooks. Histogram buckets are vLLM's (``vllm/v1/metrics/loggers.py``).
+Live values (running, waiting, KV usage, prefix-cache counters, preemptions) are read from the core
+and the cache at scrape time; latencies arrive from the driver (:mod:`engine_twin.engine`), in
+wall-clock seconds. Histogram buckets are vLLM's (``vllm/v1/metrics/loggers.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from common.metrics import service_registry
-from engine_twin.scheduler import EngineScheduler
+from engine_twin.core import EngineCore
 from engine_twin.settings import EngineSimSettings
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -30,9 +30,9 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class _LiveCollector(Collector):
     """Gauges and prefix-cache counters read from the engine at each scrape."""
 
-    def __init__(self, settings: EngineSimSettings, scheduler: EngineScheduler):
+    def __init__(self, settings: EngineSimSettings, core: EngineCore):
         self.settings = settings
-        self.scheduler = scheduler
+        self.core = core
         self.labels = {"model_name": settings.model, "engine": settings.engine_index}
 
     def _gauge(self, name: str, doc: str, value: float, extra: dict[str, str] | None = None,
@@ -48,14 +48,16 @@ class _LiveCollector(Collector):
         return family
 
     def collect(self) -> Iterator[Metric]:
-        s, sched = self.settings, self.scheduler
-        stats = sched.cache.stats
+        s, core = self.settings, self.core
+        stats = core.cache.stats
         yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                          sched.num_requests_running)
+                          core.num_running)
         yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                          sched.num_requests_waiting)
+                          core.num_waiting)
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                          sched.cache.usage)
+                          core.cache.usage)
+        yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                            core.num_preemptions)
         # vLLM labels this one with ``engine`` and CacheConfig fields only (no model_name)
         yield self._gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1.0, {
             "block_size": str(s.block_size), "num_gpu_blocks": str(s.num_gpu_blocks),
@@ -73,7 +75,7 @@ class _LiveCollector(Collector):
 
 
 class EngineMetrics:
-    """The engine's registry plus the scheduler hooks that feed its histograms and counters."""
+    """The engine's registry plus the hooks the driver calls to feed its histograms and counters."""
 
     def __init__(self, settings: EngineSimSettings):
         self.registry = service_registry()
@@ -96,19 +98,20 @@ class EngineMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.",
                                     labels, buckets=REQUEST_BUCKETS, registry=reg).labels(*self._values)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=REQUEST_BUCKETS, registry=reg).labels(*self._values)
 
-    def attach(self, scheduler: EngineScheduler) -> None:
-        """Register the live collector reading ``scheduler`` (call once, after it exists)."""
-        self.registry.register(_LiveCollector(self.settings, scheduler))
+    def attach(self, core: EngineCore) -> None:
+        """Register the live collector reading ``core`` (call once, after it exists)."""
+        self.registry.register(_LiveCollector(self.settings, core))
 
-    # ---- SchedulerObserver -----------------------------------------------------------------
-    def admitted(self, queue_seconds: float) -> None:
-        self.queue_time.observe(queue_seconds)
-
+    # ---- driver hooks (wall-clock seconds) -------------------------------------------------
     def first_token(self, ttft_seconds: float) -> None:
         self.ttft.observe(ttft_seconds)
 
-    def finished(self, prompt_tokens: int, generated_tokens: int, itl_seconds: list[float], reason: str) -> None:
+    def finished(self, prompt_tokens: int, generated_tokens: int, itl_seconds: list[float], reason: str,
+                 e2e_seconds: float) -> None:
+        self.e2e.observe(e2e_seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
         self._success.labels(*self._values, reason).inc()

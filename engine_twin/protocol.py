@@ -39,6 +39,8 @@ class GenerationSpec:
     logprobs: int | None = None  # number of top logprobs; None = no logprobs
     echo_texts: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    retention: int | None = None
+    """``kv_retention_priority`` of the body (0 … 100), None when absent (see :func:`kv_retention`)."""
 
 
 def new_id(prefix: str) -> str:
@@ -98,6 +100,22 @@ def _common(settings: EngineSimSettings, body: dict[str, Any], prompt_len: int,
     return max_tokens, finish, n, priority
 
 
+RETENTION_FIELD = "kv_retention_priority"
+"""Body field carrying a request's KV retention priority (a simulator extension; see
+docs/engine-simulator.md: vLLM has no such field today, TensorRT-LLM has ``KvCacheRetentionConfig``)."""
+
+
+def kv_retention(body: dict[str, Any]) -> int | None:
+    """The body's ``kv_retention_priority``: an integer 0 … 100 (TensorRT-LLM's range; higher is kept
+    longer; 0 marks blocks to evict first), or None. Raises BadRequestError otherwise."""
+    value = body.get(RETENTION_FIELD)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
+        raise BadRequestError(f"{RETENTION_FIELD} must be an integer from 0 to 100", RETENTION_FIELD)
+    return value
+
+
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     stream = bool(body.get("stream"))
     options = body.get("stream_options")
@@ -146,7 +164,8 @@ def parse_chat(settings: EngineSimSettings, tok: Tokenizer, body: dict[str, Any]
     logprobs = _logprobs_chat(settings, body)
     max_tokens, finish, n, priority = _common(settings, body, len(prompt), max_tokens, name)
     stream, usage, cont = _stream_flags(body)
-    return GenerationSpec("chat", model, [prompt], max_tokens, finish, n, priority, stream, usage, cont, logprobs)
+    return GenerationSpec("chat", model, [prompt], max_tokens, finish, n, priority, stream, usage, cont, logprobs,
+                          retention=kv_retention(body))
 
 
 def parse_completion(settings: EngineSimSettings, tok: Tokenizer, body: dict[str, Any]) -> GenerationSpec:
@@ -180,7 +199,7 @@ def parse_completion(settings: EngineSimSettings, tok: Tokenizer, body: dict[str
     stream, usage, cont = _stream_flags(body)
     echo = [tok.decode(p) for p in prompts] if body.get("echo") else []
     return GenerationSpec("completion", model, prompts, max_tokens, finish, n, priority, stream, usage, cont,
-                          logprobs, echo)
+                          logprobs, echo, retention=kv_retention(body))
 
 
 def parse_response(settings: EngineSimSettings, tok: Tokenizer, body: dict[str, Any]) -> GenerationSpec:
@@ -198,7 +217,8 @@ def parse_response(settings: EngineSimSettings, tok: Tokenizer, body: dict[str, 
     prompt = tok.encode(render_chat(messages), add_special_tokens=False)
     max_tokens, finish, n, priority = _common(settings, body, len(prompt), _int_field(body, "max_output_tokens"),
                                               "max_output_tokens")
-    return GenerationSpec("response", model, [prompt], max_tokens, finish, 1, priority, bool(body.get("stream")))
+    return GenerationSpec("response", model, [prompt], max_tokens, finish, 1, priority, bool(body.get("stream")),
+                          retention=kv_retention(body))
 
 
 # ---- response shapes ---------------------------------------------------------------------------

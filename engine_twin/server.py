@@ -107,10 +107,9 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T], engine: SimEngine) -> T:
-    """:func:`_unless_disconnected` on ``request``. At ``time_scale`` 0 the engine never sleeps and a
-    request admitted on arrival finishes without yielding, so the watch is skipped (``backfill bench
-    engine-sim`` measures that path); a request queued behind ``--max-num-seqs`` or a full cache is
-    then not aborted by a disconnect."""
+    """:func:`_unless_disconnected` on ``request``. At ``time_scale`` 0 the engine never sleeps, so a
+    request lasts only as long as the steps before it, and the watch is skipped (``backfill bench
+    engine-sim`` measures that path): a disconnect then does not abort a non-streamed request."""
     if engine.settings.time_scale == 0:
         return await work
     return await _unless_disconnected(request.receive, work)
@@ -152,10 +151,11 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = SimEngine(settings)
         app.state.engine = engine
+        engine.start()
         try:
             yield
         finally:
-            engine.close()
+            await engine.aclose()
 
     app = FastAPI(title="backfill engine simulator", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -266,7 +266,7 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
         await engine.faults.before_request()
         dims = body.get("dimensions") or s.embedding_dim
         total = sum(len(t) for t in token_lists)
-        delay = s.time_scale * (s.prefill_overhead_ms / 1000 + total / s.prefill_tokens_per_s)
+        delay = s.time_scale * engine.core.model.prefill_seconds(total)
         if delay > 0:
             await asyncio.sleep(delay)
         as_b64 = body.get("encoding_format") == "base64"
@@ -366,10 +366,11 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
     @app.get("/sim/state")
     async def state(request: Request) -> Response:
         engine = engine_of(request)
-        sched = engine.scheduler
+        core = engine.core
         return _json({
-            "running": sched.num_requests_running, "waiting": sched.num_requests_waiting,
-            "prefill_queued": sched.prefill_queued, "kv_usage": engine.cache.usage,
+            "running": core.num_running, "waiting": core.num_waiting,
+            "prefilling": sum(1 for r in core.running if r.num_computed_tokens < r.num_tokens - 1),
+            "num_preemptions": core.num_preemptions, "steps": core.steps, "kv_usage": engine.cache.usage,
             "tiers": engine.cache.sizes(), "fault": engine.faults.mode,
             "kv_event_batches": engine.publisher.sent if engine.publisher else 0,
             "none_hash": engine.root_hash.hex(), "block_size": engine.settings.block_size,

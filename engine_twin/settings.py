@@ -4,23 +4,18 @@ Field names follow vLLM's command-line flags (``--served-model-name`` → ``serv
 launch line moves between the simulator and a real engine. Environment variables with the prefix
 ``BACKFILL_ENGINE_SIM_`` fill fields the caller leaves out (``BACKFILL_ENGINE_SIM_BLOCK_SIZE=64``).
 
-Default latency numbers and where they come from:
+Defaults of the scheduler follow vLLM (``vllm/config/scheduler.py``, ``EngineArgs``):
 
-* ``prefill_tokens_per_s = 16_000``: llm-d's calibration of about 16k prefill tokens/s for a 32B
-  model on two H100s (quoted in docs/engine-simulator.md and the vLLM-engine contract).
-* ``prefill_overhead_ms = 30`` and ``itl_ms = 12`` and ``itl_load_factor = 2.0``: the
-  "8B-class model on H100, balanced" latency profile published with llm-d's inference simulator
-  (``prefill-overhead: 30ms``, ``inter-token-latency: 12ms``, ``time-factor-under-load: 2.0``).
-* ``cpu_load_ms_per_block = 0.08``: one 16-token block of an 8B Llama (32 layers x 8 KV heads x 128
-  dims x K,V x 2 bytes = 128 KiB/token, 2 MiB/block) over PCIe Gen4 at about 25 GB/s effective.
-  About 12x cheaper than recomputing the block at 16k tokens/s (1 ms).
-* ``disk_load_ms_per_block = 0.4``: the same 2 MiB block from a local NVMe SSD at about 5 GB/s.
 * ``max_num_batched_tokens = 8192``: vLLM's default for its OpenAI server on GPUs of 70 GiB or
-  more other than the A100 (``EngineArgs`` batch defaults; 2048 on smaller GPUs), matching the
-  H100 latency profile above. Queued prefills within this budget count as running, as vLLM would
-  schedule them in its next step (see :mod:`engine_twin.scheduler`).
+  more other than the A100 (``EngineArgs`` batch defaults; 2048 on smaller GPUs).
+* ``max_num_partial_prefills = 1``, ``max_long_partial_prefills = 1``,
+  ``long_prefill_token_threshold = 0`` (no per-request cap); with ``max_num_partial_prefills > 1``
+  and no threshold given, the threshold becomes 4 % of ``max_model_len``, as vLLM sets it.
 * ``num_gpu_blocks = 8192`` (131k tokens at block size 16): smaller than an H100 would hold for an
   8B model (about 30k blocks) so that evictions happen in fleet benchmarks at modest load.
+
+The step-time constants (``model_params`` … ``nvme_gb_s``) describe Llama-3.1-8B in bf16 on one
+H100 SXM; :mod:`engine_twin.step_model` states the model and the source of every number.
 """
 
 from __future__ import annotations
@@ -54,6 +49,33 @@ class KVEventsConfig(BaseModel):
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
+class KVTransferConfig(BaseModel):
+    """vLLM's ``--kv-transfer-config`` JSON (``vllm/config/kv_transfer.py``): accepted and stored,
+    no behaviour yet (prefill/decode disaggregation comes later). Unknown keys are kept, as newer
+    vLLM versions add some; vLLM's own checks are applied (a connector needs a role)."""
+
+    model_config = {"extra": "allow"}
+
+    kv_connector: str | None = None
+    engine_id: str | None = None
+    kv_buffer_device: str | None = "cuda"
+    kv_buffer_size: float = 1e9
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] | None = None
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    kv_connector_module_path: str | None = None
+
+    @model_validator(mode="after")
+    def _role_with_connector(self) -> KVTransferConfig:
+        if self.kv_connector is not None and self.kv_role is None:
+            raise ValueError("Please specify kv_role when kv_connector is set, supported roles are "
+                             "('kv_producer', 'kv_consumer', 'kv_both')")
+        return self
+
+
 class EngineSimSettings(BaseSettings):
     """Everything one simulated engine needs. Units are in the field names (``_ms``, ``_s``)."""
 
@@ -77,13 +99,27 @@ class EngineSimSettings(BaseSettings):
     enable_prompt_tokens_details: bool = False
     max_logprobs: int = 20
 
+    max_num_partial_prefills: int = Field(1, ge=1)
+    max_long_partial_prefills: int = Field(1, ge=1)
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    kv_transfer_config: KVTransferConfig | None = None
+    retention_priority_threshold: int | None = None
+    """Requests whose vLLM ``priority`` is at least this get the lowest KV retention (None: off)."""
+
     time_scale: float = Field(1.0, ge=0.0)
-    prefill_overhead_ms: float = Field(30.0, ge=0.0)
-    prefill_tokens_per_s: float = Field(16_000.0, gt=0.0)
-    itl_ms: float = Field(12.0, ge=0.0)
-    itl_load_factor: float = Field(2.0, ge=1.0)
-    cpu_load_ms_per_block: float = Field(0.08, ge=0.0)
-    disk_load_ms_per_block: float = Field(0.4, ge=0.0)
+    model_params: float = Field(8.03e9, gt=0.0)
+    model_dtype_bytes: float = Field(2.0, gt=0.0)
+    num_hidden_layers: int = Field(32, ge=1)
+    num_attention_heads: int = Field(32, ge=1)
+    num_key_value_heads: int = Field(8, ge=1)
+    head_dim: int = Field(128, ge=1)
+    hbm_bandwidth_gb_s: float = Field(3350.0, gt=0.0)
+    mbu: float = Field(0.77, gt=0.0, le=1.0)
+    peak_tflops: float = Field(989.0, gt=0.0)
+    mfu: float = Field(0.5, gt=0.0, le=1.0)
+    step_overhead_ms: float = Field(2.0, ge=0.0)
+    pcie_gb_s: float = Field(25.0, gt=0.0)
+    nvme_gb_s: float = Field(5.0, gt=0.0)
 
     default_max_tokens: int = Field(16, ge=1)
     embedding_dim: int = Field(1024, ge=1)
@@ -92,7 +128,7 @@ class EngineSimSettings(BaseSettings):
     engine_index: str = "0"
     data_parallel_rank: int = 0
 
-    @field_validator("kv_events_config", mode="before")
+    @field_validator("kv_events_config", "kv_transfer_config", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -117,6 +153,11 @@ class EngineSimSettings(BaseSettings):
             )
         if not self.served_model_name:
             raise ValueError("served_model_name needs at least one name")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} must be less than or "
+                             f"equal to max_num_partial_prefills={self.max_num_partial_prefills}")
+        if self.max_num_partial_prefills > 1 and self.long_prefill_token_threshold == 0:
+            self.long_prefill_token_threshold = int(self.max_model_len * 0.04)  # vLLM's SchedulerConfig
         return self
 
     @property

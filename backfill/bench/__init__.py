@@ -9,6 +9,7 @@
 | ``mixed`` | ``backfill bench mixed``: queued and direct interactive, small tenants and a shared-prefix batch together vs each alone |
 | ``processor`` | ``backfill bench processor``: messages/s through one async processor |
 | ``engine_sim`` | ``backfill bench engine-sim``: requests/s of one engine simulator (``engine_twin``) |
+| ``interference`` | ``backfill bench interference``: a stream's token gaps during a long prefill, preemptions under KV pressure (the twin's core, model time) |
 | ``prefix`` | ``backfill bench prefix``: captured prefix reuse and TTFT, ours vs other routers |
 | ``sessions`` | ``backfill bench sessions``: agent sessions beside a batch backlog, turn priority off vs on |
 | ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
@@ -32,6 +33,8 @@ from backfill.cli import LazyGroup
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "ingest": ("backfill.bench.ingest:ingest_command", "Upload + validate a 200 MB batch file."),
     "engine-sim": ("backfill.bench.engine_sim:bench_engine_sim_command", "Requests/s of one simulator."),
+    "interference": ("backfill.bench.interference:interference_command",
+                     "A stream's token gaps during a 24k prefill; preemptions under KV pressure (model time)."),
     "processor": ("backfill.bench.processor:bench_processor_command", "Messages/s through one processor."),
     "end-to-end": ("backfill.bench.end_to_end:end_to_end_command",
                    "A 50,000-request batch through the stack vs the fleet's capacity."),

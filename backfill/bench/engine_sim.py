@@ -6,7 +6,9 @@ streams (pre-encoded requests, ``Content-Length`` responses), so the client cost
 server. Every request is a distinct ``/v1/completions`` prompt of the given length (built-in
 tokenizer: 4 bytes per token), ``max_tokens`` 16, KV events on (a ZMQ PUB socket nobody reads) and
 prompt-token details on: each request hashes all its blocks, allocates them, evicts older ones and
-publishes the events, the worst case for the simulator.
+publishes the events, the worst case for the simulator. Every request goes through the core's steps
+(``engine_twin.core``): its prompt is scheduled in one or more steps under the token budget, then
+15 decode steps batched with the other requests in flight, all driven by the engine's one driver task.
 """
 
 from __future__ import annotations

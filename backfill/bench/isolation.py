@@ -234,14 +234,20 @@ async def measure_fleet_capacity(engine_urls: list[str], bodies: list[bytes], pe
     return len(bodies), seconds
 
 
-def model_capacity(engines: int, time_scale: float, prompt_tokens: float) -> float:
-    """The simulator's requests/s for this shape: prefills are serialised per engine, each takes
-    ``prefill_overhead_ms`` + prompt tokens ÷ ``prefill_tokens_per_s`` (defaults), × time scale."""
+def model_capacity(engines: int, time_scale: float, prompt_tokens: float, max_tokens: int = 1,
+                   concurrency: int = 1) -> float:
+    """The simulator's requests/s for this shape under its step model (``engine_twin.step_model``,
+    defaults): each request computes its prompt and output tokens once (with causal attention over
+    its prompt) and shares each decode step's fixed cost with the others in flight on its engine,
+    × time scale. Steady state of a closed loop, prefill chunks riding in the decode steps."""
     from engine_twin.settings import build_settings
+    from engine_twin.step_model import StepModel
 
-    s = build_settings()
-    prefill_s = s.prefill_overhead_ms / 1000 + prompt_tokens / s.prefill_tokens_per_s
-    return engines / (time_scale * prefill_s)
+    m = StepModel.from_settings(build_settings())
+    p = prompt_tokens
+    per_request = ((p + max_tokens) * m.token_s + p * (p + 1) / 2 * m.pair_s
+                   + max_tokens * (p + max_tokens / 2) * m.context_token_s + max_tokens * m.fixed_s / concurrency)
+    return engines / (time_scale * per_request)
 
 
 # ---- the stack and the lane sampler ----------------------------------------------------------------
@@ -472,7 +478,8 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
     shape_bodies = bodies_of("capacity", opts["capacity_requests"], stream=False)
     done, seconds = await measure_fleet_capacity(stack.engine_urls, shape_bodies, opts["capacity_concurrency"])
     capacity = done / seconds
-    modelled = model_capacity(opts["engines"], opts["time_scale"], opts["prompt_tokens"] + 5)
+    modelled = model_capacity(opts["engines"], opts["time_scale"], opts["prompt_tokens"] + 5, opts["max_tokens"],
+                              opts["capacity_concurrency"])
     console.print(f"capacity C: {capacity:,.1f} requests/s measured ({done} requests straight to "
                   f"{opts['engines']} engines); the model's {modelled:,.1f}")
 

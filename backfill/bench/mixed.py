@@ -1,6 +1,6 @@
 """``backfill bench mixed``: the mix issue 12 measured, in one run, beside each of its parts alone.
 
-The fleet is the one the issue measured on: two ``backfill engine-sim --max-num-seqs 4 --itl-ms 40``
+The fleet is the one the issue measured on: two ``backfill engine-sim --max-num-seqs 4`` with a 40 ms idle decode step (``--itl-ms``)
 (vLLM's default ``fcfs`` policy, serving ``sim-model`` and the batch file's model names) started
 apart from the stack, and the stack in front of them as an operator runs it:
 ``backfill up --engine-url A --engine-url B`` (:func:`backfill.up.run_stack` with ``engine_urls``:
@@ -79,6 +79,7 @@ from backfill.bench.isolation import (
     run_interactive,
     summarize,
 )
+from engine_twin.step_model import overhead_ms_for_idle_step
 
 DEFAULT_SOURCE = (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "batches"
                   / "openai-cookbook-batch-movies.jsonl")
@@ -659,7 +660,7 @@ def _print(figures: dict[str, Any], console: Any) -> None:
               help="Engine simulator's wall seconds per model second.")
 @click.option("--max-num-seqs", default=4, show_default=True, type=click.IntRange(1), help="Engine slots.")
 @click.option("--itl-ms", default=40.0, show_default=True, type=click.FloatRange(0.0),
-              help="Engine inter-token latency (ms).")
+              help="Engine inter-token latency of an idle engine (ms): sets the engines' --step-overhead-ms.")
 @click.option("--duration", default=30.0, show_default=True, type=click.FloatRange(1.0),
               help="Seconds of interactive traffic, alone and in the mix (the batch-throughput window).")
 @click.option("--prelude", default=10.0, show_default=True, type=click.FloatRange(0.0),
@@ -708,7 +709,8 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
                 port = free_port()
                 proc = group.start(f"engine-{i}", [
                     *backfill_executable(), "engine-sim", "--host", HOST, "--port", str(port),
-                    "--max-num-seqs", str(opts["max_num_seqs"]), "--itl-ms", str(opts["itl_ms"]),
+                    "--max-num-seqs", str(opts["max_num_seqs"]),
+                    "--step-overhead-ms", str(overhead_ms_for_idle_step(opts["itl_ms"])),
                     "--time-scale", str(opts["time_scale"]), "--served-model-name", *names,
                     "--engine-index", str(i)])
                 urls.append(f"http://{HOST}:{port}")

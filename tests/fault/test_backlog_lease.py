@@ -36,7 +36,7 @@ def test_a_backlog_waiting_many_leases_is_run_once_and_completes(tmp_path):
     }) + b"\n" for custom_id in ids))
     env = {"BACKFILL_WORKER_LEASE_SECONDS": str(LEASE_SECONDS), "BACKFILL_WORKER_SWEEP_INTERVAL_SECONDS": "1",
            "BACKFILL_PROCESSOR_CONCURRENCY": "2", "BACKFILL_PROCESSOR_BUFFER_SIZE": "2",
-           "BACKFILL_PROCESSOR_RECEIVE_BATCH": "2", "BACKFILL_ENGINE_SIM_ITL_MS": "50"}
+           "BACKFILL_PROCESSOR_RECEIVE_BATCH": "2", "BACKFILL_ENGINE_SIM_STEP_OVERHEAD_MS": "50"}
     with backfill_up(tmp_path / "data", "--engines", "2", env=env) as up:
         engines = re.search(r"engines=(\S+)", up.ready_line).group(1).split(",")
         client = up.client()

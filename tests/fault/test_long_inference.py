@@ -27,7 +27,7 @@ from tests.integration.processor.test_processor_end_to_end import InProcess, Ns
 from tests.router_stack import RouterStack
 
 TOKENS = 200
-ITL_MS = 30  # 200 tokens x 30 ms = 6 s, three times the 2 s base timeout
+ITL_MS = 30  # step overhead: 200 tokens x more than 30 ms > 6 s, three times the 2 s base timeout
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def _message(id: str, *, stream: bool = False, max_tokens: int = TOKENS, deadlin
 
 def test_an_inference_longer_than_the_base_timeout_finishes_once(ns, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("BACKFILL_ROUTER_REQUEST_TIMEOUT_S", "2")
-    engine = {"time_scale": 1.0, "extra": ["--itl-ms", str(ITL_MS), "--itl-load-factor", "1"]}
+    engine = {"time_scale": 1.0, "extra": ["--step-overhead-ms", str(ITL_MS)]}
     with RouterStack(tmp_path, engines=1, engine_options=[engine]) as stack:
         ns.put("batch", _message("long-plain"))
         ns.put("batch", _message("long-stream", stream=True))
@@ -87,7 +87,7 @@ def test_a_timed_out_attempt_is_not_run_again(ns) -> None:
 def test_the_router_timeout_is_a_504_and_no_rerun_elsewhere(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("BACKFILL_ROUTER_REQUEST_TIMEOUT_S", "1")
     monkeypatch.setenv("BACKFILL_ROUTER_REQUEST_TIMEOUT_PER_TOKEN_S", "0.001")
-    engine = {"time_scale": 1.0, "extra": ["--itl-ms", str(ITL_MS), "--itl-load-factor", "1"]}
+    engine = {"time_scale": 1.0, "extra": ["--step-overhead-ms", str(ITL_MS)]}
     with RouterStack(tmp_path, engines=2, engine_options=[engine, engine]) as stack:
         body = {"model": "sim-model", "max_tokens": TOKENS, "messages": [{"role": "user", "content": "slow"}]}
         started = time.monotonic()

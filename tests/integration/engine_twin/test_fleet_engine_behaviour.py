@@ -299,3 +299,62 @@ def test_engine_sim_help_lists_vllm_flags():
     assert out.returncode == 0
     for flag in ("--served-model-name", "--kv-events-config", "--num-gpu-blocks-override", "--time-scale"):
         assert flag in out.stdout
+
+
+def test_kv_pressure_preempts_counts_it_in_metrics_and_every_request_completes(make_sim):
+    """A cache of 64 blocks of 16 (1,024 tokens) and eight requests of 100 + 120 tokens (14 blocks
+    each when done, 112 together): vLLM V1 admits all eight, then preempts by recompute; all finish."""
+    sim = make_sim(num_gpu_blocks=64, max_model_len=1024, block_size=16)
+    url = f"{sim.url}/v1/completions"
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(i):
+                r = await client.post(url, json={"model": sim.settings.model, "prompt": f"p{i} " * 100,
+                                                 "max_tokens": 120})
+                return r.json()["usage"]["completion_tokens"]
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+    assert asyncio.run(main()) == [120] * 8
+    assert metric(sim, "vllm:num_preemptions_total") > 0
+    assert sim.state()["num_preemptions"] == metric(sim, "vllm:num_preemptions_total")
+    assert metric(sim, "vllm:kv_cache_usage_perc") == 0.0 and sim.state()["running"] == 0
+
+
+def test_a_request_larger_than_the_cache_is_refused_with_400(make_sim):
+    sim = make_sim(num_gpu_blocks=64, max_model_len=1024, block_size=16)
+    r = httpx.post(f"{sim.url}/v1/completions", json={"model": sim.settings.model, "prompt": [1] * 100,
+                                                      "max_tokens": 900, "n": 2})
+    assert r.status_code == 200  # each of the n sequences fits on its own
+    r = httpx.post(f"{sim.url}/v1/completions", json={"model": sim.settings.model, "prompt": [1] * 10,
+                                                      "kv_retention_priority": 101})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_retention_priority"
+
+
+@pytest.mark.parametrize("marked", [{"kv_retention_priority": 0}, {"priority": 10}])
+def test_batch_retention_keeps_the_interactive_prefix_on_gpu(make_sim, marked):
+    """The interactive prefix is cached first; batch requests (kv_retention_priority 0, or a vLLM
+    priority at the engine's --retention-priority-threshold) then fill the cache with their own
+    blocks; the prefix is still a GPU hit afterwards (plain LRU would have evicted it)."""
+    sim = make_sim(num_gpu_blocks=64, max_model_len=1024, block_size=16, scheduling_policy="priority",
+                   retention_priority_threshold=10)
+    url = f"{sim.url}/v1/completions"
+    prefix = [7] * 320  # 20 blocks
+    body = {"model": sim.settings.model, "prompt": prefix + [1], "max_tokens": 1}
+    assert httpx.post(url, json=body).status_code == 200
+    for i in range(6):  # 6 x 40 blocks of batch prompts through a 64-block cache
+        batch = {"model": sim.settings.model, "prompt": [100 + i] * 640, "max_tokens": 1, **marked}
+        assert httpx.post(url, json=batch).status_code == 200
+    again = httpx.post(url, json=body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
+
+
+def test_kv_transfer_config_is_accepted_and_checked():
+    from pydantic import ValidationError
+
+    from engine_twin.settings import build_settings
+
+    s = build_settings(kv_transfer_config='{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
+    assert s.kv_transfer_config is not None and s.kv_transfer_config.kv_role == "kv_both"
+    with pytest.raises(ValidationError, match="kv_role"):
+        build_settings(kv_transfer_config='{"kv_connector": "NixlConnector"}')

@@ -53,84 +53,106 @@ def make_cache(gpu=8, cpu=0, disk=0):
     return cache, events
 
 
-def alloc(cache, tokens, total=None, root=none_hash("0")):
+def alloc(cache, tokens, root=none_hash("0")):
+    """Schedule ``tokens`` as one fresh prompt computed in one step: hits, new blocks, full blocks
+    cached; returns (hashes, block table, hits) after flushing the step's events."""
     hashes = block_hashes(tokens, BS, root)
-    return hashes, cache.allocate(hashes, tokens, total or -(-len(tokens) // BS), len(tokens))
+    hits = cache.find_hits(hashes, (len(tokens) - 1) // BS)
+    total = -(-len(tokens) // BS)
+    table = cache.admit(hashes, hits, total - hits.blocks, tokens, 35)
+    if table is not None:
+        cache.commit(table, hits.blocks, len(hashes), hashes, tokens, 35)
+    cache.flush()
+    return hashes, table, hits
 
 
 def test_new_blocks_are_stored_once_and_a_repeat_is_a_silent_hit():
     cache, events = make_cache()
     tokens = list(range(9))  # 2 full blocks + 1 partial
-    hashes, a = alloc(cache, tokens)
+    hashes, a, hits = alloc(cache, tokens)
     assert events == [BlockStored([external_hash(h) for h in hashes], None, tokens[:8], BS)]
-    assert cache.used_blocks == 3 and a.gpu_hits == 0
-    cache.release(a)
+    assert cache.used_blocks == 3 and hits.gpu == 0
+    cache.free(a)
     events.clear()
-    _, b = alloc(cache, tokens)
-    assert b.gpu_hits == 2 and b.cached_blocks * BS == 8
+    _, b, hits = alloc(cache, tokens)
+    assert hits.gpu == 2 and hits.blocks * BS == 8
     assert events == []  # a prefix hit produces no event
 
 
 def test_hits_are_capped_at_prompt_len_minus_one():
     cache, _ = make_cache()
     tokens = list(range(8))
-    _, a = alloc(cache, tokens)
-    cache.release(a)
-    _, b = alloc(cache, tokens)
-    assert b.gpu_hits == 1  # the last block holds the last prompt token, recomputed
+    _, a, _ = alloc(cache, tokens)
+    cache.free(a)
+    _, b, hits = alloc(cache, tokens)
+    assert hits.gpu == 1  # the last block holds the last prompt token, recomputed
 
 
 def test_lru_eviction_offloads_to_cpu_and_cpu_hits_are_loaded_back():
     cache, events = make_cache(gpu=4, cpu=4)
     first = list(range(100, 108))
-    h1, a = alloc(cache, first)
-    cache.release(a)
+    h1, a, _ = alloc(cache, first)
+    cache.free(a)
     events.clear()
-    h2, b = alloc(cache, list(range(200, 216)))  # needs all 4 GPU blocks: evicts both of `first`
+    h2, b, _ = alloc(cache, list(range(200, 216)))  # needs all 4 GPU blocks: evicts both of `first`
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     offloaded = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
     assert {e.block_hashes[0] for e in removed} == {external_hash(h) for h in h1}
     assert all(e.medium == "GPU" for e in removed)
     assert all(e.token_ids == [] and e.parent_block_hash is None for e in offloaded)
     assert removed[0].block_hashes == [external_hash(h1[1])]  # deepest block is evicted first
-    assert cache.tier_of(h1[0]) == "CPU"
-    cache.release(b)
+    assert cache.tier_of(h1[0]) == "CPU" and cache.stats.cpu_stores == 2
+    cache.free(b)
     events.clear()
-    _, c = alloc(cache, first + [1])
-    assert (c.gpu_hits, c.cpu_hits) == (0, 2)
+    _, c, hits = alloc(cache, first + [1])
+    assert (hits.gpu, hits.cpu) == (0, 2)
     assert cache.tier_of(h1[0]) == "GPU"
     assert any(isinstance(e, BlockStored) and e.medium == "GPU" for e in events)
-    assert cache.stats.external_hits_tokens == 8
 
 
 def test_cpu_evictions_go_to_disk():
     cache, events = make_cache(gpu=2, cpu=1, disk=4)
-    h1, a = alloc(cache, list(range(8)))
-    cache.release(a)
-    _, b = alloc(cache, list(range(50, 58)))
+    h1, a, _ = alloc(cache, list(range(8)))
+    cache.free(a)
+    alloc(cache, list(range(50, 58)))
     assert cache.tier_of(h1[1]) == "DISK" and cache.tier_of(h1[0]) == "CPU"
     assert any(isinstance(e, BlockStored) and e.medium == "DISK" for e in events)
     assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in events)
+    assert cache.stats.disk_stores == 1
 
 
-def test_running_requests_blocks_are_pinned():
+def test_held_blocks_are_pinned_and_grow_refuses_when_full():
     cache, _ = make_cache(gpu=4)
-    _, a = alloc(cache, list(range(16)))
+    _, a, _ = alloc(cache, list(range(16)))
     assert cache.usage == 1.0
-    _, b = alloc(cache, list(range(100, 104)))
+    _, b, _ = alloc(cache, list(range(100, 104)))
     assert b is None  # nothing evictable: the caller waits
-    cache.release(a)
-    cache.release(a)  # idempotent
+    assert cache.grow(a, 1) is False and len(a) == 4
+    cache.free(a)
     assert cache.usage == 0.0
-    _, c = alloc(cache, list(range(100, 104)))
-    assert c is not None
+    _, c, _ = alloc(cache, list(range(100, 104)))
+    assert c is not None and cache.grow(c, 3) and cache.used_blocks == 4
+
+
+def test_a_step_sends_one_batch_and_a_continued_run_is_one_block_stored():
+    batches = []
+    cache = TieredPrefixCache(8, BS, sink=batches.append)
+    tokens = list(range(12))
+    hashes = block_hashes(tokens, BS, none_hash("0"))
+    table = cache.admit(hashes, cache.find_hits(hashes, 2), 3, tokens, 35)
+    cache.commit(table, 0, 1, hashes, tokens, 35)
+    cache.commit(table, 1, 3, hashes, tokens, 35)
+    cache.flush()
+    cache.flush()  # nothing new: nothing sent
+    assert len(batches) == 1 and len(batches[0]) == 1
+    assert batches[0][0].block_hashes == [external_hash(h) for h in hashes]
 
 
 def test_clear_refuses_while_running_then_emits_all_blocks_cleared():
     cache, events = make_cache()
-    _, a = alloc(cache, list(range(8)))
+    _, a, _ = alloc(cache, list(range(8)))
     assert cache.clear() is False
-    cache.release(a)
+    cache.free(a)
     assert cache.clear() is True
     assert events[-1] == AllBlocksCleared()
     assert cache.sizes()["GPU"] == 0

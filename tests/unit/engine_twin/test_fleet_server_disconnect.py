@@ -61,7 +61,7 @@ def run(path: str, body: dict, spec_version: str, leave_after: int | None = None
     """Serve one request on a fresh app at time scale 1; returns (client, engine) after the app returned."""
 
     async def main():
-        app = create_app(build_settings(time_scale=1.0, itl_ms=1.0, hash_seed="0"))
+        app = create_app(build_settings(time_scale=1.0, step_overhead_ms=0.0, hash_seed="0"))
         async with app.router.lifespan_context(app):
             client = Client({"model": app.state.engine.settings.model, **body}, leave_after, spec_version)
             receive = client.receive
@@ -81,7 +81,7 @@ def test_stream_closed_after_first_chunk_aborts_at_once_without_error(spec_versi
     body = {"prompt": "x " * 40, "max_tokens": 5000, "stream": True}
     client, engine = run("/v1/completions", body, spec_version, leave_after=1)
     # the app returned normally and the engine has already aborted the request and freed its blocks
-    assert engine.scheduler.running_seqs == 0 and engine.cache.usage == 0.0
+    assert engine.core.num_running == 0 and engine.cache.usage == 0.0
     assert aborted(engine) == 1.0
     assert sum(1 for m in client.messages if m.get("body")) == 1
 
@@ -92,13 +92,13 @@ def test_stream_of_a_client_that_stays_runs_to_done(spec_version):
                                                   "max_tokens": 6, "stream": True}, spec_version)
     body = b"".join(m.get("body", b"") for m in client.messages if m["type"] == "http.response.body")
     assert body.endswith(b"data: [DONE]\n\n") and body.count(b'"content":') == 7  # role chunk + 6 tokens
-    assert engine.scheduler.running_seqs == 0
+    assert engine.core.num_running == 0
 
 
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
 def test_non_streamed_request_whose_client_leaves_is_aborted_without_error(spec_version):
     client, engine = run("/v1/completions", {"prompt": "x", "max_tokens": 5000}, spec_version, leave_after=0)
-    assert engine.scheduler.running_seqs == 0 and engine.cache.usage == 0.0
+    assert engine.core.num_running == 0 and engine.cache.usage == 0.0
     assert aborted(engine) == 1.0
     assert client.messages == []  # the 499 went nowhere; run() returning shows nothing was raised
 

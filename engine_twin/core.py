@@ -1,0 +1,377 @@
+"""The simulated engine's core: vLLM V1's scheduler step by step, pure (no I/O, no clock, no asyncio).
+
+:class:`EngineCore` holds the waiting and running requests and the tiered prefix cache. A driver
+adds requests (:meth:`~EngineCore.add`), aborts them (:meth:`~EngineCore.abort`) and calls
+:meth:`~EngineCore.step`, which schedules one step, advances every scheduled request as if the
+model had run it and returns a :class:`StepOutcome`: the step's duration in model seconds
+(:mod:`engine_twin.step_model`), the tokens each request got, who sampled a token, finished or was
+preempted. Time only comes in as arguments; the HTTP server drives it in real time
+(:mod:`engine_twin.engine`), a simulation can drive it in virtual time.
+
+One step, as vLLM V1's ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py``):
+
+1. **Running requests first**, in the running list's order: each gets ``num_tokens −
+   num_computed_tokens`` new tokens (1 when decoding; the next chunk of a partial prefill), capped
+   by ``--long-prefill-token-threshold`` (when > 0) and by what is left of the step's token budget
+   ``--max-num-batched-tokens``. The blocks those tokens need are allocated now. When the cache is
+   short, a running request is **preempted** by recompute and the allocation retried: under
+   ``--scheduling-policy priority`` the one with the largest ``(priority, arrival)`` (lowest
+   priority, latest arrival; tokens it already got this step go back to the budget), under
+   ``fcfs`` the last of the running list. A preempted request frees its blocks (cached ones stay
+   evictable, so its redo hits them), restarts from 0 computed tokens and goes back to the front of
+   the waiting queue; ``num_preemptions`` counts it (``vllm:num_preemptions_total``). When the
+   request being scheduled is itself the one to go, the running pass stops.
+2. **Then waiting requests**, only when this step preempted nobody, in policy order (``fcfs``:
+   arrival; ``priority``: ``(priority, arrival)``, lowest first), while ``--max-num-seqs`` and the
+   budget allow: the prefix cache is looked up (GPU, then CPU/disk tiers, at most ``num_tokens − 1``
+   tokens), the rest of the prompt is chunked under the budget and the threshold, and the first
+   request whose blocks do not fit stops the pass (head-of-line, as vLLM).
+3. ``--max-num-partial-prefills`` / ``--max-long-partial-prefills`` (a prompt is *long* above the
+   threshold): vLLM V1 accepts them but its scheduler does not enforce them (vllm-project/vllm#14003,
+   open PRs #41399, #49075). The twin keeps V1's behaviour at the default of 1 and, when
+   ``max_num_partial_prefills > 1``, enforces both per step as vLLM V0 and #49075 do: a prefill chunk
+   beyond either limit is skipped this step (running) or left waiting (waiting).
+
+After the schedule, every scheduled request's computed tokens advance; one that has computed all its
+tokens samples one (its first token when it had none); one with ``max_tokens`` tokens finishes and
+frees its blocks. Full blocks of prompt tokens are cached as they are computed (``BlockStored``);
+blocks of generated tokens are not (vLLM caches those too; the twin's filler output is never
+reused). ``n > 1`` is ``n`` requests here, as vLLM's front end fans a request out.
+
+A request whose ``prompt + max_tokens`` needs more blocks than the whole GPU cache is refused by
+:meth:`~EngineCore.add` (``ValueError``), so every request admitted can complete: under pressure the
+preempted ones run again once the others finish.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine_twin.kv_cache import DEFAULT_RETENTION, Block, TieredPrefixCache
+from engine_twin.settings import EngineSimSettings
+from engine_twin.step_model import StepModel, StepWork
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False, slots=True)
+class CoreRequest:
+    """One sequence in the core. ``prompt`` are token ids, ``hashes`` its full blocks' chained hashes.
+
+    ``priority``: vLLM's (lower runs first under the priority policy). ``retention``: KV retention of
+    the blocks it computes (0 … 100, :mod:`engine_twin.kv_cache`). State fields are the core's.
+    """
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    hashes: list[bytes]
+    priority: int = 0
+    retention: int = DEFAULT_RETENTION
+    arrival: float = 0.0
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    output_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens found cached (any tier) at the first schedule, as vLLM's ``num_cached_tokens``."""
+    num_preemptions: int = 0
+    first_scheduled_at: float | None = None
+    blocks: list[Block] = field(default_factory=list)
+    committed: int = 0  # leading blocks of ``blocks`` that are cached
+    seq: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens (what a recompute must compute again)."""
+        return len(self.prompt) + self.output_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (Status.FINISHED, Status.ABORTED)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one step did. ``duration`` in model seconds (0: nothing was scheduled)."""
+
+    duration: float
+    scheduled: dict[str, int]
+    """Tokens computed per request id this step (prefill chunk or 1 decode token)."""
+    sampled: list[str]
+    """Requests that produced one output token at the end of this step (first tokens included)."""
+    first_scheduled: list[str]
+    """Requests scheduled for the first time (their queue time ends at the step's start)."""
+    finished: list[str]
+    preempted: list[str]
+    work: StepWork
+
+
+class _WaitingQueue:
+    """vLLM's request queues: FCFS (a deque, preempted requests go to the front) or a heap on
+    ``(priority, arrival, seq)``. Aborted requests are dropped lazily when they reach the head."""
+
+    def __init__(self, priority: bool):
+        self.priority = priority
+        self._fifo: deque[CoreRequest] = deque()
+        self._heap: list[tuple[int, float, int, CoreRequest]] = []
+        self.live = 0
+
+    def __len__(self) -> int:
+        return self.live
+
+    def add(self, req: CoreRequest) -> None:
+        if self.priority:
+            heapq.heappush(self._heap, (req.priority, req.arrival, req.seq, req))
+        else:
+            self._fifo.append(req)
+        self.live += 1
+
+    def prepend(self, req: CoreRequest) -> None:
+        if self.priority:
+            self.add(req)
+        else:
+            self._fifo.appendleft(req)
+            self.live += 1
+
+    def peek(self) -> CoreRequest | None:
+        if self.priority:
+            while self._heap and self._heap[0][3].finished:
+                heapq.heappop(self._heap)
+            return self._heap[0][3] if self._heap else None
+        while self._fifo and self._fifo[0].finished:
+            self._fifo.popleft()
+        return self._fifo[0] if self._fifo else None
+
+    def pop(self) -> CoreRequest:
+        """Remove the head (call :meth:`peek` first)."""
+        self.live -= 1
+        if self.priority:
+            return heapq.heappop(self._heap)[3]
+        return self._fifo.popleft()
+
+    def discard(self) -> None:
+        """One queued request was aborted (it stays in place until it reaches the head)."""
+        self.live -= 1
+
+
+class EngineCore:
+    """Waiting and running requests, the prefix cache and the step loop of one engine (module doc)."""
+
+    def __init__(self, settings: EngineSimSettings, cache: TieredPrefixCache):
+        self.settings = settings
+        self.cache = cache
+        self.model = StepModel.from_settings(settings)
+        self.block_size = settings.block_size
+        self.policy_priority = settings.scheduling_policy == "priority"
+        self.waiting = _WaitingQueue(self.policy_priority)
+        self.running: list[CoreRequest] = []
+        self.requests: dict[str, CoreRequest] = {}
+        self.num_preemptions = 0
+        self.steps = 0
+        self._seq = itertools.count()
+        threshold = settings.long_prefill_token_threshold
+        self._threshold = threshold
+        self._limit_partials = settings.max_num_partial_prefills > 1
+
+    # ---- views -----------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        """vLLM's ``num_requests_running``: requests in the running list."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """vLLM's ``num_requests_waiting``: requests queued (new or preempted)."""
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        """True while a step would schedule something (or could, once blocks free up)."""
+        return bool(self.running) or bool(self.waiting)
+
+    # ---- requests --------------------------------------------------------------------------
+    def add(self, req: CoreRequest, now: float) -> None:
+        """Queue ``req`` (arrival ``now``). Raises ValueError when it can never fit in the GPU cache or
+        its id is in use."""
+        bs = self.block_size
+        needed = -(-(len(req.prompt) + req.max_tokens) // bs)
+        if needed > self.cache.num_gpu_blocks:
+            raise ValueError(f"the request needs {needed} KV cache blocks for {len(req.prompt)} prompt tokens + "
+                             f"{req.max_tokens} output tokens; the cache has {self.cache.num_gpu_blocks}")
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        req.arrival = now
+        req.seq = next(self._seq)
+        req.status = Status.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def abort(self, request_id: str) -> CoreRequest | None:
+        """Drop a waiting or running request and free its blocks; None when it is not here."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+            self.cache.free(req.blocks)
+        else:
+            self.waiting.discard()
+        req.status = Status.ABORTED
+        return req
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self, now: float) -> StepOutcome:
+        """Schedule and run one step starting at ``now`` (module docstring); flushes KV events."""
+        settings = self.settings
+        cache = self.cache
+        bs = self.block_size
+        threshold = self._threshold
+        budget = settings.max_num_batched_tokens
+        scheduled: dict[CoreRequest, int] = {}
+        preempted: list[CoreRequest] = []
+        first: list[str] = []
+        loads_cpu = loads_disk = 0
+        stores_before = (cache.stats.cpu_stores, cache.stats.disk_stores)
+
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = req.num_tokens - req.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if self._limit_partials and n > 1 and not self._partial_allowed(req, scheduled):
+                i += 1
+                continue
+            need = -(-(req.num_computed_tokens + n) // bs) - len(req.blocks)
+            ok = need <= 0 or cache.grow(req.blocks, need)
+            while not ok:
+                if self.policy_priority:
+                    victim = max(running, key=lambda r: (r.priority, r.arrival, r.seq))
+                    running.remove(victim)
+                    if victim in scheduled:
+                        budget += scheduled.pop(victim)
+                        i -= 1
+                else:
+                    victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                ok = cache.grow(req.blocks, need)
+            if not ok:
+                break
+            scheduled[req] = n
+            budget -= n
+            i += 1
+
+        if not preempted:
+            skipped: list[CoreRequest] = []
+            limit = settings.max_num_seqs
+            while budget > 0 and len(running) < limit:
+                head = self.waiting.peek()
+                if head is None:
+                    break
+                req = head
+                if self._limit_partials and not self._partial_allowed(req, scheduled):
+                    skipped.append(self.waiting.pop())
+                    continue
+                total = req.num_tokens
+                hits = cache.find_hits(req.hashes, (total - 1) // bs)
+                cached = hits.blocks * bs
+                n = total - cached
+                if 0 < threshold < n:
+                    n = threshold
+                if n > budget:
+                    n = budget
+                new_blocks = -(-(cached + n) // bs) - hits.blocks
+                table = cache.admit(req.hashes, hits, new_blocks, req.prompt, req.retention)
+                if table is None:
+                    break
+                self.waiting.pop()
+                req.blocks = table
+                req.committed = hits.blocks
+                req.num_computed_tokens = cached
+                req.status = Status.RUNNING
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = cached
+                    cache.record_query(total, hits.gpu, hits.cpu + hits.disk)
+                if req.first_scheduled_at is None:
+                    req.first_scheduled_at = now
+                    first.append(req.request_id)
+                loads_cpu += hits.cpu
+                loads_disk += hits.disk
+                running.append(req)
+                scheduled[req] = n
+                budget -= n
+            for req in reversed(skipped):
+                self.waiting.prepend(req)
+
+        # the model "runs" the step: advance, cache full prompt blocks, sample, finish
+        tokens = pairs = context = 0
+        sampled: list[str] = []
+        finished: list[str] = []
+        for req, n in scheduled.items():
+            c = req.num_computed_tokens
+            tokens += n
+            pairs += n * c + n * (n + 1) // 2  # chunk_pairs(c, n), inlined: the hot loop
+            context += c
+            c += n
+            req.num_computed_tokens = c
+            full = min(c // bs, len(req.hashes))
+            if full > req.committed:
+                cache.commit(req.blocks, req.committed, full, req.hashes, req.prompt, req.retention)
+                req.committed = full
+            if c == req.num_tokens:
+                req.output_tokens += 1
+                sampled.append(req.request_id)
+                if req.output_tokens >= req.max_tokens:
+                    req.status = Status.FINISHED
+                    finished.append(req.request_id)
+        if finished:
+            for rid in finished:
+                req = self.requests.pop(rid)
+                cache.free(req.blocks)
+            self.running = [r for r in self.running if r.status == Status.RUNNING]
+        cache.flush()
+        work = StepWork(tokens, pairs, context, loads_cpu, loads_disk,
+                        cache.stats.cpu_stores - stores_before[0], cache.stats.disk_stores - stores_before[1])
+        if scheduled:
+            self.steps += 1
+        return StepOutcome(self.model.seconds(work), {r.request_id: n for r, n in scheduled.items()}, sampled,
+                           first, finished, [r.request_id for r in preempted], work)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _preempt(self, req: CoreRequest) -> None:
+        """Recompute preemption: free the blocks, restart from 0, back to the front of waiting."""
+        self.cache.free(req.blocks)
+        req.committed = 0
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+
+    def _partial_allowed(self, req: CoreRequest, scheduled: dict[CoreRequest, int]) -> bool:
+        """Whether one more prefill chunk (``req``'s) fits the partial-prefill limits of this step."""
+        s = self.settings
+        partial = long = 0
+        for other, n in scheduled.items():
+            if n > 1:
+                partial += 1
+                if len(other.prompt) > self._threshold:
+                    long += 1
+        if partial >= s.max_num_partial_prefills:
+            return False
+        return not (len(req.prompt) > self._threshold and long >= s.max_long_partial_prefills)
