@@ -11,6 +11,7 @@
 | ``engine_sim`` | ``backfill bench engine-sim``: requests/s of one engine simulator (``engine_twin``) |
 | ``prefix`` | ``backfill bench prefix``: captured prefix reuse and TTFT, ours vs other routers |
 | ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
+| ``router_ha`` | ``backfill bench router-ha``: several precise routers on one fleet (index agreement, reuse) |
 | ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups, tool agents, a shared-prefix batch, long-context conversations), Mooncake-format traces, the oracle-reusable tokens |
 | ``replay`` | async replayer: sessions closed-loop, arrivals open-loop, TTFT, cached tokens, captured reuse |
 | ``launch`` | subprocess fleet of simulated engines and the routers (ours, ``vllm-router``, ``sglang-router``) |
@@ -41,6 +42,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "Interactive (queued, direct), small tenants, a shared-prefix batch: together vs each alone."),
     "router-overhead": ("backfill.bench.router_overhead:router_overhead_command",
                         "Decision time, added proxy latency and max requests/s: ours vs vllm-router."),
+    "router-ha": ("backfill.bench.router_ha:router_ha_command",
+                  "Several precise routers on one fleet: index agreement, captured reuse with 1, 2, 4 routers."),
 }
 
 
