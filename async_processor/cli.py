@@ -148,7 +148,9 @@ def enqueue_command(lane: str, payload: str, endpoint: str, request_id: str | No
     request_id = request_id or f"req-{secrets.token_hex(8)}"
     private = wait and not result_queue and settings.backend == "redis"
     if private:
-        result_queue = f"{settings.result_stream}:enqueue:{request_id}"
+        from async_processor.backends.redis_streams import private_result_stream
+
+        result_queue = private_result_stream(settings.result_stream, request_id)
     meta = {"objective": lane, **({"tenant": tenant} if tenant else {}), **_metadata(metadata)}
     message = RequestMessage(id=request_id, created=int(time.time()), deadline=int(time.time() + deadline_in),
                              payload=body, endpoint=endpoint, metadata=meta, result_queue_name=result_queue)

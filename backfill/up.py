@@ -370,11 +370,11 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
     from backfill.stack_file import remove_stack, write_stack
     from migrations.config import upgrade
 
+    _check_port_free(host, port)  # before anything is written: a refused start leaves no data dir
     data_dir = data_dir.resolve()
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     api_key = api_key or "sk-bf-" + secrets.token_urlsafe(24)
-    _check_port_free(host, port)
     with _data_dir_lock(data_dir), _stores(data_dir) as stores:
         upgrade(stores.database_url)
         _register_key(stores.database_url, api_key)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -40,6 +40,7 @@ from router.proxy import Proxy, error_response
 from router.replicas import split_tenant_limits
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
+from router.scheduling.plugins.session import working_set_of
 from router.scheduling.saturation import SaturationThresholds, endpoint_saturation, fleet_saturation, gate_saturation
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Endpoint
@@ -70,6 +71,13 @@ class RouterRuntime:
         self.metrics: RouterMetrics | None = None
         self.director: Director | None = None
         self.proxy: Proxy | None = None
+        #: endpoint name → idle sessions' tokens there (the session plugin's; None: no such plugin)
+        self.working_set: Callable[[], Mapping[str, int]] | None = None
+
+    def session_working_set(self) -> Mapping[str, int]:
+        """Endpoint name → tokens of its recently active idle sessions
+        (``router/scheduling/plugins/session.py``); empty without a session plugin."""
+        return self.working_set() if self.working_set is not None else {}
 
     def endpoint_saturations(self, *, reserve: bool = True) -> dict[str, float]:
         """Every healthy endpoint's saturation for sheddable work now, by name: the detector's value
@@ -79,13 +87,15 @@ class RouterRuntime:
         any reaches an engine) placed on the least saturated endpoints
         (:func:`router.scheduling.saturation.fleet_saturation`). Flow control's gate and
         ``/admin/state`` read this one computation, so the dashboard shows what the gate does; the
-        ``spare-capacity-filter`` reads the same per-endpoint detector (:meth:`scheduling_saturation`)."""
+        ``spare-capacity-filter`` reads the same per-endpoint detector (:meth:`scheduling_saturation`).
+        Sheddable values count the idle sessions' working set as used KV (:meth:`session_working_set`)."""
         assert self.pool is not None
         candidates = self.pool.candidates()
         pending = 0
         if self.flow is not None:
             pending = max(0, self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates))
-        values = fleet_saturation(candidates, time.monotonic(), self.thresholds, pending, reserve=reserve)
+        values = fleet_saturation(candidates, time.monotonic(), self.thresholds, pending, reserve=reserve,
+                                  working_set=self.session_working_set() if reserve else None)
         return {ep.name: value for ep, value in zip(candidates, values)}
 
     def saturation(self) -> float:
@@ -109,7 +119,8 @@ class RouterRuntime:
         """One endpoint's saturation with the scrape-lag credit, for the ``spare-capacity-filter``
         (the request being placed is already counted by its endpoint's in-flight counters once
         forwarded; pending ones are not placed here)."""
-        return endpoint_saturation(endpoint, time.monotonic(), self.thresholds)
+        return endpoint_saturation(endpoint, time.monotonic(), self.thresholds,
+                                   working_set_tokens=self.session_working_set().get(endpoint.name, 0))
 
     def state(self) -> RouterState:
         """The admin state (see :func:`admin_state`)."""
@@ -122,6 +133,7 @@ def admin_state(rt: RouterRuntime) -> RouterState:
     now = time.monotonic()
     per_endpoint_blocks, index_info = _index_view(rt)
     saturations = rt.endpoint_saturations()
+    working_set = rt.session_working_set()
     endpoints = []
     for state in rt.pool.states.values():
         ep, m = state.endpoint, state.metrics
@@ -132,6 +144,7 @@ def admin_state(rt: RouterRuntime) -> RouterState:
             num_requests_waiting=ep.num_requests_waiting, num_requests_running=ep.num_requests_running,
             kv_cache_usage_perc=ep.kv_cache_usage_perc, in_flight_requests=ep.in_flight_requests,
             in_flight_uncached_tokens=ep.in_flight_uncached_tokens,
+            idle_session_tokens=working_set.get(ep.name, 0),
             saturation=saturation,
             gate_open=saturation is not None and saturation < SATURATION_THRESHOLD,
             headroom=None if saturation is None else max(0.0, 1.0 - saturation),
@@ -289,6 +302,7 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
         if settings.profile is not None and settings.profile not in scheduler.profiles:
             raise ValueError(f"profile {settings.profile!r} is not in {settings.scheduling_config} "
                              f"(profiles: {', '.join(scheduler.profiles)})")
+        rt.working_set = working_set_of(_plugins(scheduler))
         for plugin in _plugins(scheduler):
             forget = getattr(plugin, "forget_endpoint", None)
             if forget is not None:

@@ -252,7 +252,8 @@ class Director:
             return Admitted()
         deadline = received + parsed.slo_ttft_ms / 1000.0 if parsed.slo_ttft_ms is not None else None
         item = FlowItem(request_id=parsed.request_id, fairness_id=parsed.fairness_id or "",
-                        objective=objective, byte_size=len(parsed.raw), deadline=deadline)
+                        objective=objective, byte_size=len(parsed.raw), deadline=deadline,
+                        session_id=parsed.session_id)
         try:
             admission = await self.flow.admit(item)
         except asyncio.CancelledError:

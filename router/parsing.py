@@ -52,6 +52,28 @@ LEGACY_OBJECTIVE_HEADER = "x-gateway-inference-objective"
 LEGACY_FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
 SESSION_HEADER = "x-session-id"
+#: Headers a session id is read from, first non-empty one wins: ours (llm-d's ``x-session-id``), then
+#: what agent clients already send on every model call (sources checked, each client's own code or docs):
+#:
+#: * Claude Code: ``X-Claude-Code-Session-Id``, "a unique identifier for the current session"
+#:   (code.claude.com/docs/en/llm-gateway, "Request headers");
+#: * OpenCode: ``x-session-affinity`` and ``X-Session-Id`` with its session id on every provider call,
+#:   ``x-opencode-session`` towards OpenCode's own providers (sst/opencode,
+#:   ``packages/opencode/src/session/llm/request.ts``, ``prepare``); ``X-Session-Id`` is ours already;
+#: * OpenAI Codex CLI: ``session-id`` since 0.131.0 (openai/codex#21757 added the hyphenated spelling,
+#:   #22193 dropped the underscored one), ``session_id`` before that
+#:   (``codex-rs/codex-api/src/requests/headers.rs``, ``build_conversation_headers``). Codex's
+#:   ``thread-id`` is not read: one Codex session may group several threads, and the session is what
+#:   Codex itself sends as its cache-affinity key.
+#:
+#: llm-d's ``agent-identity`` plugin reads the same client headers (llm-d/llm-d-router,
+#: ``pkg/epp/framework/plugins/requestcontrol/requestheader/agentidentity``). A body field is not
+#: read (Claude Code's ``metadata.user_id`` belongs to Anthropic's Messages API, not OpenAI's).
+SESSION_HEADERS = (SESSION_HEADER, "x-claude-code-session-id", "x-session-affinity", "x-opencode-session",
+                   "session-id", "session_id")
+#: Longest session id kept, in characters; a longer value is cut to this (ids are uuids or ``ses_…``
+#: strings of under 40 characters; the cap bounds the router's per-session memory).
+MAX_SESSION_ID_CHARS = 256
 REQUEST_ID_HEADER = "x-request-id"
 TRACEPARENT_HEADER = "traceparent"
 
@@ -111,7 +133,8 @@ class ParsedRequest:
         objective: ``x-llm-d-inference-objective`` (else the legacy ``x-gateway-…``), or None.
         fairness_id: ``x-llm-d-inference-fairness-id`` (else legacy), ≤ 256 bytes, or None.
         slo_ttft_ms: ``x-llm-d-slo-ttft-ms``, milliseconds (≥ 0), or None.
-        session_id: ``x-session-id`` or None.
+        session_id: the first non-empty of :data:`SESSION_HEADERS` (``x-session-id``, then the agent
+            clients' own session headers), at most :data:`MAX_SESSION_ID_CHARS` characters, or None.
         request_id: ``x-request-id``, or a new uuid4 hex.
         cache_salt: vLLM's ``cache_salt`` from the body, or None.
         traceparent: the W3C ``traceparent`` header, or None.
@@ -328,6 +351,16 @@ def _slo_ttft_ms(value: str | None) -> float | None:
     return ms
 
 
+def session_id(headers: Mapping[str, str]) -> str | None:
+    """The request's session id: the first non-empty (stripped) value of :data:`SESSION_HEADERS`
+    in ``headers`` (names lower-case), cut to :data:`MAX_SESSION_ID_CHARS`; None when none is set."""
+    for name in SESSION_HEADERS:
+        value = (headers.get(name) or "").strip()
+        if value:
+            return value[:MAX_SESSION_ID_CHARS]
+    return None
+
+
 # ---- entry point -------------------------------------------------------------------------------
 def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> ParsedRequest:
     """Parse one request's body (once, with orjson) and its llm-d headers.
@@ -394,7 +427,7 @@ def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> ParsedR
         prompt_text=prompt_text, prompt_token_ids=token_ids, messages=messages,
         add_generation_prompt=add_generation_prompt, max_tokens=max_tokens, objective=objective,
         fairness_id=fairness_id, slo_ttft_ms=_slo_ttft_ms(_header(h, SLO_TTFT_HEADER)[0]),
-        session_id=_header(h, SESSION_HEADER)[0], request_id=_header(h, REQUEST_ID_HEADER)[0] or uuid.uuid4().hex,
+        session_id=session_id(h), request_id=_header(h, REQUEST_ID_HEADER)[0] or uuid.uuid4().hex,
         cache_salt=cache_salt, traceparent=_header(h, TRACEPARENT_HEADER)[0],
     )
 

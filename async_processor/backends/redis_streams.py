@@ -115,24 +115,37 @@ end
 return 0
 """
 # KEYS: result stream, claim key (or "") per result; ARGV[1]: done TTL s, ARGV[2]: our claim value,
-# ARGV[2 + i]: result JSON i -> per result 1 published (XADD, id marked done), 0 refused: the id is
-# done already or claimed by another processor (a result is published once per id). All or (on a
-# failed XADD) a prefix; never an id done without its result.
+# ARGV[3]: the prefix of private result streams, ARGV[3 + i]: result JSON i -> per result 1 published
+# (XADD, id marked done), 0 refused: the id is done already or claimed by another processor (a result
+# is published once per id). All or (on a failed XADD) a prefix; never an id done without its result.
+# A private result stream (one waiting client's) expires after the done TTL: a client that gave up
+# waiting has deleted it already, and the XADD would otherwise leave it behind for ever.
 _PUBLISH = """
 local out = {}
-for i = 1, #ARGV - 2 do
+local private = ARGV[3]
+for i = 1, #ARGV - 3 do
   local claim = KEYS[2 * i]
   local state = false
   if claim ~= '' then state = redis.call('GET', claim) end
   if state and state ~= ARGV[2] then out[i] = 0
   else
-    redis.call('XADD', KEYS[2 * i - 1], '*', '""" + RESULT_FIELD + """', ARGV[i + 2])
+    local stream = KEYS[2 * i - 1]
+    redis.call('XADD', stream, '*', '""" + RESULT_FIELD + """', ARGV[i + 3])
+    if string.sub(stream, 1, #private) == private then redis.call('EXPIRE', stream, ARGV[1]) end
     if claim ~= '' then redis.call('SET', claim, 'done', 'EX', ARGV[1]) end
     out[i] = 1
   end
 end
 return out
 """
+
+
+def private_result_stream(result_stream: str, request_id: str) -> str:
+    """The private result stream of one waiting client (``backfill enqueue --wait``):
+    ``{result_stream}:enqueue:{request_id}``. Published results make it expire after the done TTL."""
+    return f"{result_stream}:enqueue:{request_id}"
+
+
 _ADMISSIONS = [Admission.NEW, Admission.RUNNING, Admission.DONE, Admission.CANCELLED]
 
 # ---------------------------------------------------------------- the layout, shared with the sync side
@@ -419,7 +432,8 @@ class RedisStreamsBackend:
         if not results:
             return []
         keys: list[str] = []
-        args: list[bytes | int | str] = [max(1, int(self.done_ttl_s)), self.claim_value]
+        args: list[bytes | int | str] = [max(1, int(self.done_ttl_s)), self.claim_value,
+                                         private_result_stream(self.result_stream, "")]
         for result, queue in results:
             keys += (queue or self.result_stream, CLAIM_PREFIX + result.id if result.id else "")
             args.append(encode_result(result))

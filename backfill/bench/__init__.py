@@ -10,6 +10,7 @@
 | ``processor`` | ``backfill bench processor``: messages/s through one async processor |
 | ``engine_sim`` | ``backfill bench engine-sim``: requests/s of one engine simulator (``engine_twin``) |
 | ``prefix`` | ``backfill bench prefix``: captured prefix reuse and TTFT, ours vs other routers |
+| ``sessions`` | ``backfill bench sessions``: agent sessions beside a batch backlog, turn priority off vs on |
 | ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
 | ``router_ha`` | ``backfill bench router-ha``: several precise routers on one fleet (index agreement, reuse) |
 | ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups, tool agents, a shared-prefix batch, long-context conversations), Mooncake-format traces, the oracle-reusable tokens |
@@ -42,6 +43,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "Interactive (queued, direct), small tenants, a shared-prefix batch: together vs each alone."),
     "router-overhead": ("backfill.bench.router_overhead:router_overhead_command",
                         "Decision time, added proxy latency and max requests/s: ours vs vllm-router."),
+    "sessions": ("backfill.bench.sessions:sessions_command",
+                 "Agent sessions beside a batch backlog: later turns' TTFT, turn priority off vs on."),
     "router-ha": ("backfill.bench.router_ha:router_ha_command",
                   "Several precise routers on one fleet: index agreement, captured reuse with 1, 2, 4 routers."),
 }

@@ -95,12 +95,16 @@ def summarize(replay: ReplayResult, reusable_tokens: Sequence[int], indexes: Seq
     }
 
 
-async def _call(session: aiohttp.ClientSession, url: str, request: TimedRequest, out: RequestResult) -> None:
+async def _call(session: aiohttp.ClientSession, url: str, request: TimedRequest, out: RequestResult,
+                session_header: str | None = None) -> None:
     body = {**request.body, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"content-type": "application/json"}
+    if session_header:
+        headers[session_header] = request.session_id
     start = time.perf_counter()
     out.sent_at = start
     try:
-        async with session.post(url, data=orjson.dumps(body), headers={"content-type": "application/json"}) as resp:
+        async with session.post(url, data=orjson.dumps(body), headers=headers) as resp:
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
@@ -127,10 +131,12 @@ async def _call(session: aiohttp.ClientSession, url: str, request: TimedRequest,
 
 
 async def replay_async(trace: Sequence[TimedRequest], base_url: str, time_scale: float = 1.0,
-                       timeout_s: float = 300.0, connections: int = 1024) -> ReplayResult:
+                       timeout_s: float = 300.0, connections: int = 1024,
+                       session_header: str | None = None) -> ReplayResult:
     """Replay ``trace`` against ``base_url`` (``http://host:port``, no path); see the module docstring.
 
-    ``timeout_s``: per call, wall seconds. A failed call (non-200, broken stream, timeout) is
+    ``timeout_s``: per call, wall seconds. ``session_header``: send each call's session id in this
+    header (e.g. ``x-session-id``); None: no session header. A failed call (non-200, broken stream, timeout) is
     recorded with its ``error`` and its session goes on with the next turn. Never raises for a
     call's failure.
     """
@@ -151,7 +157,7 @@ async def replay_async(trace: Sequence[TimedRequest], base_url: str, time_scale:
             for k, i in enumerate(turns):
                 if k and trace[i].pause_s > 0:
                     await asyncio.sleep(trace[i].pause_s * time_scale)
-                await _call(session, url, trace[i], results[i])
+                await _call(session, url, trace[i], results[i], session_header)
 
         await asyncio.gather(*(run(ix) for ix in sessions.values()))
         ends = [r.sent_at + r.latency_s for r in results if r.latency_s is not None]

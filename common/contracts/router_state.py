@@ -7,6 +7,8 @@ gate and the admin dashboard. Units: requests, tokens, blocks, seconds; fraction
      "decisions_per_s": float, "profile": str, "tokenizer": str,
      "endpoints": [{"name", "healthy", "models": [str], "num_requests_waiting", "num_requests_running",
                     "kv_cache_usage_perc", "in_flight_requests", "in_flight_uncached_tokens",
+                    "idle_session_tokens" (prompt tokens of sessions idle there within the router's
+                                           working-set window; counted as used KV in ``saturation``),
                     "saturation": float | null (null while unhealthy), "metrics_age_s": s | null,
                     "gate_open": bool (healthy and saturation < 1.0: takes sheddable work now),
                     "headroom": float | null (max(0, 1 − saturation); null while unhealthy),
@@ -63,6 +65,7 @@ class EndpointState(_Lenient):
     kv_cache_usage_perc: float = 0.0
     in_flight_requests: int = 0
     in_flight_uncached_tokens: int = 0
+    idle_session_tokens: int = 0
     saturation: float | None = None
     gate_open: bool = False
     headroom: float | None = None

@@ -6,7 +6,7 @@ router's director calls). Drops raise ``RequestDropped`` (errors.py) with the co
 Retry-After.
 """
 
-from router.flow_control.config import BandConfig, FlowControlConfig
+from router.flow_control.config import BandConfig, FlowControlConfig, TurnPriorityConfig
 from router.flow_control.controller import Admission, FlowController
 from router.flow_control.core import FlowControlCore, FlowItem, StepResult, Ticket, TicketState, retry_after_for
 from router.flow_control.errors import DROPPED_REASON_HEADER, ConfigError, DropReason, FlowControlError, RequestDropped
@@ -26,5 +26,6 @@ __all__ = [
     "StepResult",
     "Ticket",
     "TicketState",
+    "TurnPriorityConfig",
     "retry_after_for",
 ]

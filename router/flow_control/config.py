@@ -9,6 +9,12 @@ YAML (or a dict) of this shape; every field is optional and defaults to the valu
     tenant_weights: {}                 # fairness id → DRR weight (share of its band's dispatches)
     default_tenant_weight: 1.0         # weight of a fairness id not in tenant_weights
     deadline_at_risk_s: 1.0            # a queued item this close to its deadline goes first
+    turn_priority:                     # order inside a flow by session turn (llm-d's turn-priority)
+      enabled: false
+      time_weight_per_s: 0.5           # score = turn number + this × seconds waited
+      inactivity_s: 120                # a session idle longer than this is back at turn 1
+      max_turn: 16                     # turns count up to this (bounds every wait by aging)
+      max_sessions: 100000             # sessions whose turns are remembered (LRU)
     bands:
     - objective: interactive           # x-llm-d-inference-objective value
       priority: 100                    # higher dispatches first (llm-d convention)
@@ -60,6 +66,21 @@ Where the defaults come from:
 * ``deadline_at_risk_s`` 1 s: ours; the ``Retry-After`` the router advertises and about the
   processor's shortest backoff, so an item with less than that left would not survive another
   round of waiting for its turn. 0 turns the override off (an item past its deadline is shed).
+* ``turn_priority`` (``router/flow_control/core.py``: the policy): ``time_weight_per_s`` 0.5 is the
+  anchor issue 16 gives and llm-d's issue proposed (llm-d/llm-d-router#2088: "prio = turn_number +
+  turnPriorityTimeWeight * elapsed_seconds", default 0.5); llm-d merged 0.05 (PR #2116) for its
+  unbounded queues. Here the interactive band sheds after its 30 s TTL, so the weight must let
+  aging act within it: at 0.5 a first turn overtakes a lead of 15 turns in 30 s (at 0.05 only 1.5
+  turns: the TTL, not aging, would end a new session's wait). ``inactivity_s`` 120: llm-d's
+  ``turnPriorityInactivitySeconds`` (PR #2116). ``max_turn`` 16: ours (llm-d counts without a
+  bound, so a session whose turn count grows faster than the weight ages a waiting one can hold it
+  back for ever): a first turn that has waited ``(max_turn − 1) / time_weight_per_s`` = 30 s, the
+  interactive TTL, outranks every new arrival. ``max_sessions`` 100,000: ours, the session
+  plugin's bound. Off by default because it did not measure better: in ``backfill bench
+  sessions`` (docs/benchmarks.md, "sessions") later turns' TTFT p99 was 0.99× off's at 32
+  sessions (the router's queue barely formed), 1.76× at 64 (p50 0.38×: depth ordering helps the
+  typical later turn and makes the shallow ones wait), 1.01× with ``max_turn`` 2 (later turns
+  merely ahead of first turns), and first turns' p99 rose 1.9–2.8× whenever the queue formed.
 """
 
 from __future__ import annotations
@@ -120,6 +141,23 @@ def default_bands() -> list[BandConfig]:
     ]
 
 
+class TurnPriorityConfig(BaseModel):
+    """Turn priority inside a flow (module docstring: fields and defaults).
+
+    Raises:
+        pydantic.ValidationError: a negative weight or inactivity, or ``max_turn`` or
+            ``max_sessions`` < 1.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    time_weight_per_s: float = Field(default=0.5, ge=0)
+    inactivity_s: float = Field(default=120.0, ge=0)
+    max_turn: int = Field(default=16, ge=1)
+    max_sessions: int = Field(default=100_000, ge=1)
+
+
 class FlowControlConfig(BaseModel):
     """The flow controller's configuration (module docstring: shape and defaults).
 
@@ -138,6 +176,7 @@ class FlowControlConfig(BaseModel):
     tenant_weights: dict[str, float] = Field(default_factory=dict)
     default_tenant_weight: float = Field(default=1.0, gt=0)
     deadline_at_risk_s: float = Field(default=1.0, ge=0)
+    turn_priority: TurnPriorityConfig = Field(default_factory=TurnPriorityConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> FlowControlConfig:

@@ -244,7 +244,7 @@ class FlowController:
 
     def _release(self, ticket: Ticket) -> None:
         self._admissions.pop(ticket, None)
-        if self._core.release(ticket):
+        if self._core.release(ticket, self._clock()):
             self._wake.set()
 
     def _read_unreserved(self) -> float:

@@ -21,6 +21,25 @@ The model is llm-d's flow control (gateway-api-inference-extension ``pkg/epp/flo
   charged to its flow's deficit, so fairness is overridden only while a deadline is at risk.
 * **Intra-flow: earliest deadline first**, FIFO on equal deadlines; items without a deadline come
   after those with one, FIFO among themselves (llm-d's EDF ordering policy).
+* **Intra-flow with turn priority** (config ``turn_priority.enabled``; llm-d's ``turn-priority``
+  strategy, llm-d/llm-d-router PR #2116, ``strategy_turnpriority.go``): instead of EDF, the
+  highest ``score = turn + time_weight_per_s × seconds waited`` goes first, FIFO on ties. The turn
+  is the number of this session's requests the core dispatched before (``FlowItem.session_id``)
+  plus one, at most ``max_turn``, read when the item is enqueued; a request without a session, an unknown session, or
+  one with nothing in flight whose last request ended more than ``inactivity_s`` ago is turn 1 (the
+  count then restarts: a session idle that long has likely lost its KV cache, llm-d's reason).
+  So a session's next turn goes ahead of new sessions' first turns in its flow, and the deeper
+  the session the further ahead. **Aging**: every waiting item's score grows at the same rate, so
+  an item that has waited ``(T − 1) / time_weight_per_s`` seconds outranks any new arrival of turn
+  ≤ T; turns count up to ``max_turn`` (ours; llm-d's are unbounded, so there a session whose
+  count grows faster than the weight ages a waiting item could hold it back for ever), so after
+  ``(max_turn − 1) / time_weight_per_s`` seconds an item is behind no new arrival: no starvation.
+  Since all scores grow alike, the order of two waiting items never changes, and the key is
+  fixed at enqueue (``time_weight_per_s × enqueued_at − turn``, smallest first). Differences
+  from llm-d: llm-d's flows are the programs themselves (its fairness id is the agent's session)
+  and the score picks between flows; here flows stay tenants (weighted DRR between them) and the
+  score orders each tenant's own queue, so one tenant's deep sessions never overtake another
+  tenant's fair share. The deadline-at-risk override still applies.
 * **Capacity**: per-band ``max_queued_requests`` / ``max_queued_bytes``; an item that would exceed
   either is rejected at once (``rejected-capacity``; llm-d rejects over-capacity the same way).
 * **TTL**: an item waiting longer than its band's ``ttl_s`` or past its own ``deadline`` is shed
@@ -59,7 +78,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -84,6 +103,8 @@ class FlowItem:
         byte_size: request body size, bytes (≥ 0), counted against ``max_queued_bytes``.
         deadline: time after which the request must not be dispatched, seconds on the same clock as
             ``now`` (the controller's clock), or None.
+        session_id: the request's session (``router.parsing.session_id``), or None; read by turn
+            priority only.
 
     Raises:
         ValueError: ``byte_size`` is negative or ``deadline`` is NaN.
@@ -94,6 +115,7 @@ class FlowItem:
     objective: str | None
     byte_size: int
     deadline: float | None = None
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.byte_size < 0:
@@ -123,6 +145,8 @@ class Ticket:
         expires_at: time after which it is shed (``math.inf`` when never).
         state: see :class:`TicketState`.
         dispatched_at: ``now`` at dispatch, or None.
+        turn: the item's turn number in its session (1 without a session or with turn priority
+            off).
     """
 
     item: FlowItem
@@ -133,6 +157,7 @@ class Ticket:
     state: TicketState = TicketState.QUEUED
     dispatched_at: float | None = None
     eviction_tried: bool = False
+    turn: int = 1
     _flow: _Flow | None = field(default=None, repr=False)
 
 
@@ -151,6 +176,18 @@ def retry_after_for(reason: DropReason, band: BandConfig) -> float:
     if reason is DropReason.QUOTA:
         return max(SHORT_RETRY_S, min(band.ttl_s if band.ttl_s is not None else QUOTA_RETRY_CAP_S, QUOTA_RETRY_CAP_S))
     return SHORT_RETRY_S
+
+
+class _SessionTurns:
+    """What turn priority remembers of one session: requests dispatched, in flight, and when the
+    last one ended (``now`` seconds; None before any)."""
+
+    __slots__ = ("dispatched", "in_flight", "last_done")
+
+    def __init__(self) -> None:
+        self.dispatched = 0
+        self.in_flight = 0
+        self.last_done: float | None = None
 
 
 class _Flow:
@@ -233,8 +270,9 @@ class _Band:
         ticket = self.at_risk(now, at_risk_s)
         if ticket is not None:
             flow = ticket._flow
-            assert flow is not None and flow.head() is ticket
-            heapq.heappop(flow.heap)
+            assert flow is not None
+            if flow.head() is ticket:  # EDF: always; turn priority: its entry goes lazily otherwise
+                heapq.heappop(flow.heap)
             flow.deficit -= 1.0
             return ticket
         if not self.has_eligible():
@@ -279,6 +317,8 @@ class FlowControlCore:
         self._seq = itertools.count()
         self._last_eviction = -math.inf
         self.dispatched_total = 0
+        self._turns = config.turn_priority
+        self._sessions: OrderedDict[str, _SessionTurns] = OrderedDict()  # by last use, oldest first
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -301,6 +341,21 @@ class FlowControlCore:
         """Every waiting ticket, band by band (highest first), oldest first within a band."""
         for band in self._bands:
             yield from list(band.queued.values())
+
+    def turn_number(self, session_id: str | None, now: float) -> int:
+        """The turn an item of ``session_id`` enqueued at ``now`` has: this session's requests
+        dispatched before + 1, at most ``turn_priority.max_turn``; 1 without a session, for an unknown one, or for one idle (nothing in
+        flight) for more than ``turn_priority.inactivity_s`` since its last request ended (module
+        docstring). Read-only."""
+        turns = self._sessions.get(session_id) if session_id else None
+        if turns is None or self._went_cold(turns, now):
+            return 1
+        return min(turns.dispatched + 1, self._turns.max_turn)
+
+    def _went_cold(self, turns: _SessionTurns, now: float) -> bool:
+        inactivity = self._turns.inactivity_s
+        return (inactivity > 0 and turns.in_flight == 0 and turns.last_done is not None
+                and now - turns.last_done > inactivity)
 
     def next_expiry(self) -> float | None:
         """The earliest time a waiting item will be shed, or None (for a simulation's next event)."""
@@ -365,7 +420,12 @@ class FlowControlCore:
                          item.deadline if item.deadline is not None else math.inf)
         seq = next(self._seq)
         ticket = Ticket(item, cfg, seq, now, expires_at, _flow=flow)
-        heapq.heappush(flow.heap, (item.deadline if item.deadline is not None else math.inf, seq, ticket))
+        if self._turns.enabled:
+            ticket.turn = self._session_turn(item.session_id, now)
+            key = self._turns.time_weight_per_s * now - ticket.turn  # smallest = highest score, for good
+        else:
+            key = item.deadline if item.deadline is not None else math.inf
+        heapq.heappush(flow.heap, (key, seq, ticket))
         flow.queued += 1
         if not flow.in_ring:
             band.ring.append(flow)
@@ -391,15 +451,19 @@ class FlowControlCore:
         band.shed[DropReason.CONTEXT_CANCELLED] += 1
         return True
 
-    def release(self, ticket: Ticket) -> bool:
+    def release(self, ticket: Ticket, now: float | None = None) -> bool:
         """The dispatched request ended: free its in-flight and quota slots. Idempotent.
+
+        Args:
+            ticket: the ticket.
+            now: when it ended, seconds (turn priority's inactivity clock); None: its dispatch time.
 
         Returns:
             True if it was in flight; False otherwise (already released, evicted, or never dispatched).
         """
         if ticket.state is not TicketState.IN_FLIGHT:
             return False
-        self._end_flight(ticket, TicketState.RELEASED)
+        self._end_flight(ticket, TicketState.RELEASED, now)
         return True
 
     def evict(self, ticket: Ticket) -> bool:
@@ -547,8 +611,37 @@ class FlowControlCore:
         if state is not TicketState.IN_FLIGHT:
             band.forget_if_idle(flow)
 
+    def _session_turn(self, session_id: str | None, now: float) -> int:
+        """:meth:`turn_number`, restarting a session that went cold (its count back to 0)."""
+        if not session_id:
+            return 1
+        turns = self._sessions.get(session_id)
+        if turns is not None and self._went_cold(turns, now):
+            turns.dispatched = 0
+        return self.turn_number(session_id, now)
+
+    def _session_dispatched(self, session_id: str) -> None:
+        turns = self._sessions.get(session_id)
+        if turns is None:
+            turns = self._sessions[session_id] = _SessionTurns()
+            while len(self._sessions) > self._turns.max_sessions:
+                self._sessions.popitem(last=False)
+        else:
+            self._sessions.move_to_end(session_id)
+        turns.dispatched += 1
+        turns.in_flight += 1
+
+    def _session_ended(self, session_id: str, now: float | None) -> None:
+        turns = self._sessions.get(session_id)
+        if turns is not None and turns.in_flight > 0:
+            turns.in_flight -= 1
+            if now is not None:
+                turns.last_done = now
+
     def _dispatch(self, band: _Band, ticket: Ticket, now: float) -> None:
         self._unqueue(band, ticket, TicketState.IN_FLIGHT)
+        if self._turns.enabled and ticket.item.session_id:
+            self._session_dispatched(ticket.item.session_id)
         flow = ticket._flow
         if flow is not None and flow.in_ring and band.ring[0] is flow and flow.deficit < 1.0:
             band.ring.rotate(-1)  # its turn is spent: to the back
@@ -559,7 +652,9 @@ class FlowControlCore:
         band.dispatched_total += 1
         self.dispatched_total += 1
 
-    def _end_flight(self, ticket: Ticket, state: TicketState) -> None:
+    def _end_flight(self, ticket: Ticket, state: TicketState, now: float | None = None) -> None:
+        if self._turns.enabled and ticket.item.session_id:
+            self._session_ended(ticket.item.session_id, now if now is not None else ticket.dispatched_at)
         band = self._by_objective[ticket.band.objective]
         del band.in_flight[ticket.seq]
         ticket.state = state

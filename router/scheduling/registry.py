@@ -27,6 +27,7 @@ def builtin_factories() -> dict[str, PluginFactory]:
         # filters
         affinity_filter.AFFINITY_FILTER_TYPE: affinity_filter.build_affinity_filter,
         spare_capacity.SPARE_CAPACITY_FILTER_TYPE: spare_capacity.build_spare_capacity_filter,
+        session.SESSION_FILTER_TYPE: session.build_session_filter,
         # scorers
         prefix.PREFIX_SCORER_TYPE: prefix.build_prefix_scorer,
         load.QUEUE_SCORER_TYPE: load.build_queue_scorer,

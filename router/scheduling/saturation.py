@@ -43,6 +43,19 @@ raise ``slot_reserve_fraction`` when interactive traffic is heavier. Interactive
 the gate (flow control's ``bypass_saturation``) and the ``spare-capacity-filter`` leaves it
 alone. Before the slot count is known no reserve applies (the values are llm-d's detector's).
 
+**Idle sessions' working set (sheddable work only).** An agent session between turns holds no
+request on its engine, so the engine's books (``kv_cache_usage_perc``) count its KV blocks free,
+but its next turn needs them within seconds. The router knows those sessions
+(``session-affinity-filter``, ``router/scheduling/plugins/session.py``: per endpoint, the prompt
+tokens of the sessions idle for at most ``workingSetWindowSeconds``, default 120 s, the reasoning
+there) and counts them as used in the KV term of the value sheddable work is gated on::
+
+    kv_term = (kv_usage + min(1, working_set_tokens / (block_size × num_gpu_blocks))) / kv_threshold
+
+so batch takes only what is spare after the agents come back. Until the endpoint's block size and
+GPU block count are scraped the term is left out. The non-sheddable value (``reserve=False``) never
+counts it: interactive work is what the room is kept for.
+
 **Per-engine gate.** :func:`fleet_saturation` gives every endpoint's saturation with the credit,
 and places the requests flow control released but the scheduler has not yet forwarded
 (``pending``) one at a time on the least saturated endpoint, a free slot first — where the
@@ -60,7 +73,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from router.scheduling.types import Endpoint
@@ -145,8 +158,17 @@ def _is_stale(endpoint: Endpoint, now: float, t: SaturationThresholds) -> bool:
     return updated is None or now - updated > t.max_metrics_age_s
 
 
+def working_set_fraction(endpoint: Endpoint, working_set_tokens: int) -> float:
+    """``working_set_tokens`` as a fraction of the endpoint's GPU KV capacity, 0..1:
+    ``min(1, tokens / (block_size × num_gpu_blocks))``; 0.0 while either is unknown (not scraped)."""
+    if working_set_tokens <= 0 or not endpoint.block_size or not endpoint.num_gpu_blocks:
+        return 0.0
+    return min(1.0, working_set_tokens / (endpoint.block_size * endpoint.num_gpu_blocks))
+
+
 def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationThresholds | None = None,
-                        extra_waiting: int = 0, extra_sheddable: int = 0, *, reserve: bool = True) -> float:
+                        extra_waiting: int = 0, extra_sheddable: int = 0, *, reserve: bool = True,
+                        working_set_tokens: int = 0) -> float:
     """One endpoint's saturation for sheddable work (≥ 0; 1.0 at a threshold; 1.0 when its
     metrics are stale), with the slot-reserve terms once its slot count is known (module docstring).
 
@@ -160,12 +182,17 @@ def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationTh
             placement).
         reserve: apply the slot-reserve terms (sheddable work); False: the value non-sheddable
             work past its flow-control bypass is gated on (the queue and KV terms only).
+        working_set_tokens: idle sessions' tokens on the endpoint to count as used KV (tokens;
+            module docstring); only with ``reserve``.
     """
     t = thresholds or SaturationThresholds()
     if _is_stale(endpoint, now, t):
         return 1.0
     waiting = (effective_waiting(endpoint) if t.in_flight_credit else endpoint.num_requests_waiting) + extra_waiting
-    value = max(waiting / t.queue_threshold, endpoint.kv_cache_usage_perc / t.kv_threshold)
+    kv = endpoint.kv_cache_usage_perc
+    if reserve and working_set_tokens > 0:
+        kv += working_set_fraction(endpoint, working_set_tokens)
+    value = max(waiting / t.queue_threshold, kv / t.kv_threshold)
     room = sheddable_slots(endpoint, t) if reserve else None
     if room is not None:
         value = max(value, (endpoint.in_flight_sheddable + extra_sheddable) / room)
@@ -175,7 +202,8 @@ def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationTh
 
 
 def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: SaturationThresholds | None = None,
-                     pending: int = 0, *, reserve: bool = True) -> list[float]:
+                     pending: int = 0, *, reserve: bool = True,
+                     working_set: Mapping[str, int] | None = None) -> list[float]:
     """Every endpoint's saturation, aligned with ``endpoints``, with ``pending`` requests placed.
 
     Args:
@@ -188,12 +216,16 @@ def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: Satu
             counting as waiting, and counting as a sheddable request in flight there (the slot
             reserve's term). Stale endpoints take none (they read 1.0 regardless).
         reserve: as :func:`endpoint_saturation`'s.
+        working_set: endpoint name → idle sessions' tokens there (:func:`endpoint_saturation`'s
+            ``working_set_tokens``); None or absent: 0.
 
     Returns:
         Saturations (≥ 0), one per endpoint; empty for no endpoints.
     """
     t = thresholds or SaturationThresholds()
-    values = [endpoint_saturation(ep, now, t, reserve=reserve) for ep in endpoints]
+    ws = working_set or {}
+    values = [endpoint_saturation(ep, now, t, reserve=reserve, working_set_tokens=ws.get(ep.name, 0))
+              for ep in endpoints]
     if pending <= 0 or not endpoints:
         return values
     heap: list[tuple[float, int, int]] = []  # (saturation, −spare slots, index)
@@ -214,7 +246,8 @@ def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: Satu
             waiting[i] += 1
         sheddable[i] += 1
         values[i] = endpoint_saturation(endpoints[i], now, t, extra_waiting=waiting[i],
-                                        extra_sheddable=sheddable[i], reserve=reserve)
+                                        extra_sheddable=sheddable[i], reserve=reserve,
+                                        working_set_tokens=ws.get(endpoints[i].name, 0))
         heapq.heappush(heap, (values[i], neg_spare, i))
     return values
 

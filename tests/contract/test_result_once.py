@@ -71,3 +71,23 @@ def test_redis_receive_makes_a_lost_group_again(redis_kit):
         got = await receive_soon(backend, "batch", kit)
         assert decode_request(got[0].body).id == message.id
     redis_kit.run(body)
+
+
+def test_redis_private_result_stream_expires_but_a_shared_one_does_not(redis_kit):
+    """A waiting client's private stream (``backfill enqueue --wait``) that gave up and deleted it
+    before the result came is made again by the result's XADD: it must expire, not stay for ever."""
+    from async_processor.backends.redis_streams import private_result_stream
+
+    async def body(kit):
+        backend = await kit.make()
+        backend.done_ttl_s = 120
+        late, shared = request(), request()
+        private = private_result_stream(backend.result_stream, late.id)
+        named = f"{backend.result_stream}:service-a"  # a producer's own result queue
+        assert await backend.publish_results([(http_result(late, 200, b"{}"), private),
+                                              (http_result(shared, 200, b"{}"), named)]) == [True, True]
+        assert 0 < await backend.client.ttl(private) <= 120
+        assert await backend.client.ttl(named) == -1  # no expiry
+        assert await backend.client.ttl(backend.result_stream) == -2  # untouched: absent
+        assert await backend.client.xlen(private) == 1
+    redis_kit.run(body)

@@ -20,7 +20,8 @@ def test_default_config_round_trips_and_builds():
     scheduler = build_scheduler(again)
     assert list(scheduler.profiles) == ["default", "round-robin"]
     default = scheduler.profiles["default"]
-    assert [f.name for f in default.filters] == ["spare-capacity-filter", "prefix-cache-affinity-filter"]
+    assert [f.name for f in default.filters] == [
+        "spare-capacity-filter", "session-affinity-filter", "prefix-cache-affinity-filter"]
     assert [(s.name, w) for s, w in default.scorers] == [
         ("token-load-scorer", 2.0), ("queue-scorer", 2.0), ("no-hit-lru-scorer", 1.0)]
     assert default.picker.name == "max-score-picker"
