@@ -26,11 +26,18 @@ a default, as older vLLM's msgspec ``omit_defaults=True`` did. Hashes are ints: 
 Socket rule (vLLM's): the PUB socket **binds** when the endpoint contains ``*`` or ``::`` or starts
 with ``ipc://`` or ``inproc://``, and **connects** otherwise (``tcp://host:port``), so a consumer
 binds in that case.
+
+Replay (vLLM's ``replay_endpoint`` and ``buffer_steps``): :class:`KVEventPublisher` keeps the last
+``buffer_steps`` batches and answers replay requests on a bound ROUTER socket, framed as vLLM
+frames them (the class docstring), so a consumer that missed batches (it connected late, or saw a
+sequence gap) can ask for them.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -158,39 +165,142 @@ def fleet_topic(host: str, port: int, model: str) -> str:
     return f"kv@{host}:{port}@{model}"
 
 
-class KVEventPublisher:
-    """A ZMQ PUB socket sending event batches with a sequence number; call from one thread only.
+def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:
+    """vLLM's per-rank address: data-parallel rank ``r`` uses ``tcp://…:<port + r>`` (``inproc://x``
+    becomes ``inproc://x_dp<r>``); rank 0 and None are unchanged.
 
-    ``publish`` never blocks: at the high-water mark ZMQ drops the message, as PUB sockets do.
+    Raises:
+        ValueError: a rank above 0 with an endpoint that is neither ``tcp`` nor ``inproc``.
     """
+    if not endpoint or dp_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{dp_rank}"
+    if "tcp" in endpoint:
+        base, colon, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + dp_rank}" if colon and port.isdigit() else endpoint
+    raise ValueError(f"endpoint must be tcp:// or inproc:// with a data-parallel rank: {endpoint!r}")
+
+
+#: The replay socket's end-of-replay sequence number: -1 as 8 signed big-endian bytes (vLLM's
+#: ``ZmqEventPublisher.END_SEQ``), sent with an empty payload after the last replayed batch.
+REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class KVEventPublisher:
+    """A ZMQ PUB socket sending event batches with a sequence number, and vLLM's replay socket.
+
+    ``publish`` and ``close`` are called from one thread (the engine's event loop); ``publish``
+    never blocks: at the high-water mark ZMQ drops the message, as PUB sockets do.
+
+    Replay (vLLM's ``ZmqEventPublisher``): the last ``config.buffer_steps`` published batches are
+    kept as ``(seq, payload)``; with ``config.replay_endpoint`` set, a ROUTER socket bound there
+    answers each request. Framing, as the ROUTER sees it: request ``[identity, b"", start]`` with
+    ``start`` 8 bytes big-endian (a DEALER sends ``[b"", start]``, a REQ ``[start]``); replies
+    ``[identity, b"", seq, payload]`` for every buffered batch with ``seq >= start``, oldest first,
+    then ``[identity, b"", REPLAY_END_SEQ, b""]``. Requests of another shape are ignored (no
+    reply), as vLLM does. A background thread owns the ROUTER socket and serves requests while the
+    engine is idle; the buffer is shared under a lock. Both addresses are offset by the
+    data-parallel rank as vLLM does (:func:`offset_endpoint_port`).
+
+    Raises:
+        zmq.ZMQError: an address cannot be bound.
+    """
+
+    #: Seconds the replay thread waits on its socket between checks for :meth:`close`.
+    REPLAY_POLL_S = 0.05
 
     def __init__(self, config: KVEventsConfig, layout: Layout, dp_rank: int = 0,
                  context: zmq.Context | None = None):
         self._ctx = context or zmq.Context.instance()
+        endpoint = offset_endpoint_port(config.endpoint, dp_rank) or config.endpoint
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.set_hwm(config.hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if should_bind(config.endpoint):
-            self._sock.bind(config.endpoint)
+        if should_bind(endpoint):
+            self._sock.bind(endpoint)
         else:
-            self._sock.connect(config.endpoint)
+            self._sock.connect(endpoint)
         self._topic = config.topic.encode("utf-8")
         self._layout: Layout = layout
         self._rank = dp_rank
         self._seq = 0
         self.sent = 0
+        self.replays_served = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(0, config.buffer_steps))
+        self._lock = threading.Lock()
+        self._running = True
+        self._replay: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        replay = offset_endpoint_port(config.replay_endpoint, dp_rank)
+        if replay:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            try:
+                self._replay.bind(replay)
+            except zmq.ZMQError:
+                self._replay.close(linger=0)
+                self._sock.close(linger=0)
+                raise
+            self._thread = threading.Thread(target=self._serve_replays, name="kv-events-replay", daemon=True)
+            self._thread.start()
+
+    @property
+    def replay_address(self) -> str | None:
+        """The bound replay address (``tcp://0.0.0.0:5558``), None without a replay socket."""
+        if self._replay is None:
+            return None
+        return self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def publish(self, events: list[KVEvent]) -> None:
-        """Send one batch (skipped when ``events`` is empty)."""
+        """Send one batch (skipped when ``events`` is empty) and keep it for replay."""
         if not events:
             return
         payload = encode_batch(events, self._layout, self._rank)
+        seq = self._seq
         try:
-            self._sock.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+            self._sock.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:  # high-water mark reached: dropped, like a PUB socket does
             pass
-        self._seq += 1
+        with self._lock:
+            self._buffer.append((seq, payload))
+        self._seq = seq + 1
         self.sent += 1
 
+    def replay(self, start: int) -> list[tuple[int, bytes]]:
+        """The buffered ``(seq, payload)`` batches with ``seq >= start``, oldest first (what the
+        replay socket sends)."""
+        with self._lock:
+            return [(seq, payload) for seq, payload in self._buffer if seq >= start]
+
+    def _serve_replays(self) -> None:
+        sock = self._replay
+        assert sock is not None
+        while self._running:
+            try:
+                if not sock.poll(int(self.REPLAY_POLL_S * 1000)):
+                    continue
+                frames = sock.recv_multipart()
+            except zmq.ZMQError:  # closed under us
+                return
+            if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+                continue  # not a replay request: vLLM ignores it too
+            identity, start = frames[0], int.from_bytes(frames[2], "big")
+            try:
+                for seq, payload in self.replay(start):
+                    sock.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+                sock.send_multipart((identity, b"", REPLAY_END_SEQ, b""))
+            except zmq.ZMQError:
+                return
+            self.replays_served += 1
+
     def close(self) -> None:
+        """Stop the replay thread and close both sockets. Idempotent."""
+        self._running = False
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+            self._thread = None
+        if self._replay is not None:
+            self._replay.close(linger=0)
+            self._replay = None
         self._sock.close(linger=0)

@@ -9,7 +9,8 @@ Both take vLLM's flag names, so the two lines differ only where the simulator ha
 
 KV events: the endpoint goes into ``--kv-events-config`` with the topic ``kv@<host>:<port>@<model>``
 (:func:`~engine_twin.kv_events.fleet_topic`). With ``tcp://host:port`` the engine connects and the
-router's subscriber binds; with ``tcp://*:port`` the engine binds.
+router's subscriber binds; with ``tcp://*:port`` the engine binds (every router replica connects),
+and ``kv_events_replay_endpoint`` (``tcp://*:5558``) adds vLLM's replay socket.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from engine_twin.kv_events import fleet_topic
 PREFIX_HASH_ALGO = "sha256_cbor"
 
 
-def kv_events_config_json(endpoint: str, host: str, port: int, model: str) -> str:
-    """vLLM's ``--kv-events-config`` JSON for one engine (ZMQ publisher, fleet topic)."""
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+def kv_events_config_json(endpoint: str, host: str, port: int, model: str, replay_endpoint: str | None = None) -> str:
+    """vLLM's ``--kv-events-config`` JSON for one engine (ZMQ publisher, fleet topic; with
+    ``replay_endpoint``, vLLM's replay socket there)."""
+    replay = {"replay_endpoint": replay_endpoint} if replay_endpoint else {}
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, **replay,
                        "topic": fleet_topic(host, port, model)})
 
 
@@ -40,7 +43,8 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                     cpu_offload_blocks: int = 0, max_num_seqs: int | None = None,
                     max_model_len: int | None = None, hash_seed: str = "0", time_scale: float | None = None,
                     tokenizer: str | None = None, kv_events_layout: str = "map",
-                    scheduling_policy: str = "priority", extra: Sequence[str] = ()) -> list[str]:
+                    scheduling_policy: str = "priority", kv_events_replay_endpoint: str | None = None,
+                    extra: Sequence[str] = ()) -> list[str]:
     """argv of one simulated engine (``backfill engine-sim …``), ready for ``subprocess.Popen``.
 
     ``served_model_names``: every name the engine answers to (the first labels its metrics).
@@ -63,7 +67,8 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
         if value is not None:
             argv += [flag, str(value)]
     if kv_events_endpoint:
-        argv += ["--kv-events-config", kv_events_config_json(kv_events_endpoint, host, port, served_model_names[0])]
+        argv += ["--kv-events-config", kv_events_config_json(kv_events_endpoint, host, port, served_model_names[0],
+                                                             kv_events_replay_endpoint)]
     return argv + list(extra)
 
 
@@ -71,7 +76,8 @@ def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
                      kv_events_endpoint: str | None = None, *, host: str = "127.0.0.1",
                      python: str | None = None, block_size: int | None = None,
                      cpu_offload_bytes: int = 0, max_num_seqs: int | None = None,
-                     max_model_len: int | None = None, extra: Sequence[str] = ()) -> list[str]:
+                     max_model_len: int | None = None, kv_events_replay_endpoint: str | None = None,
+                     extra: Sequence[str] = ()) -> list[str]:
     """argv of one real vLLM engine for the fleet.
 
     ``model``: a Hugging Face id or local directory. ``python``: the interpreter of the vLLM
@@ -93,7 +99,8 @@ def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
         if value is not None:
             argv += [flag, str(value)]
     if kv_events_endpoint:
-        argv += ["--kv-events-config", kv_events_config_json(kv_events_endpoint, host, port, served_model_names[0])]
+        argv += ["--kv-events-config", kv_events_config_json(kv_events_endpoint, host, port, served_model_names[0],
+                                                             kv_events_replay_endpoint)]
     if cpu_offload_bytes:
         argv += ["--kv-transfer-config", json.dumps({
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -34,11 +34,12 @@ from common.contracts.router_state import SATURATION_THRESHOLD, BandState, Cache
 from router.director import Director
 from router.flow_control import FlowControlConfig, FlowController
 from router.kv_index.index import KVBlockIndex
-from router.kv_index.subscriber import KVEventSubscriber
+from router.kv_index.subscriber import KVEventSubscriber, parse_connect_spec
 from router.metrics import RouterMetrics
 from router.parsing import RESPONSES_PATH
 from router.pool import EndpointPool, KubernetesSource
 from router.proxy import Proxy, error_response
+from router.replicas import split_tenant_limits
 from router.responses import ResponsesAPI
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
@@ -177,7 +178,9 @@ def _index_view(rt: RouterRuntime) -> tuple[dict[str, dict[str, int]], dict[str,
         per = {name: {"gpu": v.get("gpu", 0), "cpu": v.get("cpu", 0), "disk": v.get("disk", 0)}
                for name, v in stats.get("endpoints", {}).items()}
         tiers = {t: sum(v[t] for v in per.values()) for t in ("gpu", "cpu", "disk")}
-        return per, {"kind": "kv-events", "tiers": tiers, **{k: v for k, v in stats.items() if k != "endpoints"}}
+        events = rt.subscriber.stats() if rt.subscriber is not None else {}
+        return per, {"kind": "kv-events", "tiers": tiers, **{k: v for k, v in stats.items() if k != "endpoints"},
+                     "events": events}
     approx = _approx_producer(rt.scheduler)
     if approx is None or rt.pool is None:
         return {}, {"kind": None, "tiers": {}}
@@ -265,6 +268,13 @@ def build_trust(settings: RouterSettings) -> HeaderTrust:
     return HeaderTrust(token, api_keys)
 
 
+def _first_model(pool: EndpointPool, name: str) -> str | None:
+    """The first model of ``name``'s ``/v1/models`` (None while unread): the chain seed of a
+    connected KV-event source whose topic names none."""
+    state = pool.get(name)
+    return state.models[0] if state is not None and state.models else None
+
+
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
@@ -287,9 +297,13 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                                       unhealthy_after=settings.unhealthy_after, on_change=kick,
                                       max_num_seqs=settings.max_num_seqs)
         handle = PluginHandle(saturation=rt.scheduling_saturation)
-        if settings.kv_events_bind:
+        static_kv = [parse_connect_spec(spec, settings.kv_events_replay_port_offset)
+                     for spec in settings.kv_events_connect]
+        if settings.kv_events:
             rt.index = KVBlockIndex(block_size_tokens=64, max_blocks=settings.index_max_blocks)
-            rt.subscriber = KVEventSubscriber(rt.index, bind=settings.kv_events_bind)
+            rt.subscriber = KVEventSubscriber(rt.index, bind=settings.kv_events_bind, sources=static_kv,
+                                              model_of=lambda name: _first_model(pool, name),
+                                              replay_timeout_s=settings.kv_events_replay_timeout_s, allow_empty=True)
             handle.prefix_index = rt.index
         scheduler = rt.scheduler = build_scheduler(load_config(settings.scheduling_config), handle)
         if settings.profile is not None and settings.profile not in scheduler.profiles:
@@ -302,8 +316,10 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                 pool.add_on_down(forget)
         if rt.index is not None:
             pool.add_on_down(rt.index.remove_endpoint)
-        flow_config = FlowControlConfig.from_file(settings.flow_control) if settings.flow_control \
-            else FlowControlConfig()
+        if rt.subscriber is not None:
+            pool.add_on_down(rt.subscriber.resync)  # an engine that comes back is relearnt from its replay
+        flow_config = split_tenant_limits(FlowControlConfig.from_file(settings.flow_control) if settings.flow_control
+                                          else FlowControlConfig(), settings.replicas)
         if settings.flow_control_enabled:
             rt.flow = FlowController(flow_config, saturation=rt.gate_saturation,
                                      unreserved=rt.unreserved_gate_saturation,
@@ -338,8 +354,12 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
             await rt.flow.start()
         pool.set_endpoints(settings.engines)
         if settings.engine_selector:
-            discovery = KubernetesSource(pool, settings.engine_selector, settings.engine_port,
-                                         settings.engine_namespace, static=settings.engines)
+            subscriber = rt.subscriber if settings.kv_events_port is not None else None
+            discovery = KubernetesSource(
+                pool, settings.engine_selector, settings.engine_port, settings.engine_namespace,
+                static=settings.engines, kv_events_port=settings.kv_events_port,
+                replay_port_offset=settings.kv_events_replay_port_offset,
+                on_kv_sources=None if subscriber is None else lambda found: subscriber.set_sources([*static_kv, *found]))
             discovery.start()
         yield
     finally:

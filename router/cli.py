@@ -46,7 +46,20 @@ from router.settings import build_settings
 @click.option("--responses-ttl-s", type=click.IntRange(min=1), default=None,
               help="seconds a stored response is kept (default 30 days, as OpenAI)")
 @click.option("--log-level", default=None, help="logging level (default INFO)")
-def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -> None:
+# ---- router high availability: every replica subscribes to every engine's KV events ----
+@click.option("--kv-events-connect", "kv_events_connect", multiple=True, metavar="ENGINE_URL=tcp://HOST:PORT",
+              help="connect to an engine's bound KV-event publisher (repeat); ENGINE_URL is its base URL as "
+                   "--engine names it; ',tcp://HOST:PORT' after it names the replay socket (default: PORT + "
+                   "--kv-events-replay-port-offset)")
+@click.option("--kv-events-port", type=click.IntRange(1, 65535), default=None,
+              help="KV-event PUB port of engines found by --engine-selector (a pod's backfill.io/kv-events-port "
+                   "annotation wins); enables their KV events")
+@click.option("--kv-events-replay-port-offset", type=click.IntRange(0, 1000), default=None,
+              help="replay socket = PUB port + this where not named (default 1; 0: engines have none)")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="router replicas behind one Service: per-tenant limits are divided by it (default 1)")
+def router_command(engines: tuple[str, ...], no_flow_control: bool, kv_events_connect: tuple[str, ...],
+                   **options) -> None:
     """Serve the prefix-cache-aware router with flow control in front of the engines."""
     import uvloop
     from aiohttp import web
@@ -57,6 +70,8 @@ def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -
     overrides = dict(options)
     if engines:
         overrides["engines"] = list(engines)
+    if kv_events_connect:
+        overrides["kv_events_connect"] = list(kv_events_connect)
     if no_flow_control:
         overrides["flow_control_enabled"] = False
     try:
@@ -80,8 +95,12 @@ def router_command(engines: tuple[str, ...], no_flow_control: bool, **options) -
 def router_argv(port: int, engines: list[str], *, host: str = "127.0.0.1", config: str | None = None,
                 profile: str | None = None, tokenizer: str | None = None, kv_events_bind: str | None = None,
                 flow_control: str | None = None, no_flow_control: bool = False, engine_priority: bool = False,
+                kv_events_connect: dict[str, str] | None = None, replicas: int | None = None,
                 extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     """argv of ``backfill router …`` for ``subprocess.Popen`` (``backfill up``, tests, benchmarks).
+
+    ``kv_events_connect``: ``{engine URL: "tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]"}``, one
+    ``--kv-events-connect`` each; ``replicas``: ``--replicas``.
 
     Raises:
         ValueError: no engine URL.
@@ -97,6 +116,10 @@ def router_argv(port: int, engines: list[str], *, host: str = "127.0.0.1", confi
                         ("--kv-events-bind", kv_events_bind), ("--flow-control", flow_control)):
         if value is not None:
             argv += [flag, str(value)]
+    for url, address in (kv_events_connect or {}).items():
+        argv += ["--kv-events-connect", f"{url}={address}"]
+    if replicas is not None:
+        argv += ["--replicas", str(replicas)]
     if no_flow_control:
         argv.append("--no-flow-control")
     if engine_priority:

@@ -28,6 +28,12 @@ series                                                 type       labels
 ``backfill_router_endpoint_in_flight_tokens``          gauge      ``endpoint`` (uncached prompt
                                                                   tokens)
 ``backfill_router_prefix_index_blocks``                gauge      ``tier``
+``backfill_router_kv_events_total``                    counter    ``kind``: ``messages``, ``gaps``
+                                                                  (batches missed), ``replays``,
+                                                                  ``replayed_batches``,
+                                                                  ``replay_failures``, ``drops``
+                                                                  (an engine's entries dropped),
+                                                                  ``restarts`` (KV-event index only)
 ``backfill_router_prefix_lookups_total``               counter    —
 ``backfill_router_prefix_hits_total``                  counter    — (a lookup with ≥ 1 block
                                                                   matched somewhere)
@@ -41,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from common.contracts.router_state import RouterState
@@ -51,6 +57,10 @@ from common.metrics import service_registry
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 #: Waiting/first-byte buckets, seconds: 1 ms … 10 min.
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+#: The ``kind`` label values of ``backfill_router_kv_events_total`` (keys of the subscriber's stats).
+KV_EVENT_KINDS = ("messages", "gaps", "replays", "replayed_batches", "replay_failures", "drops", "restarts")
 
 
 class RouterMetrics:
@@ -177,6 +187,14 @@ class _LiveCollector(Collector):
         tiers = state.index.get("tiers", {})
         yield _gauge("backfill_router_prefix_index_blocks", "Blocks in the prefix index, by tier.", ("tier",),
                      [((tier,), n) for tier, n in tiers.items()])
+        events = state.index.get("events")
+        if events:
+            family = CounterMetricFamily("backfill_router_kv_events", "KV-event stream: messages, batches missed "
+                                         "(gaps), replays, replayed batches, replay failures, drops, restarts.",
+                                         labels=["kind"])
+            for kind in KV_EVENT_KINDS:
+                family.add_metric([kind], events.get(kind, 0))
+            yield family
 
 
 def _gauge(name: str, doc: str, labels: tuple[str, ...] | dict, values: list[tuple[tuple[str, ...], float]]) -> Metric:

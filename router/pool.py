@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.kv_index.subscriber import KVEventSource
 from router.scheduling.types import Endpoint
 
 log = logging.getLogger(__name__)
@@ -449,6 +450,12 @@ class EndpointPool:
                 log.exception("on_down hook failed for %s", name)
 
 
+#: Pod annotations naming an engine's KV-event ports (router HA: every replica connects to them);
+#: without them the router's ``kv_events_port`` setting and the replay port offset apply.
+KV_EVENTS_PORT_ANNOTATION = "backfill.io/kv-events-port"
+KV_EVENTS_REPLAY_PORT_ANNOTATION = "backfill.io/kv-events-replay-port"
+
+
 class KubernetesSource:
     """Keeps a pool's endpoints equal to the Ready pods matching a label selector.
 
@@ -463,6 +470,12 @@ class KubernetesSource:
         namespace: namespace to list (default: the service account's namespace, else ``default``).
         interval_s: seconds between lists.
         static: URLs always kept in the pool besides the discovered ones.
+        on_kv_sources: called after each list with the KV-event sources of the Ready pods
+            (:func:`ready_pod_kv_sources`); None: no KV events from discovery.
+        kv_events_port: PUB port of pods without the :data:`KV_EVENTS_PORT_ANNOTATION` (None: such
+            pods are not subscribed to).
+        replay_port_offset: replay port = PUB port + this for pods without
+            :data:`KV_EVENTS_REPLAY_PORT_ANNOTATION` (0: none).
 
     Raises:
         RuntimeError: the ``kubernetes`` package is not installed (raised by :meth:`start`).
@@ -471,13 +484,18 @@ class KubernetesSource:
     NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
     def __init__(self, pool: EndpointPool, selector: str, port: int, namespace: str | None = None,
-                 interval_s: float = 5.0, static: Iterable[str] = ()) -> None:
+                 interval_s: float = 5.0, static: Iterable[str] = (), *,
+                 on_kv_sources: Callable[[list[KVEventSource]], None] | None = None,
+                 kv_events_port: int | None = None, replay_port_offset: int = 1) -> None:
         self.pool = pool
         self.selector = selector
         self.port = port
         self.namespace = namespace
         self.interval_s = interval_s
         self.static = list(static)
+        self.on_kv_sources = on_kv_sources
+        self.kv_events_port = kv_events_port
+        self.replay_port_offset = replay_port_offset
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -510,20 +528,62 @@ class KubernetesSource:
         while True:
             try:
                 pods = await asyncio.to_thread(api.list_namespaced_pod, self.namespace, label_selector=self.selector)
-                self.pool.set_endpoints([*self.static, *ready_pod_urls(pods.items, self.port)])
+                self.apply(pods.items)
             except Exception:  # API unreachable: keep the last known set
                 log.exception("listing engine pods failed")
             await asyncio.sleep(self.interval_s)
 
+    def apply(self, pods: Iterable) -> None:
+        """Make the pool (and the KV-event subscriber) follow one list of pods."""
+        pods = list(pods)
+        self.pool.set_endpoints([*self.static, *ready_pod_urls(pods, self.port)])
+        if self.on_kv_sources is not None:
+            self.on_kv_sources(ready_pod_kv_sources(pods, self.port, self.kv_events_port, self.replay_port_offset))
+
+
+def _ready_ip(pod) -> str | None:
+    status = pod.status
+    if status is None or status.phase != "Running" or not status.pod_ip:
+        return None
+    ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+    return status.pod_ip if ready else None
+
+
+def _host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
 
 def ready_pod_urls(pods: Iterable, port: int) -> list[str]:
     """``http://<pod IP>:<port>`` of each running pod whose ``Ready`` condition is true."""
-    urls = []
+    return [f"http://{_host(ip)}:{port}" for pod in pods if (ip := _ready_ip(pod))]
+
+
+def ready_pod_kv_sources(pods: Iterable, port: int, kv_events_port: int | None,
+                         replay_port_offset: int = 1) -> list[KVEventSource]:
+    """The KV-event sources of the Ready pods: PUB ``tcp://<pod IP>:<kv port>`` where the kv port
+    is the pod's :data:`KV_EVENTS_PORT_ANNOTATION`, else ``kv_events_port`` (pods with neither are
+    left out, as are annotations that are not a port number); replay at the pod's
+    :data:`KV_EVENTS_REPLAY_PORT_ANNOTATION`, else kv port + ``replay_port_offset`` (0: none).
+    The endpoint is the pod's URL as :func:`ready_pod_urls` names it."""
+    out = []
     for pod in pods:
-        status = pod.status
-        if status is None or status.phase != "Running" or not status.pod_ip:
+        ip = _ready_ip(pod)
+        if ip is None:
             continue
-        ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
-        if ready:
-            urls.append(f"http://{status.pod_ip}:{port}")
-    return urls
+        metadata = getattr(pod, "metadata", None)
+        annotations = (metadata.annotations if metadata is not None else None) or {}
+        kv_port = _port(annotations.get(KV_EVENTS_PORT_ANNOTATION)) or kv_events_port
+        if kv_port is None:
+            continue
+        replay_port = _port(annotations.get(KV_EVENTS_REPLAY_PORT_ANNOTATION))
+        if replay_port is None and replay_port_offset:
+            replay_port = kv_port + replay_port_offset
+        host = _host(ip)
+        out.append(KVEventSource(f"http://{host}:{port}", f"tcp://{host}:{kv_port}",
+                                 f"tcp://{host}:{replay_port}" if replay_port else None))
+    return out
+
+
+def _port(value: object) -> int | None:
+    text = str(value).strip() if value is not None else ""
+    return int(text) if text.isdigit() and 0 < int(text) < 65536 else None

@@ -86,6 +86,8 @@ class RouterSettings(BaseSettings):
             ``previous_response_not_found``).
         responses_ttl_s: seconds a stored response is kept (module doc: why 30 days).
         log_level: Python logging level name.
+        kv_events_connect, kv_events_port, kv_events_replay_port_offset, kv_events_replay_timeout_s,
+            replicas: router high availability (the block at the end of the fields).
     """
 
     model_config = SettingsConfigDict(env_prefix="BACKFILL_ROUTER_", extra="ignore")
@@ -125,6 +127,44 @@ class RouterSettings(BaseSettings):
     # Responses API state (router/responses/)
     state_redis_url: str | None = None
     responses_ttl_s: int = Field(30 * 24 * 3600, ge=1)
+
+    # ---- router high availability (issue 16): KV events from every engine, replica count -------
+    # kv_events_connect: ``ENGINE_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]`` per engine whose
+    #   bound PUB socket this router connects to (every replica connects to every engine); in the
+    #   env separated by spaces. kv_events_port: PUB port of discovered engine pods without the
+    #   ``backfill.io/kv-events-port`` annotation (None: such pods send no events).
+    #   kv_events_replay_port_offset: replay socket at PUB port + this when not named (the fleet's
+    #   5557/5558; 0: engines have none). kv_events_replay_timeout_s: a replay taking longer counts
+    #   as unavailable. replicas: router replicas sharing the tenants' limits (each enforces
+    #   ceil(limit / replicas): router/replicas.py).
+    kv_events_connect: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    kv_events_port: int | None = Field(None, ge=1, le=65535)
+    kv_events_replay_port_offset: int = Field(1, ge=0, le=1000)
+    kv_events_replay_timeout_s: float = Field(2.0, gt=0)
+    replicas: int = Field(1, ge=1)
+
+    @field_validator("kv_events_connect", mode="before")
+    @classmethod
+    def _split_specs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.split()
+        return value
+
+    @field_validator("kv_events_connect")
+    @classmethod
+    def _specs(cls, value: list[str]) -> list[str]:
+        from router.kv_index.subscriber import parse_connect_spec
+
+        for spec in value:
+            parse_connect_spec(spec)  # raises ValueError with the reason
+        return value
+
+    @property
+    def kv_events(self) -> bool:
+        """True when the router builds the KV-event index (a bind address, connect specs, or
+        discovered engines' KV-event port)."""
+        return bool(self.kv_events_bind or self.kv_events_connect
+                    or (self.engine_selector and self.kv_events_port is not None))
 
     @field_validator("engines", mode="before")
     @classmethod

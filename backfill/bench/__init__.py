@@ -14,6 +14,7 @@
 | ``sessions`` | ``backfill bench sessions``: agent sessions beside a batch backlog, turn priority off vs on |
 | ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
 | ``responses`` | ``backfill bench responses``: agent sessions via ``previous_response_id`` vs resending the history |
+| ``router_ha`` | ``backfill bench router-ha``: several precise routers on one fleet (index agreement, reuse) |
 | ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups, tool agents, a shared-prefix batch, long-context conversations), Mooncake-format traces, the oracle-reusable tokens |
 | ``replay`` | async replayer: sessions closed-loop, arrivals open-loop, TTFT, cached tokens, captured reuse |
 | ``launch`` | subprocess fleet of simulated engines and the routers (ours, ``vllm-router``, ``sglang-router``) |
@@ -50,6 +51,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "Agent sessions beside a batch backlog: later turns' TTFT, turn priority off vs on."),
     "responses": ("backfill.bench.responses:responses_command",
                   "Agent sessions via previous_response_id vs resending the history: bytes, TTFT, reuse."),
+    "router-ha": ("backfill.bench.router_ha:router_ha_command",
+                  "Several precise routers on one fleet: index agreement, captured reuse with 1, 2, 4 routers."),
 }
 
 

@@ -81,6 +81,7 @@ def k8s_needs(objects) -> dict[str, tuple[Any, dict[str, tuple[str, Any]]]]:
             **processor, "metrics_port": ("the /health probes", probe_port(objects, "backfill-processor"))}),
         "backfill-router": (build_settings, {
             "engine_selector": ("finding the vLLM pods", SET),
+            "kv_events_port": ("every replica subscribing to every engine's KV events (precise routing)", SET),
             "host": ("answering the Service (not only the pod's loopback)", "0.0.0.0"),
             "trusted_token": (TRUST, SET)}),
     }

@@ -1,5 +1,6 @@
-"""deploy/k8s is wired to the code: engine command lines come from engine_twin/launch.py, KV
-events reach the router's bound socket, the router's scheduling config is the shipped one, KEDA
+"""deploy/k8s is wired to the code: engine command lines come from engine_twin/launch.py, every
+router replica subscribes to every engine's bound KV-event and replay sockets, the router's
+scheduling config is the shipped precise one with replicas as the router counts them, KEDA
 watches the streams and subscriptions the processors read, and every BACKFILL_* variable is a
 setting some service reads (and validates)."""
 
@@ -57,11 +58,16 @@ def env_of(objects, deployment: str) -> dict[str, str]:
     return env
 
 
-def router_kv_endpoint(objects) -> str:
-    """``tcp://<router service>:<kv port>`` as engines must reach it."""
-    service = find(objects, "Service", "backfill-router")
-    port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "kv-events")
-    return f"tcp://{service['metadata']['name']}:{port}"
+def engine_kv_ports(objects) -> tuple[int, int]:
+    """The engine container's ``kv-events`` and ``kv-replay`` ports (it binds both)."""
+    ports = {p["name"]: p["containerPort"] for p in container_of(objects, "backfill-vllm")["ports"]}
+    return ports["kv-events"], ports["kv-replay"]
+
+
+def engine_kv_endpoints(objects) -> tuple[str, str]:
+    """``(tcp://*:<kv port>, tcp://*:<replay port>)``: what the engine binds."""
+    kv, replay = engine_kv_ports(objects)
+    return f"tcp://*:{kv}", f"tcp://*:{replay}"
 
 
 @pytest.mark.parametrize("overlay", ["production", "pubsub"])
@@ -69,8 +75,9 @@ def test_vllm_command_is_the_launch_builders_output(rendered, overlay):
     objects = rendered[overlay]
     container = container_of(objects, "backfill-vllm")
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
-    expected = vllm_engine_argv("$(MODEL)", port, ["$(SERVED_MODEL_NAME)"], router_kv_endpoint(objects),
-                                host="$(POD_IP)", python="python3", cpu_offload_bytes=CPU_OFFLOAD_BYTES)
+    kv, replay = engine_kv_endpoints(objects)
+    expected = vllm_engine_argv("$(MODEL)", port, ["$(SERVED_MODEL_NAME)"], kv, host="$(POD_IP)", python="python3",
+                                cpu_offload_bytes=CPU_OFFLOAD_BYTES, kv_events_replay_endpoint=replay)
     assert container["command"] + container["args"] == expected
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -78,48 +85,48 @@ def test_vllm_command_is_the_launch_builders_output(rendered, overlay):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
-def test_vllm_command_equals_engine_args_yaml_but_for_the_kv_endpoint(rendered):
-    """deploy/vllm/engine-args.yaml (engine binds tcp://*:5557) and the Deployment (engine connects
-    to the router) differ in that one JSON field only."""
+def test_vllm_command_equals_engine_args_yaml(rendered):
+    """deploy/vllm/engine-args.yaml and the Deployment are one command line: the engine binds its
+    KV-event and replay sockets for routers that connect."""
     spec = yaml.safe_load((DEPLOY / "vllm" / "engine-args.yaml").read_text())
     container = container_of(rendered["production"], "backfill-vllm")
-    ours, theirs = container["command"] + container["args"], spec["command"] + spec["args"]
-    assert len(ours) == len(theirs)
-    differing = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
-    assert len(differing) == 1 and ours[differing[0] - 1] == "--kv-events-config"
-    a, b = json.loads(ours[differing[0]]), json.loads(theirs[differing[0]])
-    assert (a.pop("endpoint"), b.pop("endpoint")) == ("tcp://backfill-router:5557", "tcp://*:5557")
-    assert a == b
+    assert container["command"] + container["args"] == spec["command"] + spec["args"]
+    config = json.loads(container["args"][container["args"].index("--kv-events-config") + 1])
+    assert (config["endpoint"], config["replay_endpoint"]) == engine_kv_endpoints(rendered["production"])
 
 
 def test_dev_engines_are_simulators_with_the_launch_builders_args(rendered):
     objects = rendered["dev"]
     container = container_of(objects, "backfill-vllm")
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
-    expected = sim_engine_argv(port, ["$(SERVED_MODEL_NAME)"], router_kv_endpoint(objects), host="$(POD_IP)")
+    kv, replay = engine_kv_endpoints(objects)
+    expected = sim_engine_argv(port, ["$(SERVED_MODEL_NAME)"], kv, host="$(POD_IP)", kv_events_replay_endpoint=replay)
     assert container["command"] == ["backfill"] and container["args"] == expected[1:]
     assert "nvidia.com/gpu" not in container["resources"]["limits"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_router_binds_the_kv_port_engines_publish_to_and_discovers_them(rendered, overlay):
+def test_every_router_replica_subscribes_to_every_engines_kv_sockets_and_discovers_them(rendered, overlay):
     objects = rendered[overlay]
     settings = settings_from(RouterSettings, "BACKFILL_ROUTER_", env_of(objects, "backfill-router"))
     router = container_of(objects, "backfill-router")
-    bind_port = int(settings.kv_events_bind.rsplit(":", 1)[1])
-    assert {"name": "kv-events", "containerPort": bind_port, "protocol": "TCP"} in router["ports"]
-    assert router_kv_endpoint(objects).endswith(f":{bind_port}")
+    # no bound socket (an engine's connection would reach one replica): each replica connects to
+    # <pod ip>:<kv port> of every discovered engine, replay at kv port + offset
+    assert settings.kv_events_bind is None and settings.kv_events
+    kv, replay = engine_kv_ports(objects)
+    assert settings.kv_events_port == kv and kv + settings.kv_events_replay_port_offset == replay
+    assert "kv-events" not in {p["name"] for p in router["ports"]}
     assert settings.port in {p["containerPort"] for p in router["ports"]}
     key, _, value = settings.engine_selector.partition("=")
     engine = find(objects, "Deployment", "backfill-vllm")
     assert engine["spec"]["template"]["metadata"]["labels"][key] == value
     engine_ports = {p["containerPort"] for p in engine["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert settings.engine_port in engine_ports
-    # the scheduling config mounted where BACKFILL_ROUTER_CONFIG points is the shipped default
+    # the scheduling config mounted where BACKFILL_ROUTER_CONFIG points is the shipped file of that name
     mount = next(m for m in router["volumeMounts"] if m["name"] == "scheduling")
     assert str(settings.config.parent) == mount["mountPath"]
     config_map = find(objects, "ConfigMap", "backfill-router-scheduling")
-    shipped = (REPO / "router" / "scheduling" / "default-config.yaml").read_text()
+    shipped = (REPO / "router" / "scheduling" / settings.config.name).read_text()
     assert config_map["data"][settings.config.name] == shipped
     # the processors send to the router's Service
     url = env_of(objects, "backfill-processor")["BACKFILL_PROCESSOR_ROUTER_URL"]
@@ -242,27 +249,44 @@ def mounted_scheduling_config(objects):
 
 
 def precise_router_problem(objects) -> str | None:
-    """Why the router's KV-event view is partial, or None: a precise (KV-event) producer in the
-    mounted scheduling config with more than one router replica (each engine's events reach one)."""
+    """Why the routers' KV-event view is partial or their tenant limits wrong, or None: a precise
+    (KV-event) producer in the mounted scheduling config while the router binds its own socket
+    (each engine's connection reaches one replica) with more than one replica, or gets no KV
+    events at all; or BACKFILL_ROUTER_REPLICAS differing from the Deployment's replicas (the
+    per-tenant limits are divided by it)."""
     config = mounted_scheduling_config(objects)
+    settings = settings_from(RouterSettings, "BACKFILL_ROUTER_", env_of(objects, "backfill-router"))
     precise = [p.instance_name for p in config.plugins if p.type == PRECISE_PRODUCER_TYPE]
     replicas = find(objects, "Deployment", "backfill-router")["spec"].get("replicas", 1)
-    return f"{precise} with {replicas} router replicas" if precise and replicas > 1 else None
+    if settings.replicas != replicas:
+        return f"BACKFILL_ROUTER_REPLICAS={settings.replicas} with {replicas} router replicas"
+    if not precise:
+        return None
+    if not settings.kv_events:
+        return f"{precise} without KV events"
+    connects = bool(settings.kv_events_connect or settings.kv_events_port)
+    return f"{precise} on a bound KV-event socket with {replicas} router replicas" \
+        if replicas > 1 and not connects else None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_shipped_routers_use_the_approximate_config(rendered, overlay):
+def test_shipped_routers_route_precisely_with_two_or_more_replicas(rendered, overlay):
     objects = rendered[overlay]
     assert precise_router_problem(objects) is None
     config = mounted_scheduling_config(objects)
-    assert [p.type for p in config.plugins if p.type.endswith("prefix-cache-producer")] == ["approx-prefix-cache-producer"]
+    assert [p.type for p in config.plugins if p.type.endswith("prefix-cache-producer")] == [PRECISE_PRODUCER_TYPE]
+    assert find(objects, "Deployment", "backfill-router")["spec"]["replicas"] >= 2
 
 
-def test_a_precise_config_needs_one_router_replica(rendered):
+def test_the_check_finds_a_bound_socket_with_several_replicas_and_a_replica_count_mismatch(rendered):
     objects = copy.deepcopy(rendered["production"])
-    find(objects, "ConfigMap", "backfill-router-scheduling")["data"]["config.yaml"] = \
-        (REPO / "router" / "scheduling" / "precise-config.yaml").read_text()
-    assert find(objects, "Deployment", "backfill-router")["spec"]["replicas"] == 2
-    assert "precise-prefix-cache-producer" in precise_router_problem(objects)
+    data = find(objects, "ConfigMap", "backfill-config")["data"]
+    del data["BACKFILL_ROUTER_KV_EVENTS_PORT"]
+    data["BACKFILL_ROUTER_KV_EVENTS_BIND"] = "tcp://0.0.0.0:5557"  # the single-replica wiring
+    assert "bound KV-event socket with 2 router replicas" in precise_router_problem(objects)
     find(objects, "Deployment", "backfill-router")["spec"]["replicas"] = 1
+    assert "BACKFILL_ROUTER_REPLICAS=2 with 1" in precise_router_problem(objects)
+    data["BACKFILL_ROUTER_REPLICAS"] = "1"
     assert precise_router_problem(objects) is None
+    del data["BACKFILL_ROUTER_KV_EVENTS_BIND"]
+    assert "without KV events" in precise_router_problem(objects)

@@ -73,17 +73,23 @@ def test_unresolvable_topics_are_dropped_and_counted():
     assert index.stats()["blocks"] == 0
 
 
-def test_sequence_gaps_are_counted_per_topic_and_rank():
+def test_sequence_gaps_are_counted_per_topic_and_rank_and_drop_the_endpoints_entries():
+    """Bind mode has no replay: a gap drops the endpoint's entries (removals were lost) and the
+    index relearns from the next batches."""
     index = KVBlockIndex()
     sub = KVEventSubscriber(index)
-    tokens = prompt(1, 256)
+    tokens, other = prompt(1, 256), prompt(2, 128)
     sub.handle(message([store(tokens[:64])], 5))  # the first seen: no gap whatever its number
     sub.handle(message([store(tokens[64:128], 5, 4)], 6))
-    sub.handle(message([store(tokens[128:], 9, 8)], 9))  # 7 and 8 missed
+    assert index.longest_prefix("m", keys_of(tokens)) == {ENDPOINT: (2, "gpu")}
+    sub.handle(message([store(other, 100)], 9))  # 7 and 8 missed
     sub.handle(message([], 0, rank=1))  # another data-parallel rank has its own counter
+    assert index.longest_prefix("m", keys_of(tokens)) == {}
+    assert index.longest_prefix("m", keys_of(other)) == {ENDPOINT: (2, "gpu")}  # relearnt
     sub.handle(message([], 2, rank=1))  # 1 missed
     assert index.stats()["seq_gaps"] == 3
-    assert index.longest_prefix("m", keys_of(tokens)) == {ENDPOINT: (4, "gpu")}
+    assert sub.stats()["gaps"] == 3 and sub.stats()["drops"] == 2
+    assert index.longest_prefix("m", keys_of(other)) == {}
     assert sub.stats()["topics"] == {TOPIC: 9}
 
 
