@@ -407,7 +407,9 @@ def pollution_command(batch_requests: int, batch_concurrency: int, conversations
                       f"{r.longest_ttft_ms_before:,.0f} → {r.longest_ttft_ms_after:,.0f}",
                       f"{r.interactive_blocks_kept_pct:.1f}",
                       f"{r.batch_hit_pct:.1f}" if r.sweep else "—", f"{r.batch_model_s:,.0f}" if r.sweep else "—")
-    Console().print(table)
+    console = Console()
+    console.width = max(console.width, 180)  # 12 columns: keep them readable when piped
+    console.print(table)
     if json_path:
         with open(json_path, "w") as fh:
             json.dump({"benchmark": "pollution", "time": "model seconds", "workload": asdict(work),
