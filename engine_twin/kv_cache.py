@@ -17,11 +17,18 @@ block stays on the GPU as an *evictable* block until a new block needs its room.
 the oldest-freed evictable block, and a request frees its blocks deepest first, as vLLM does.
 
 Retention (the cache-pollution guard): every cached block carries a retention priority (0 … 100,
-higher kept longer; :data:`DEFAULT_RETENTION` for ordinary requests). A block computed by a request
-takes that request's retention; a block another request hits keeps the higher of the two. Evictable
-blocks of the lowest retention go first, so a batch request at retention 0 evicts its own blocks
-before any interactive prefix, while its hits on shared prefixes leave those prefixes' retention
-alone. vLLM's block pool is plain LRU today; see docs/engine-simulator.md for what it offers.
+higher kept longer; :data:`DEFAULT_RETENTION` for ordinary requests). The rule: a block's retention
+is the highest retention of the requests that computed it, computed a duplicate of it, hit it on
+the GPU or loaded it back from a tier, for as long as some tier keeps it; a request never lowers
+it (a block dropped from every tier forgets it). Evictable GPU blocks of the lowest retention go
+first, oldest-freed first within one retention; the CPU and disk tiers keep each block's retention
+and evict the same way, and a block offloaded into a full tier whose blocks all have a higher
+retention goes down a tier (or is dropped) instead of pushing one of them out. So a batch request
+at retention 0 evicts its own blocks before any interactive prefix, on every tier, while its hits
+on shared prefixes leave those prefixes' retention alone, and an interactive request touching a
+batch block raises it to its own. TensorRT-LLM's ``KvCacheRetentionConfig`` has the same range and
+default and evicts by priority on both its memory levels; vLLM's block pool is plain LRU today
+(docs/engine-simulator.md says what it offers).
 
 Tiers: an optional CPU tier receiving GPU evictions (write-back offload) and an optional disk tier
 receiving CPU evictions. A request reuses the longest run of blocks from block 0 found on GPU, then
@@ -92,6 +99,56 @@ DEFAULT_RETENTION = 35
 LOWEST_RETENTION = 0
 
 Block = bytes | None
+
+
+class RetentionQueues:
+    """Blocks grouped by retention, each group in least-recently-used order: :meth:`pop_lowest`
+    takes the oldest block of the lowest retention. Membership and updates are O(1); the lowest
+    retention is found among the few distinct levels in use."""
+
+    def __init__(self) -> None:
+        self._queues: dict[int, OrderedDict[bytes, None]] = {}
+        self._level: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._level)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._level
+
+    def level(self, block_hash: bytes) -> int | None:
+        """Retention of a held block (None when not held)."""
+        return self._level.get(block_hash)
+
+    def put(self, block_hash: bytes, level: int) -> None:
+        """Hold ``block_hash`` at ``level`` as the most recently used of that level (moving it there
+        when already held)."""
+        old = self._level.get(block_hash)
+        if old is not None:
+            del self._queues[old][block_hash]
+        self._level[block_hash] = level
+        queue = self._queues.get(level)
+        if queue is None:
+            queue = self._queues[level] = OrderedDict()
+        queue[block_hash] = None
+
+    def lowest(self) -> int | None:
+        """The lowest retention held (None when empty)."""
+        levels = [level for level, queue in self._queues.items() if queue]
+        return min(levels) if levels else None
+
+    def pop_lowest(self) -> tuple[bytes, int]:
+        """Remove and return the oldest block of the lowest retention (raises KeyError when empty)."""
+        level = self.lowest()
+        if level is None:
+            raise KeyError("no blocks held")
+        block_hash, _ = self._queues[level].popitem(last=False)
+        del self._level[block_hash]
+        return block_hash, level
+
+    def clear(self) -> None:
+        self._queues.clear()
+        self._level.clear()
 """One entry of a request's block table: the block hash when cached, None for an uncached block."""
 
 
@@ -143,8 +200,8 @@ class TieredPrefixCache:
         self._free: dict[int, OrderedDict[bytes, None]] = {}  # evictable cached blocks by retention
         self._free_count = 0
         self._uncached = 0  # GPU blocks held without a hash
-        self._cpu: OrderedDict[bytes, None] = OrderedDict()
-        self._disk: OrderedDict[bytes, None] = OrderedDict()
+        self._cpu = RetentionQueues()
+        self._disk = RetentionQueues()
         self._events: list[KVEvent] = []
         self.stats = CacheStats()
 
@@ -174,8 +231,13 @@ class TieredPrefixCache:
         return None
 
     def retention_of(self, block_hash: bytes) -> int | None:
-        """Retention priority of a cached GPU block (None when not on GPU)."""
-        return self._retention.get(block_hash)
+        """Retention priority of a cached block: on GPU, else on CPU, else on disk (None when on none)."""
+        level = self._retention.get(block_hash)
+        if level is None:
+            level = self._cpu.level(block_hash)
+        if level is None:
+            level = self._disk.level(block_hash)
+        return level
 
     def sizes(self) -> dict[str, int]:
         """Blocks per tier (GPU counts cached blocks, held or evictable)."""
@@ -207,8 +269,9 @@ class TieredPrefixCache:
     def admit(self, hashes: Sequence[bytes], hits: Hits, new_blocks: int, tokens: Sequence[int],
               retention: int) -> list[Block] | None:
         """Block table of a request being scheduled from the waiting queue: its GPU hits pinned, its
-        CPU/disk hits loaded back (cached on GPU again, ``BlockStored`` GPU), ``new_blocks`` uncached
-        blocks for the tokens it computes this step. None, changing nothing, when the room is short."""
+        CPU/disk hits loaded back (cached on GPU again, ``BlockStored`` GPU, at the higher of the
+        tier's retention and ``retention``), ``new_blocks`` uncached blocks for the tokens it computes
+        this step. None, changing nothing, when the room is short."""
         gpu = hashes[:hits.gpu]
         pinned_evictable = sum(1 for h in gpu if self._ref[h] == 0)
         if len(hits.tier_hashes) + new_blocks > self.available() - pinned_evictable:
@@ -219,10 +282,13 @@ class TieredPrefixCache:
         for i, h in enumerate(hits.tier_hashes, hits.gpu):
             self._take_block()
             self._ref[h] = 1
-            self._retention[h] = retention
+            level = retention
             for tier in (self._cpu, self._disk):
-                if h in tier:
-                    tier.move_to_end(h)
+                kept = tier.level(h)
+                if kept is not None:
+                    level = max(level, kept)
+                    tier.put(h, level)  # most recently used there too
+            self._retention[h] = level
             self._stored(hashes, i, i + 1, tokens)
             table.append(h)
         self._uncached += new_blocks
@@ -243,12 +309,15 @@ class TieredPrefixCache:
                retention: int) -> None:
         """Blocks ``start`` … ``end - 1`` of ``table`` now hold computed prompt tokens: cache them under
         their ``hashes`` (one ``BlockStored`` per contiguous run). A block another request cached
-        meanwhile stays an uncached duplicate, as vLLM keeps the first copy."""
+        meanwhile stays an uncached duplicate, as vLLM keeps the first copy; the cached copy's
+        retention rises to ``retention`` when that is higher (this request computed it too)."""
         ref, keep = self._ref, self._retention
         run_start = -1
         for i in range(start, end):
             h = hashes[i]
             if table[i] is not None or h in ref:
+                if table[i] is None and retention > keep[h]:
+                    self._raise(h, retention)
                 if run_start >= 0:
                     self._stored(hashes, run_start, i, tokens)
                     run_start = -1
@@ -318,6 +387,18 @@ class TieredPrefixCache:
         if retention > self._retention[h]:
             self._retention[h] = retention
 
+    def _raise(self, h: bytes, retention: int) -> None:
+        """Raise a cached GPU block's retention (an evictable one moves to its new level's queue, as
+        the most recently freed there)."""
+        old = self._retention[h]
+        self._retention[h] = retention
+        if self._ref[h] == 0:
+            del self._free[old][h]
+            queue = self._free.get(retention)
+            if queue is None:
+                queue = self._free[retention] = OrderedDict()
+            queue[h] = None
+
     def _take_room(self, blocks: int) -> None:
         """Evict until ``blocks`` just-counted uncached blocks fit beside the cached ones."""
         over = len(self._ref) + self._uncached - self.num_gpu_blocks
@@ -358,22 +439,31 @@ class TieredPrefixCache:
                 self.stats.gpu_evictions += 1
                 events.append(BlockRemoved([int.from_bytes(h[-8:], "big")], MEDIUM_GPU))
                 if self.cpu_capacity:
-                    self._offload(h, self._cpu, self.cpu_capacity, MEDIUM_CPU)
+                    self._offload(h, level, self._cpu, self.cpu_capacity, MEDIUM_CPU)
             if not count:
                 return
 
-    def _offload(self, h: bytes, tier: OrderedDict[bytes, None], capacity: int, medium: str) -> None:
-        if h in tier:
-            tier.move_to_end(h)
+    def _offload(self, h: bytes, level: int, tier: RetentionQueues, capacity: int, medium: str) -> None:
+        """Write block ``h`` (retention ``level``) into ``tier``, evicting the tier's oldest block of the
+        lowest retention when full (a CPU eviction goes on to disk). When every block there has a
+        higher retention, ``h`` itself is the one that goes: on to disk from CPU, else dropped."""
+        kept = tier.level(h)
+        if kept is not None:
+            tier.put(h, max(kept, level))
             return
         if len(tier) >= capacity:
-            old, _ = tier.popitem(last=False)
+            lowest = tier.lowest()
+            if lowest is not None and level < lowest:
+                if tier is self._cpu and self.disk_capacity:
+                    self._offload(h, level, self._disk, self.disk_capacity, MEDIUM_DISK)
+                return
+            old, old_level = tier.pop_lowest()
             self._events.append(BlockRemoved([external_hash(old)], medium))
             if tier is self._cpu:
                 self.stats.cpu_evictions += 1
                 if self.disk_capacity:
-                    self._offload(old, self._disk, self.disk_capacity, MEDIUM_DISK)
-        tier[h] = None
+                    self._offload(old, old_level, self._disk, self.disk_capacity, MEDIUM_DISK)
+        tier.put(h, level)
         if tier is self._cpu:
             self.stats.cpu_stores += 1
         else:

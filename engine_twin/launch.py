@@ -28,6 +28,12 @@ from common.executable import backfill_executable
 from engine_twin.kv_events import fleet_topic
 
 PREFIX_HASH_ALGO = "sha256_cbor"
+FLEET_RETENTION_PRIORITY_THRESHOLD = 1
+"""``--retention-priority-threshold`` of the fleet's simulated engines: the router sends vLLM
+``priority`` = −(band priority) (``router/parsing.py``: interactive −100, async −10, batch 10), so
+batch requests (≥ 1) keep their own KV blocks at retention 0 while interactive and async keep the
+default 35 (the cache-pollution guard; ``backfill bench pollution`` measures it). The simulator's own
+default stays off, as real vLLM has no per-request retention (docs/engine-simulator.md)."""
 
 
 def kv_events_config_json(endpoint: str, host: str, port: int, model: str, replay_endpoint: str | None = None) -> str:
@@ -44,13 +50,18 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                     max_model_len: int | None = None, hash_seed: str = "0", time_scale: float | None = None,
                     tokenizer: str | None = None, kv_events_layout: str = "map",
                     scheduling_policy: str = "priority", kv_events_replay_endpoint: str | None = None,
+                    retention_priority_threshold: int | None = FLEET_RETENTION_PRIORITY_THRESHOLD,
                     extra: Sequence[str] = ()) -> list[str]:
     """argv of one simulated engine (``backfill engine-sim …``), ready for ``subprocess.Popen``.
 
     ``served_model_names``: every name the engine answers to (the first labels its metrics).
     ``kv_events_endpoint``: ZMQ endpoint for KV events, or None for no events. Sizes are in blocks
     of ``block_size`` tokens. Options left None keep the simulator's defaults (see ``settings``).
-    Prompt-token details are always on. Raises ``ValueError`` without a model name.
+    Prompt-token details are always on. ``retention_priority_threshold``: requests whose vLLM
+    ``priority`` is at least this keep their own blocks at KV retention 0 (default
+    :data:`FLEET_RETENTION_PRIORITY_THRESHOLD`; None leaves the flag out, the simulator's default
+    off; it acts only under ``scheduling_policy="priority"``, as FCFS zeroes ``priority``).
+    Raises ``ValueError`` without a model name.
     """
     if not served_model_names:
         raise ValueError("served_model_names needs at least one name")
@@ -60,7 +71,8 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
             "--enable-prompt-tokens-details", "--kv-events-layout", kv_events_layout]
     optional: dict[str, Any] = {"--num-gpu-blocks-override": num_gpu_blocks, "--max-num-seqs": max_num_seqs,
                                 "--max-model-len": max_model_len, "--time-scale": time_scale,
-                                "--tokenizer": tokenizer}
+                                "--tokenizer": tokenizer,
+                                "--retention-priority-threshold": retention_priority_threshold}
     if cpu_offload_blocks:
         optional["--cpu-offload-blocks"] = cpu_offload_blocks
     for flag, value in optional.items():

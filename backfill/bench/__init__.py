@@ -10,6 +10,7 @@
 | ``processor`` | ``backfill bench processor``: messages/s through one async processor |
 | ``engine_sim`` | ``backfill bench engine-sim``: requests/s of one engine simulator (``engine_twin``) |
 | ``interference`` | ``backfill bench interference``: a stream's token gaps during a long prefill, preemptions under KV pressure (the twin's core, model time) |
+| ``pollution`` | ``backfill bench pollution``: interactive prefix hit rate and TTFT after a 10,000-request batch sweep, cache-pollution guard off vs on (the twin's core, model time) |
 | ``prefix`` | ``backfill bench prefix``: captured prefix reuse and TTFT, ours vs other routers |
 | ``sessions`` | ``backfill bench sessions``: agent sessions beside a batch backlog, turn priority off vs on |
 | ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
@@ -36,6 +37,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine-sim": ("backfill.bench.engine_sim:bench_engine_sim_command", "Requests/s of one simulator."),
     "interference": ("backfill.bench.interference:interference_command",
                      "A stream's token gaps during a 24k prefill; preemptions under KV pressure (model time)."),
+    "pollution": ("backfill.bench.pollution:pollution_command",
+                  "Interactive prefix hit rate after a 10,000-request batch sweep, guard off vs on (model time)."),
     "processor": ("backfill.bench.processor:bench_processor_command", "Messages/s through one processor."),
     "end-to-end": ("backfill.bench.end_to_end:end_to_end_command",
                    "A 50,000-request batch through the stack vs the fleet's capacity."),

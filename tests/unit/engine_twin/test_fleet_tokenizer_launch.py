@@ -7,9 +7,14 @@ from pydantic import ValidationError
 
 from common.chatml import render_chat
 from engine_twin.cli import settings_from_args
+from engine_twin.engine import SimEngine
+from engine_twin.kv_cache import DEFAULT_RETENTION
 from engine_twin.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
+from engine_twin.protocol import GenerationSpec
 from engine_twin.settings import build_settings
 from engine_twin.tokenizer import BuiltinTokenizer, HFTokenizer
+from router.flow_control.config import FlowControlConfig
+from router.parsing import engine_priority
 
 
 def test_builtin_tokenizer_round_trips_and_keeps_prefixes():
@@ -64,6 +69,24 @@ def test_sim_argv_round_trips_through_the_cli_parser():
     assert s.port == 8123 and s.served_model_name[1] == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert s.kv_events_config.topic == "kv@127.0.0.1:8123@gpt-3.5-turbo"
     assert s.cpu_offload_blocks == 512 and s.time_scale == 0.0 and s.hash_seed == "0"
+
+
+def test_fleet_engines_keep_batch_blocks_at_the_lowest_retention_and_others_at_the_default():
+    """The cache-pollution guard's wiring: the fleet's argv sets --retention-priority-threshold so the
+    router's vLLM priority for the batch band (router/parsing.py) gives retention 0 and the other
+    bands keep the default; None leaves the simulator's default (off: everyone at the default)."""
+    bands = {b.objective: engine_priority(b.priority) for b in FlowControlConfig().bands}
+    def engine(argv):
+        return SimEngine(settings_from_args(argv[argv.index("engine-sim") + 1:]))
+
+    fleet = engine(sim_engine_argv(8123, ["m"]))
+    assert {objective: fleet.retention_of(GenerationSpec("chat", "m", [[1]], 4, "length", priority=p))
+            for objective, p in bands.items()} == {"interactive": DEFAULT_RETENTION, "async": DEFAULT_RETENTION,
+                                                   "batch": 0}
+    plain = engine(sim_engine_argv(8123, ["m"], retention_priority_threshold=None))
+    assert plain.settings.retention_priority_threshold is None
+    assert plain.retention_of(GenerationSpec("chat", "m", [[1]], 4, "length", priority=bands["batch"])) == \
+        DEFAULT_RETENTION
 
 
 def test_vllm_argv_has_the_fleet_settings():
