@@ -64,6 +64,9 @@ class EngineOptions:
     max_num_seqs: int = 64
     time_scale: float = 1.0
     model: str = "sim-model"
+    scheduling_policy: str = "fcfs"
+    """vLLM's ``--scheduling-policy`` of the engines; with ``priority`` our router sends vLLM's
+    ``priority`` (``--engine-priority``), as ``backfill up`` runs them."""
 
 
 @dataclass
@@ -237,6 +240,8 @@ def _ours(config: Path) -> Callable[..., list[str]]:
                 "--flow-control", str(bench_flow_control())]
         if router_events_port is not None:
             cmd += ["--kv-events-bind", f"tcp://{HOST}:{router_events_port}"]
+        if opts.scheduling_policy == "priority":
+            cmd.append("--engine-priority")
         return cmd
     return argv
 
@@ -306,7 +311,7 @@ def fleet_with_router(policy: Policy, opts: EngineOptions, log_dir: Path | None 
             argv = sim_engine_argv(port, [opts.model], None, host=HOST, block_size=opts.block_size,
                                    num_gpu_blocks=opts.num_gpu_blocks, cpu_offload_blocks=opts.cpu_offload_blocks,
                                    max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
-                                   time_scale=opts.time_scale, scheduling_policy="fcfs",
+                                   time_scale=opts.time_scale, scheduling_policy=opts.scheduling_policy,
                                    extra=("--kv-events-config", events, "--engine-index", str(i)))
             procs.append(group.start(f"engine-{i}", argv))
             engines.append(f"http://{HOST}:{port}")

@@ -1,7 +1,9 @@
 """``backfill bench sessions``: agent sessions beside a batch backlog, turn priority off vs on.
 
 One run per setting (``off`` first, then ``on``; ``--repeat`` alternates more pairs), each on a FRESH
-fleet of ``--engines`` simulated engines (``max_num_seqs`` 4, vLLM's ``fcfs``) behind our router with
+fleet of ``--engines`` simulated engines (``max_num_seqs`` 4; ``--engine-policy``: vLLM's
+``priority`` by default, the router sending vLLM's ``priority`` with a session's later turns one level
+sooner, as ``backfill up`` runs them; or ``fcfs``) behind our router with
 the shipped scheduling config and a flow-control file that differs only in
 ``turn_priority.enabled``. Both runs replay the same seeded trace:
 
@@ -80,8 +82,9 @@ def router_policy(name: str, flow_control: Path) -> Policy:
         cmd = [*backfill_executable(), "router", "--host", "127.0.0.1", "--port", str(port)]
         for url in engines:
             cmd += ["--engine", url]
-        return cmd + ["--config", str(DEFAULT_CONFIG_PATH), "--profile", "default", "--tokenizer", "estimate",
-                      "--flow-control", str(flow_control)]
+        cmd += ["--config", str(DEFAULT_CONFIG_PATH), "--profile", "default", "--tokenizer", "estimate",
+                "--flow-control", str(flow_control)]
+        return cmd + (["--engine-priority"] if opts.scheduling_policy == "priority" else [])
     return Policy(name, "own", argv, lambda: None)
 
 
@@ -178,11 +181,14 @@ def _fmt(value: Any) -> str:
               help="turn_priority.max_turn of the `on` runs (default: the shipped one).")
 @click.option("--time-weight", type=click.FloatRange(min=0), default=None,
               help="turn_priority.time_weight_per_s of the `on` runs (default: the shipped one).")
+@click.option("--engine-policy", type=click.Choice(["priority", "fcfs"]), default="priority", show_default=True,
+              help="the engines' --scheduling-policy; with priority the router sends vLLM's priority (a session's "
+                   "later turns one level sooner), as `backfill up` runs them")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write JSON here.")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), help="Keep engine and router logs here.")
 def sessions_command(engines: int, n_sessions: int, spread: float, batch_workers: int, interactive_bound: int | None,
-                     repeat: int, max_turn: int | None, time_weight: float | None, seed: int,
+                     repeat: int, max_turn: int | None, time_weight: float | None, engine_policy: str, seed: int,
                      json_path: Path | None, log_dir: Path | None) -> None:
     """Later turns' TTFT with and without turn priority, agent sessions beside a batch backlog."""
     from rich.console import Console
@@ -190,7 +196,7 @@ def sessions_command(engines: int, n_sessions: int, spread: float, batch_workers
 
     console = Console(width=160)
     opts = EngineOptions(engines=engines, num_gpu_blocks=2048, cpu_offload_blocks=0, max_num_seqs=4,
-                         max_model_len=16384, time_scale=1.0)
+                         max_model_len=16384, time_scale=1.0, scheduling_policy=engine_policy)
     bound = interactive_bound or 4 * engines
     trace = build_trace(seed, n_sessions, spread)
     overrides: dict[str, Any] = {}
