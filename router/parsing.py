@@ -433,9 +433,8 @@ def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> ParsedR
 
 
 # ---- bodies for the engine ---------------------------------------------------------------------
-def engine_priority(objective_priority: int, turn: int = 1) -> int:
-    """vLLM's ``priority`` for an objective's priority: ``-objective_priority``, one less (sooner) for
-    a session's later turn (``turn`` ≥ 2, as flow control's turn priority numbers it).
+def engine_priority(objective_priority: int) -> int:
+    """vLLM's ``priority`` for an objective's priority: ``-objective_priority``.
 
     vLLM's ``--scheduling-policy priority`` runs LOWER values first ("lower value means earlier
     handling", vLLM's engine arguments docs for ``--scheduling-policy``); llm-d's
@@ -443,13 +442,11 @@ def engine_priority(objective_priority: int, turn: int = 1) -> int:
     (``shared/contracts/vllm-engine.md``, "Priority"). So ``interactive`` at 100 and ``batch`` at
     -100 become engine priorities -100 and 100.
 
-    Later turns: vLLM orders its waiting queue by ``(priority, arrival)`` and has no aging, so the
-    router's turn priority (``turn + 0.5 × seconds waited``) cannot be carried over whole; the engine
-    gets two levels inside a band — a session's later turns one ahead of first turns (the bands
-    are 90 apart, so no band is crossed). A first turn waits at the engine only behind later turns
-    that are waiting there too, which the router's own ordering (with aging) already admitted.
+    A session's turn is not carried into it: vLLM orders its waiting queue by ``(priority,
+    arrival)`` with no aging, and a later turn sent one level sooner starved first turns there
+    (``bench sessions``: first-turn TTFT p99 0.41 → 8.0 s; docs/benchmarks.md "sessions").
     """
-    return -objective_priority - (1 if turn >= 2 else 0)
+    return -objective_priority
 
 
 def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_usage: bool = False) -> bytes:

@@ -181,16 +181,14 @@ class Proxy:
         if isinstance(admitted, Rejected):
             return rejected_response(admitted)
         try:
-            turn = admitted.admission.turn if admitted.admission is not None else 1
-            exchange = _Exchange(self, request, parsed, self._body(parsed, llm_request, turn), objective, received,
-                                 hook)
+            exchange = _Exchange(self, request, parsed, self._body(parsed, llm_request), objective, received, hook)
             return await director.forward(llm_request, objective, admitted, exchange)
         finally:
             admitted.release()
 
-    def _body(self, parsed: ParsedRequest, llm_request: LLMRequest, turn: int = 1) -> bytes:
+    def _body(self, parsed: ParsedRequest, llm_request: LLMRequest) -> bytes:
         if self.engine_priority:
-            return with_engine_priority(parsed, engine_priority(llm_request.priority, turn))
+            return with_engine_priority(parsed, engine_priority(llm_request.priority))
         return parsed.raw
 
     def headers(self, request: web.Request, parsed: ParsedRequest) -> dict[str, str]:

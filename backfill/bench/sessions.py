@@ -2,8 +2,8 @@
 
 One run per setting (``off`` first, then ``on``; ``--repeat`` alternates more pairs), each on a FRESH
 fleet of ``--engines`` simulated engines (``max_num_seqs`` 4; ``--engine-policy``: vLLM's
-``priority`` by default, the router sending vLLM's ``priority`` with a session's later turns one level
-sooner, as ``backfill up`` runs them; or ``fcfs``) behind our router with
+``priority`` by default, the router sending vLLM's ``priority`` per band, as ``backfill up`` runs
+them; or ``fcfs``) behind our router with
 the shipped scheduling config and a flow-control file that differs only in
 ``turn_priority.enabled``. Both runs replay the same seeded trace:
 
@@ -182,8 +182,8 @@ def _fmt(value: Any) -> str:
 @click.option("--time-weight", type=click.FloatRange(min=0), default=None,
               help="turn_priority.time_weight_per_s of the `on` runs (default: the shipped one).")
 @click.option("--engine-policy", type=click.Choice(["priority", "fcfs"]), default="priority", show_default=True,
-              help="the engines' --scheduling-policy; with priority the router sends vLLM's priority (a session's "
-                   "later turns one level sooner), as `backfill up` runs them")
+              help="the engines' --scheduling-policy; with priority the router sends vLLM's priority per band, "
+                   "as `backfill up` runs them")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write JSON here.")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), help="Keep engine and router logs here.")

@@ -82,12 +82,6 @@ class Admission:
     def priority(self) -> int:
         return self._ticket.band.priority
 
-    @property
-    def turn(self) -> int:
-        """The request's turn in its session under turn priority (1 when turn priority is off, or
-        for a first turn): the proxy carries it into the engine's priority."""
-        return self._ticket.turn
-
     def on_evict(self, callback: EvictCallback) -> None:
         """Call ``callback()`` once if the controller evicts this request (at once if it already
         has); :attr:`evicted` then holds the :class:`RequestDropped` (reason ``evicted``) to answer

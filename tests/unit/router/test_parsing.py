@@ -269,12 +269,6 @@ def test_engine_priority_is_the_negated_objective_priority():
     assert engine_priority(100) < engine_priority(-100)
 
 
-def test_a_later_turn_runs_one_level_sooner_inside_its_band_only():
-    assert engine_priority(100, turn=1) == -100
-    assert [engine_priority(100, turn=t) for t in (2, 3, 16)] == [-101, -101, -101]  # two levels, no deeper
-    # the band order is kept: the latest turn of a lower band never passes a higher band's first turn
-    assert engine_priority(10, turn=16) > engine_priority(100, turn=1)
-
 
 def test_with_engine_priority_writes_vllm_priority_and_keeps_the_rest():
     body = {"model": "m", "messages": MESSAGES, "temperature": 0.2}

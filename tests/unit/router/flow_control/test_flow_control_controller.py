@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from flow_control_helpers import Clock, Level, band_stats, config, item
 
-from router.flow_control import Admission, DropReason, FlowControlConfig, FlowController, FlowItem, RequestDropped
+from router.flow_control import Admission, DropReason, FlowControlConfig, FlowController, RequestDropped
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -289,22 +289,3 @@ def test_shipped_sheddable_bands_answer_at_once_never_queue():
         await controller.stop()
     run(scenario)
 
-
-def test_an_admission_carries_its_session_turn_for_the_engine_priority():
-    from router.parsing import engine_priority
-
-    async def scenario():
-        cfg = FlowControlConfig.from_mapping({"turn_priority": {"enabled": True}})
-        controller = await started(cfg)
-        turns = []
-        for k in range(3):
-            admission = await controller.admit(FlowItem(f"a{k}", "t", "interactive", 10, session_id="agent"))
-            turns.append(admission.turn)
-            admission.release()
-        other = await controller.admit(FlowItem("b0", "t", "interactive", 10, session_id="new"))
-        assert turns == [1, 2, 3] and other.turn == 1
-        assert engine_priority(other.priority, other.turn) == -100
-        assert engine_priority(other.priority, turns[1]) == -101  # sooner at the engine
-        other.release()
-        await controller.stop()
-    run(scenario)
