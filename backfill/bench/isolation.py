@@ -414,8 +414,16 @@ def svg_line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, 
     ``{label: x}``. Axes start at 0."""
     from xml.sax.saxutils import escape
 
-    colors = ("#2563eb", "#d97706", "#6b7280", "#7c3aed")
-    left, right, top, bottom = 56, 16, 40, 44
+    colors = ("#2563eb", "#d97706", "#6b7280", "#7c3aed", "#059669", "#db2777", "#0891b2", "#65a30d")
+    left, right, bottom = 56, 16, 44
+    legend: list[tuple[float, int]] = []  # (x, row) of each series' legend entry: rows wrap at the width
+    lx, row = left + 8.0, 0
+    for label in list(series)[:len(colors)]:
+        if lx + 14 + 7 * len(label) > width - right and lx > left + 8:
+            lx, row = left + 8.0, row + 1
+        legend.append((lx, row))
+        lx += 24 + 7 * len(label)
+    top = 40 + 14 * row
     pw, ph = width - left - right, height - top - bottom
     xs = [x for pts in series.values() for x, _ in pts] + list(vlines.values())
     ys = [y for pts in series.values() for _, y in pts] + list(hlines.values())
@@ -453,13 +461,12 @@ def svg_line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, 
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{py(value):.1f}" y2="{py(value):.1f}" stroke="#dc2626" '
                    f'stroke-dasharray="6,4"/><text x="{left + 6}" y="{py(value) + 14:.1f}" '
                    f'font-family="sans-serif" font-size="11" fill="#dc2626">{escape(label)}</text>')
-    legend_x = left + 8
-    for (label, points), color in zip(series.items(), colors):
+    for (label, points), color, (legend_x, legend_row) in zip(series.items(), colors, legend):
         path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
+        ly = 26 + 14 * legend_row
         out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.6"/>'
-                   f'<rect x="{legend_x}" y="26" width="10" height="10" fill="{color}"/>'
-                   f'<text x="{legend_x + 14}" y="35" {font}>{escape(label)}</text>')
-        legend_x += 24 + 7 * len(label)
+                   f'<rect x="{legend_x:.0f}" y="{ly}" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{legend_x + 14:.0f}" y="{ly + 9}" {font}>{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out)
 

@@ -98,6 +98,9 @@ class FakePool:
     def candidates(self) -> list[Endpoint]:
         return self.eps
 
+    def expire_prefills(self) -> None:
+        pass
+
 
 def test_router_runtime_gates_flow_control_per_engine_and_counts_released_requests():
     now = time.monotonic() + 60  # fresh for the test's duration
