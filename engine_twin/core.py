@@ -36,7 +36,8 @@ One step, as vLLM V1's ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py
    would be a ``--scheduler-cls`` plugin subclassing ``Scheduler``). With
    ``--background-priority-threshold`` set, a request whose ``priority`` is at least the threshold is
    *background* (the router sends vLLM priority −100 for interactive, −10 for async and 10 for
-   batch work; the fleet's launchers set the threshold to −10, ``engine_twin/launch.py``). Its prefill chunks (any chunk of a request with more than one token
+   batch work; the fleet's launchers set the threshold to −10, ``engine_twin/launch.py``). Only
+   under ``--scheduling-policy priority``: under FCFS the priority field is ignored, as in vLLM. Its prefill chunks (any chunk of a request with more than one token
    left to compute; decode tokens are never limited) share at most
    ``--max-background-prefill-tokens`` of the step's budget, all background requests together, and
    get **none** in a step that starts while a foreground prefill is pending: a foreground request
@@ -197,7 +198,8 @@ class EngineCore:
         threshold = settings.long_prefill_token_threshold
         self._threshold = threshold
         self._limit_partials = settings.max_num_partial_prefills > 1
-        self._background = settings.background_priority_threshold
+        # FCFS zeroes every priority (as vLLM ignores it), so background needs the priority policy
+        self._background = settings.background_priority_threshold if self.policy_priority else None
 
     # ---- views -----------------------------------------------------------------------------
     @property
