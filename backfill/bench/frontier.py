@@ -293,6 +293,7 @@ DEFAULT_POLICIES = (
     Policy("reserve", reserve=True),
     Policy("share 0.0625", share=0.0625),
     Policy("evict", evict=True),
+    Policy("share 0.0625 + evict", share=0.0625, evict=True),
     Policy("bg-cap 256", bg_cap=256),
     Policy("bg-cap 512", bg_cap=512),
     Policy("bg-cap 1024", bg_cap=1024),
@@ -330,7 +331,7 @@ def svg_frontier(figures: dict[str, Any], width: int = 760, height: int = 400) -
               help="Batch concurrency of the capacity run.")
 @click.option("--concurrency", "concurrencies", multiple=True, type=click.IntRange(1),
               help="Batch concurrencies to sweep (default 1 2 4 8 16 32 64 128 256).")
-@click.option("--quick", is_flag=True, help="Short runs (30 model s), four concurrencies, three policies.")
+@click.option("--quick", is_flag=True, help="Short runs (30 model s), three concurrencies, three policies.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the figures here.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path),
               help="Write the SVG plot here (default: beside --json, .svg).")
@@ -345,7 +346,7 @@ def frontier_command(concurrencies: tuple[int, ...], quick: bool, json_path: Pat
     if quick:
         opts.update(duration=30.0, warmup=2.0)
         cs = list(concurrencies) or [4, 16, 64]
-        policies = [policies[0], policies[3], policies[5]]
+        policies = [policies[0], policies[3], policies[6]]
     figures = frontier(opts, policies, cs)
     console = Console()
     console.print(f"C = {figures['capacity_rps']:.1f} requests/s (one engine), interactive {figures['interactive_rps']:.1f}/s, "

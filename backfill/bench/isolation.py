@@ -315,12 +315,13 @@ class LaneSampler:
     router_url: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     _task: asyncio.Task | None = None
+    _stopping: bool = False
 
     async def _run(self) -> None:
         import aiohttp
 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            while True:
+            while not self._stopping:
                 row: dict[str, Any] = {"t": time.perf_counter(), "batch_done": await self.redis.xlen(RESULT_STREAM)}
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     async with session.get(self.router_url + "/admin/state") as resp:
@@ -344,10 +345,13 @@ class LaneSampler:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stop sampling. A cancellation the Redis client swallows (one landing inside its command)
+        left the bench waiting forever once: the loop also checks a flag, and the cancel is repeated."""
+        self._stopping = True
+        task = self._task
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
 
     def batch_done_at(self, t: float) -> float:
         """Batch results at time ``t``, interpolated between samples."""
