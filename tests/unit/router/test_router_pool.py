@@ -199,7 +199,7 @@ def test_interactive_arrivals_feed_a_decaying_rate_and_their_durations_an_ewma()
     pool = EndpointPool(None, clock=lambda: clock.now, duration_ewma_alpha=0.5)  # type: ignore[arg-type]
     ep = Endpoint("http://e")
     shares = []
-    for k in range(10):  # 10 arrivals at once: 10 × 1/τ = 1.0 per second with τ = 10 s
+    for _ in range(10):  # 10 arrivals at once: 10 × 1/τ = 1.0 per second with τ = 10 s
         shares.append(pool.started(ep, 10))
     pool.started(ep, 10, sheddable=True)  # batch does not count
     assert ep.interactive_rate(0.0) == pytest.approx(1.0)
