@@ -450,7 +450,7 @@ def svg_line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, 
     ``{label: x}``. Axes start at 0."""
     from xml.sax.saxutils import escape
 
-    colors = ("#2563eb", "#d97706", "#6b7280", "#7c3aed", "#059669", "#db2777", "#0891b2", "#65a30d")
+    colors = ("#2563eb", "#d97706", "#6b7280", "#7c3aed", "#059669", "#db2777", "#0891b2", "#65a30d", "#111827")
     left, right, bottom = 56, 16, 44
     legend: list[tuple[float, int]] = []  # (x, row) of each series' legend entry: rows wrap at the width
     lx, row = left + 8.0, 0
