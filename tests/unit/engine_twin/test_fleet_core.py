@@ -256,12 +256,17 @@ def test_step_model_matches_the_documented_formula():
 
 
 def test_background_prefill_chunks_share_at_most_the_background_budget_per_step():
-    core = make_core(max_num_batched_tokens=100, background_priority_threshold=5, max_background_prefill_tokens=12)
+    core = make_core(max_num_batched_tokens=100, background_priority_threshold=5, max_background_prefill_tokens=12,
+                     scheduling_policy="priority")
     core.add(request("b1", 20, priority=10), 0.0)
     core.add(request("b2", 20, priority=10), 0.0)
     steps = [core.step(0.0).scheduled for _ in range(3)]
     # 12 background tokens per step in all: b1 takes them, then b1's last 8 and 4 of b2, ...
     assert steps == [{"b1": 12}, {"b1": 8, "b2": 4}, {"b1": 1, "b2": 12}]
+    # under FCFS vLLM ignores priority, so nothing is background
+    fcfs = make_core(max_num_batched_tokens=100, background_priority_threshold=5, max_background_prefill_tokens=12)
+    fcfs.add(request("b1", 20, priority=10), 0.0)
+    assert fcfs.step(0.0).scheduled == {"b1": 20}
 
 
 def test_no_background_prefill_in_a_step_that_starts_with_a_foreground_prefill_waiting_or_partial():
