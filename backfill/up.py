@@ -252,11 +252,19 @@ def _wait_processor_groups(stack: Stack) -> None:
         raise click.ClickException(f"{exc} (see {log})" if isinstance(exc, TimeoutError) else str(exc)) from None
 
 
+SIM_MAX_NUM_SEQS = 256
+"""The simulated engines' ``--max-num-seqs`` (the twin's default), told to the router."""
+
+
 def start_engines(stack: Stack, count: int, served_model_names: list[str],
-                  engine_urls: list[str]) -> None:
+                  engine_urls: list[str], *, background_prefill: bool = True,
+                  max_background_prefill_tokens: int | None = None) -> None:
     """Use ``engine_urls`` (real vLLM servers) when given; otherwise start ``count`` simulated
-    engines serving ``served_model_names`` on free ports and wait until each answers ``/health``."""
-    from engine_twin.launch import sim_engine_argv, wait_ready
+    engines serving ``served_model_names`` on free ports and wait until each answers ``/health``.
+    ``background_prefill``: the simulated engines bound batch and async prefills per step
+    (``--background-priority-threshold``, ``engine_twin/core.py``; ``max_background_prefill_tokens``
+    None: the twin's default)."""
+    from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, sim_engine_argv, wait_ready
 
     if engine_urls:
         stack.engine_urls = [url.rstrip("/") for url in engine_urls]
@@ -264,7 +272,10 @@ def start_engines(stack: Stack, count: int, served_model_names: list[str],
     for index in range(count):
         engine_port = free_port()
         name = f"engine-{index}"
-        stack.start(name, sim_engine_argv(engine_port, served_model_names))
+        stack.start(name, sim_engine_argv(
+            engine_port, served_model_names,
+            background_priority_threshold=BACKGROUND_PRIORITY_THRESHOLD if background_prefill else None,
+            max_background_prefill_tokens=max_background_prefill_tokens))
         stack.engine_urls.append(f"http://127.0.0.1:{engine_port}")
     for index, url in enumerate(stack.engine_urls):
         try:
@@ -292,8 +303,11 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     port = free_port(host)
     stack.router_url = f"http://{host}:{port}"
     stack.env["BACKFILL_ROUTER_URL"] = stack.router_url  # the gateway's dashboard reads its admin JSON
+    # simulated engines have the twin's 256 slots; learning them from scrapes would read the twin's
+    # deferred background prefills (waiting beside free slots) as full slots
+    slots = ["--max-num-seqs", str(SIM_MAX_NUM_SEQS)] if simulated else []
     stack.start("router", router_argv(port, stack.engine_urls, host=host, engine_priority=simulated,
-                                      extra=["--log-level", "INFO"]))
+                                      extra=["--log-level", "INFO", *slots]))
     _wait_ready(f"{stack.router_url}/health", stack, owner="router")
 
 

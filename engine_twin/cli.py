@@ -70,6 +70,11 @@ def sim_parser() -> argparse.ArgumentParser:
         "accepted and stored, no behaviour yet")
     add("--retention-priority-threshold", type=int, help="requests with a vLLM priority at least this keep their "
         "own KV blocks at the lowest retention (default: off; a body field kv_retention_priority sets it too)")
+    add("--background-priority-threshold", type=int, help="requests with a vLLM priority at least this are "
+        "background: their prefill chunks get at most --max-background-prefill-tokens per step, none while a "
+        "foreground prefill is pending (a twin extension; vLLM has no such flag; default: off)")
+    add("--max-background-prefill-tokens", type=int, help="prefill tokens all background requests together "
+        "get per step (with --background-priority-threshold)")
     add("--model-params", type=float, help="step model: parameters of the model")
     add("--model-dtype-bytes", type=float, help="step model: bytes per parameter and per KV value")
     add("--num-hidden-layers", type=int, help="step model: transformer layers")

@@ -32,6 +32,22 @@ One step, as vLLM V1's ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py
    ``max_num_partial_prefills > 1``, enforces both per step as vLLM V0 and #49075 do: a prefill chunk
    beyond either limit is skipped this step (running) or left waiting (waiting).
 
+4. **Background prefills bounded per step** (a twin extension: vLLM has no such knob; in vLLM it
+   would be a ``--scheduler-cls`` plugin subclassing ``Scheduler``). With
+   ``--background-priority-threshold`` set, a request whose ``priority`` is at least the threshold is
+   *background* (the router sends vLLM priority −100 for interactive, −10 for async and 10 for
+   batch work; the fleet's launchers set the threshold to −10, ``engine_twin/launch.py``). Only
+   under ``--scheduling-policy priority``: under FCFS the priority field is ignored, as in vLLM. Its prefill chunks (any chunk of a request with more than one token
+   left to compute; decode tokens are never limited) share at most
+   ``--max-background-prefill-tokens`` of the step's budget, all background requests together, and
+   get **none** in a step that starts while a foreground prefill is pending: a foreground request
+   at the head of the waiting queue (under the priority policy the head is foreground whenever any
+   foreground request waits) or a running foreground request with more than one token left. A
+   background chunk past the share is skipped this step (running) or left waiting (waiting; the
+   rest of the queue is background too). So a step never carries more than the share of batch
+   prefill beside an interactive request's prefill, and an interactive request that arrives during
+   a step waits at most one step of ``fixed + share × 32 µs`` (default step model) for its own.
+
 After the schedule, every scheduled request's computed tokens advance; one that has computed all its
 tokens samples one (its first token when it had none); one with ``max_tokens`` tokens finishes and
 frees its blocks. Full blocks of prompt tokens are cached as they are computed (``BlockStored``);
@@ -182,6 +198,8 @@ class EngineCore:
         threshold = settings.long_prefill_token_threshold
         self._threshold = threshold
         self._limit_partials = settings.max_num_partial_prefills > 1
+        # FCFS zeroes every priority (as vLLM ignores it), so background needs the priority policy
+        self._background = settings.background_priority_threshold if self.policy_priority else None
 
     # ---- views -----------------------------------------------------------------------------
     @property
@@ -243,6 +261,13 @@ class EngineCore:
         stores_before = (cache.stats.cpu_stores, cache.stats.disk_stores)
 
         running = self.running
+        background = self._background
+        bg_left = budget  # background prefill tokens left this step (item 4 of the module doc)
+        if background is not None:
+            head = self.waiting.peek()
+            pending = (head is not None and head.priority < background) or any(
+                r.priority < background and r.num_tokens - r.num_computed_tokens > 1 for r in running)
+            bg_left = 0 if pending else settings.max_background_prefill_tokens
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -251,6 +276,13 @@ class EngineCore:
                 n = threshold
             if n > budget:
                 n = budget
+            bg_chunk = background is not None and n > 1 and req.priority >= background
+            if bg_chunk:
+                if bg_left <= 0:
+                    i += 1
+                    continue
+                if n > bg_left:
+                    n = bg_left
             if self._limit_partials and n > 1 and not self._partial_allowed(req, scheduled):
                 i += 1
                 continue
@@ -274,6 +306,8 @@ class EngineCore:
                 break
             scheduled[req] = n
             budget -= n
+            if bg_chunk:
+                bg_left -= n
             i += 1
 
         if not preempted:
@@ -295,6 +329,12 @@ class EngineCore:
                     n = threshold
                 if n > budget:
                     n = budget
+                bg_chunk = background is not None and req.priority >= background
+                if bg_chunk:
+                    if bg_left <= 0:
+                        break
+                    if n > bg_left:
+                        n = bg_left
                 new_blocks = -(-(cached + n) // bs) - hits.blocks
                 table = cache.admit(req.hashes, hits, new_blocks, req.prompt, req.retention)
                 if table is None:
@@ -315,6 +355,8 @@ class EngineCore:
                 running.append(req)
                 scheduled[req] = n
                 budget -= n
+                if bg_chunk:
+                    bg_left -= n
             for req in reversed(skipped):
                 self.waiting.prepend(req)
 

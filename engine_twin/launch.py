@@ -34,6 +34,10 @@ FLEET_RETENTION_PRIORITY_THRESHOLD = 1
 batch requests (≥ 1) keep their own KV blocks at retention 0 while interactive and async keep the
 default 35 (the cache-pollution guard; ``backfill bench pollution`` measures it). The simulator's own
 default stays off, as real vLLM has no per-request retention (docs/engine-simulator.md)."""
+BACKGROUND_PRIORITY_THRESHOLD = -10
+"""The fleet's ``--background-priority-threshold``: the router sends vLLM priority −100 for
+interactive, −10 for async and 10 for batch work (``−`` the flow-control band's priority), so
+async and batch (and requests sent with no priority, 0) are background (``engine_twin/core.py``)."""
 
 
 def kv_events_config_json(endpoint: str, host: str, port: int, model: str, replay_endpoint: str | None = None) -> str:
@@ -51,6 +55,8 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                     tokenizer: str | None = None, kv_events_layout: str = "map",
                     scheduling_policy: str = "priority", kv_events_replay_endpoint: str | None = None,
                     retention_priority_threshold: int | None = FLEET_RETENTION_PRIORITY_THRESHOLD,
+                    background_priority_threshold: int | None = None,
+                    max_background_prefill_tokens: int | None = None,
                     extra: Sequence[str] = ()) -> list[str]:
     """argv of one simulated engine (``backfill engine-sim …``), ready for ``subprocess.Popen``.
 
@@ -61,7 +67,10 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
     ``priority`` is at least this keep their own blocks at KV retention 0 (default
     :data:`FLEET_RETENTION_PRIORITY_THRESHOLD`; None leaves the flag out, the simulator's default
     off; it acts only under ``scheduling_policy="priority"``, as FCFS zeroes ``priority``).
-    Raises ``ValueError`` without a model name.
+    ``background_priority_threshold`` (the fleet's launchers pass
+    :data:`BACKGROUND_PRIORITY_THRESHOLD`; None: off) and ``max_background_prefill_tokens`` bound
+    batch prefills per step (a twin extension, effective under the priority policy only). Raises
+    ``ValueError`` without a model name.
     """
     if not served_model_names:
         raise ValueError("served_model_names needs at least one name")
@@ -72,7 +81,9 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
     optional: dict[str, Any] = {"--num-gpu-blocks-override": num_gpu_blocks, "--max-num-seqs": max_num_seqs,
                                 "--max-model-len": max_model_len, "--time-scale": time_scale,
                                 "--tokenizer": tokenizer,
-                                "--retention-priority-threshold": retention_priority_threshold}
+                                "--retention-priority-threshold": retention_priority_threshold,
+                                "--background-priority-threshold": background_priority_threshold,
+                                "--max-background-prefill-tokens": max_background_prefill_tokens}
     if cpu_offload_blocks:
         optional["--cpu-offload-blocks"] = cpu_offload_blocks
     for flag, value in optional.items():

@@ -44,7 +44,14 @@ from router.responses import ResponsesAPI
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
 from router.scheduling.plugins.session import working_set_of
-from router.scheduling.saturation import SaturationThresholds, endpoint_saturation, fleet_saturation, gate_saturation
+from router.scheduling.saturation import (
+    SaturationThresholds,
+    endpoint_reserve,
+    endpoint_saturation,
+    fleet_saturation,
+    gate_saturation,
+    reserve_in_use,
+)
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Endpoint
 from router.settings import RouterSettings
@@ -66,7 +73,9 @@ class RouterRuntime:
         self.thresholds = SaturationThresholds(
             queue_threshold=settings.queue_threshold, kv_threshold=settings.kv_threshold,
             max_metrics_age_s=settings.max_metrics_age_s, in_flight_credit=True,
-            slot_reserve_fraction=settings.slot_reserve_fraction, min_slot_reserve=settings.min_slot_reserve)
+            slot_reserve_fraction=settings.slot_reserve_fraction, min_slot_reserve=settings.min_slot_reserve,
+            reserve_from_arrivals=settings.reserve_from_arrivals, batch_prefill_share=settings.batch_prefill_share,
+            max_num_batched_tokens=settings.max_num_batched_tokens)
         self.pool: EndpointPool | None = None
         self.scheduler: Scheduler | None = None
         self.flow: FlowController | None = None
@@ -94,6 +103,7 @@ class RouterRuntime:
         ``spare-capacity-filter`` reads the same per-endpoint detector (:meth:`scheduling_saturation`).
         Sheddable values count the idle sessions' working set as used KV (:meth:`session_working_set`)."""
         assert self.pool is not None
+        self.pool.expire_prefills()
         candidates = self.pool.candidates()
         pending = 0
         if self.flow is not None:
@@ -123,6 +133,8 @@ class RouterRuntime:
         """One endpoint's saturation with the scrape-lag credit, for the ``spare-capacity-filter``
         (the request being placed is already counted by its endpoint's in-flight counters once
         forwarded; pending ones are not placed here)."""
+        if self.pool is not None:
+            self.pool.expire_prefills()
         return endpoint_saturation(endpoint, time.monotonic(), self.thresholds,
                                    working_set_tokens=self.session_working_set().get(endpoint.name, 0))
 
@@ -143,6 +155,7 @@ def admin_state(rt: RouterRuntime) -> RouterState:
         ep, m = state.endpoint, state.metrics
         age = None if ep.metrics_updated_at is None else now - ep.metrics_updated_at
         saturation = saturations.get(ep.name) if state.healthy else None
+        evictions, evicted_tokens = rt.metrics.evictions_of(ep.name) if rt.metrics is not None else ({}, 0)
         endpoints.append(EndpointState(
             name=ep.name, healthy=state.healthy, models=state.models,
             num_requests_waiting=ep.num_requests_waiting, num_requests_running=ep.num_requests_running,
@@ -158,6 +171,9 @@ def admin_state(rt: RouterRuntime) -> RouterState:
             prefix_cache_hit_rate=_ratio(m.prefix_cache_hits, m.prefix_cache_queries),
             external_prefix_cache_hit_rate=_ratio(m.external_prefix_cache_hits, m.prefix_cache_queries),
             last_error=state.last_error,
+            slot_reserve=endpoint_reserve(ep, now, rt.thresholds), reserve_in_use=reserve_in_use(ep, now, rt.thresholds),
+            interactive_rate_per_s=ep.interactive_rate(now), batch_prefill_tokens=ep.in_flight_sheddable_prefill_tokens,
+            num_preemptions=ep.num_preemptions, evictions=evictions, evicted_tokens=evicted_tokens,
         ))
     bands = [BandState(**band) for band in rt.flow.stats()["bands"]] if rt.flow is not None else []
     return RouterState(
@@ -295,7 +311,8 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
         pool = rt.pool = EndpointPool(control, scrape_interval_s=settings.scrape_interval_s,
                                       health_interval_s=settings.health_interval_s,
                                       unhealthy_after=settings.unhealthy_after, on_change=kick,
-                                      max_num_seqs=settings.max_num_seqs)
+                                      max_num_seqs=settings.max_num_seqs,
+                                      batch_prefill_window_s=settings.batch_prefill_window_s)
         handle = PluginHandle(saturation=rt.scheduling_saturation)
         static_kv = [parse_connect_spec(spec, settings.kv_events_replay_port_offset)
                      for spec in settings.kv_events_connect]
@@ -336,7 +353,7 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                                           default_objective=flow_config.default_objective,
                                           sheddable_objectives=frozenset(
                                               band.objective for band in flow_config.bands if band.sheddable),
-                                          make_room=settings.make_room)
+                                          make_room=settings.make_room, evict_on_wait=settings.evict_on_wait)
         rt.proxy = app[PROXY_KEY] = Proxy(director=director, tokenizer=tokenizer, session=forward, observer=metrics,
                                           engine_priority=settings.engine_priority,
                                           max_body_bytes=settings.max_body_bytes,

@@ -41,6 +41,12 @@ from router.settings import build_settings
 @click.option("--make-room/--no-make-room", "make_room", default=None,
               help="evict the newest sheddable request on an engine with no free slot for an interactive one "
                    "(default on)")
+@click.option("--evict-on-wait/--no-evict-on-wait", "evict_on_wait", default=None,
+              help="also evict the newest batch request in prefill on an engine an interactive request would "
+                   "wait on (default off)")
+@click.option("--batch-prefill-share", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="bound batch prompt tokens in prefill per engine to this share of --max-num-batched-tokens "
+                   "(default: no bound)")
 @click.option("--state-redis-url", default=None,
               help="Redis URL for the Responses API state shared by every replica (store, previous_response_id)")
 @click.option("--responses-ttl-s", type=click.IntRange(min=1), default=None,

@@ -38,7 +38,7 @@ from router.observer import RouterObserver
 from router.parsing import ParsedRequest
 from router.pool import EndpointPool, InFlight
 from router.scheduling.errors import NoCandidatesError
-from router.scheduling.saturation import free_slots, unseen_requests
+from router.scheduling.saturation import effective_waiting, free_slots, unseen_requests
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Endpoint, LLMRequest, PrefixMatchInfo, SchedulingResult
 from router.tokenizers import Prompt, to_llm_request
@@ -107,6 +107,11 @@ EVICTED = Interruption(429, "evicted to make room for higher-priority work; retr
 ENDPOINT_DOWN = Interruption(503, "the inference endpoint went down", "upstream_failed")
 
 _EVICTED = "evicted"
+
+#: Reasons of an eviction for a non-sheddable request (``RouterObserver.evicted``; :meth:`Director.make_room`).
+NO_FREE_SLOT = "no_free_slot"
+BATCH_PREFILL = "batch_prefill"
+ENGINE_QUEUE = "engine_queue"
 _ENDPOINT_DOWN = "endpoint_down"
 
 
@@ -114,7 +119,8 @@ class Attempt:
     """One try of a request on one endpoint: its share of the endpoint's in-flight counters,
     whether anything reached the client, and why the router interrupted it, if it did."""
 
-    __slots__ = ("task", "pool", "endpoint", "share", "admission", "priority", "reason", "sent", "cached_tokens")
+    __slots__ = ("task", "pool", "endpoint", "share", "admission", "priority", "reason", "sent", "cached_tokens",
+                 "chunks")
 
     def __init__(self, task: asyncio.Task[object], pool: EndpointPool, share: InFlight,
                  admission: Admission | None = None, priority: int = 0) -> None:
@@ -127,9 +133,11 @@ class Attempt:
         self.reason: str | None = None
         self.sent = False
         self.cached_tokens: int | None = None
+        self.chunks = 0  # stream chunks relayed (about one generated token each)
 
     def chunk_sent(self) -> None:
         """A body chunk of a stream reached the client: the prefill is over."""
+        self.chunks += 1
         if not self.sent:
             self.sent = True
             self.pool.first_chunk(self.share)
@@ -202,12 +210,15 @@ class Director:
             ``spare-capacity-filter`` places them on engines with room only).
         make_room: evict a sheddable request to make room for a non-sheddable one on an endpoint
             with no free slot (:meth:`make_room`; the router's ``make_room`` setting, default on).
+        evict_on_wait: evict-and-resume also when the endpoint has a free slot but the
+            non-sheddable request would still wait there (:meth:`make_room`; the router's
+            ``evict_on_wait`` setting, default off).
     """
 
     def __init__(self, *, pool: EndpointPool, scheduler: Scheduler, profile: str | None,
                  flow: FlowController | None, observer: RouterObserver, objective_priority: dict[str, int],
                  default_objective: str, sheddable_objectives: frozenset[str] = frozenset(),
-                 make_room: bool = False) -> None:
+                 make_room: bool = False, evict_on_wait: bool = False) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.profile = profile
@@ -217,6 +228,7 @@ class Director:
         self.default_objective = default_objective
         self.sheddable_objectives = sheddable_objectives
         self.make_room_enabled = make_room
+        self.evict_on_wait = evict_on_wait
         self.decisions = DecisionRate()
         self._attempts: dict[str, set[Attempt]] = {}  # endpoint name → tries running there
 
@@ -307,7 +319,7 @@ class Director:
             if result is None:
                 return forwarder.rejected(NO_ENDPOINT)
             tried.add(result.endpoint.name)
-            if self.make_room_enabled and not llm_request.sheddable and not made_room:
+            if (self.make_room_enabled or self.evict_on_wait) and not llm_request.sheddable and not made_room:
                 made_room = self.make_room(result.endpoint) is not None
             share = self.pool.started(result.endpoint, _uncached_tokens(result, llm_request),
                                      sheddable=llm_request.sheddable)
@@ -340,7 +352,21 @@ class Director:
 
     def make_room(self, endpoint: Endpoint) -> Attempt | None:
         """Evict a sheddable request from ``endpoint`` for a non-sheddable one about to go there,
-        when the endpoint has no free sequence slot; returns the evicted try, or None.
+        when the endpoint has no free sequence slot (reason ``no_free_slot``, with ``make_room``) or,
+        with ``evict_on_wait``, when the request would wait there all the same: sheddable prefills
+        in flight there (reason ``batch_prefill``: the router's ``in_flight_sheddable_prefill_tokens``
+        > 0; vLLM V1 puts every waiting prefill into the next step up to its token budget, so the
+        interactive prefill shares its step with them) or requests waiting there (reason
+        ``engine_queue``: :func:`router.scheduling.saturation.effective_waiting` > 0). For
+        ``batch_prefill`` the victim is the newest sheddable request still in prefill; returns the
+        evicted try, or None.
+
+        Tokens wasted (``RouterObserver.evicted``): what the engine computed for the victim that
+        its redo computes again is not knowable here (the redo finds the victim's full prompt blocks
+        cached, if they were computed and stay cached); the router reports the victim's uncached
+        prompt tokens as estimated at its dispatch plus the stream chunks it relayed (about one
+        generated token each; none for a non-streamed request): an upper bound of the prompt work
+        lost, exact for its generated tokens when streamed.
 
         On a slot-bound engine scheduled first come first served (vLLM without priority
         scheduling never preempts a running request; with it, priority orders only the waiting
@@ -358,16 +384,28 @@ class Director:
         ``evicted`` and released, the upstream request is cancelled, so the engine aborts it, and
         its client gets 429 ``evicted`` with ``Retry-After``).
         """
-        if endpoint.slots is None or free_slots(endpoint) > unseen_requests(endpoint) \
-                or endpoint.in_flight_requests < endpoint.slots:
-            return None
         victims = [a for a in self._attempts.get(endpoint.name, ()) if a.share.sheddable and a.reason is None]
         if not victims:
+            return None
+        reason = None
+        if self.make_room_enabled and endpoint.slots is not None and free_slots(endpoint) <= unseen_requests(endpoint) \
+                and endpoint.in_flight_requests >= endpoint.slots:
+            reason = NO_FREE_SLOT
+        elif self.evict_on_wait:
+            self.pool.expire_prefills()
+            prefilling = [a for a in victims if self.pool.in_prefill(a.share)]
+            if prefilling:
+                reason, victims = BATCH_PREFILL, prefilling
+            elif effective_waiting(endpoint) > 0:
+                reason = ENGINE_QUEUE
+        if reason is None:
             return None
         victim = min(victims, key=lambda a: (a.priority, -a.share.started_at))
         if victim.admission is None or self.flow is None or not self.flow.evict(victim.admission):
             victim.interrupt(_EVICTED)  # no flow control (or its slot is gone already): cancel it here
-        self.observer.made_room(endpoint.name)
+        if reason is NO_FREE_SLOT:
+            self.observer.made_room(endpoint.name)
+        self.observer.evicted(endpoint.name, reason, victim.share.dispatched + victim.chunks)
         return victim
 
     def endpoint_down(self, name: str) -> None:

@@ -13,6 +13,17 @@ series                                                 type       labels
 ``backfill_router_shed_total``                         counter    ``band``, ``reason``
 ``backfill_router_make_room_evictions_total``         counter    ``endpoint`` (sheddable requests
                                                                   evicted for non-sheddable ones)
+``backfill_router_evictions_total``                    counter    ``endpoint``, ``reason`` (sheddable
+                                                                  requests evicted for non-sheddable
+                                                                  ones: ``no_free_slot``,
+                                                                  ``batch_prefill``, ``engine_queue``)
+``backfill_router_evicted_tokens_total``               counter    ``endpoint`` (estimated tokens
+                                                                  wasted by those evictions)
+``backfill_router_endpoint_slot_reserve``              gauge      ``endpoint`` (slots kept for
+                                                                  non-sheddable work)
+``backfill_router_endpoint_reserve_in_use``            gauge      ``endpoint``
+``backfill_router_endpoint_batch_prefill_tokens``      gauge      ``endpoint`` (sheddable prompt
+                                                                  tokens in prefill)
 ``backfill_router_flow_queue_requests``                gauge      ``band``
 ``backfill_router_flow_queue_bytes``                   gauge      ``band``
 ``backfill_router_flow_wait_seconds``                  histogram  ``band``
@@ -89,6 +100,15 @@ class RouterMetrics:
             "backfill_router_make_room_evictions",
             "Sheddable requests evicted to make room for non-sheddable ones on an endpoint with no free slot.",
             ["endpoint"], registry=reg)
+        self.evictions = Counter("backfill_router_evictions",
+                                 "Sheddable requests evicted for non-sheddable ones, by endpoint and reason.",
+                                 ["endpoint", "reason"], registry=reg)
+        self.evicted_tokens = Counter("backfill_router_evicted_tokens",
+                                      "Estimated tokens wasted by evictions (uncached prompt tokens at dispatch plus "
+                                      "stream chunks relayed; router/director.py Director.make_room).",
+                                      ["endpoint"], registry=reg)
+        self._evictions: dict[str, dict[str, int]] = {}
+        self._evicted_tokens: dict[str, int] = {}
         self.flow_wait = Histogram("backfill_router_flow_wait_seconds", "Time waiting in flow control.",
                                    ["band"], buckets=WAIT_BUCKETS, registry=reg)
         self.first_byte_seconds = Histogram("backfill_router_time_to_first_byte_seconds",
@@ -118,6 +138,18 @@ class RouterMetrics:
     def made_room(self, endpoint: str) -> None:
         """One sheddable request evicted on ``endpoint`` for a non-sheddable one."""
         self.make_room_evictions.labels(endpoint).inc()
+
+    def evicted(self, endpoint: str, reason: str, wasted_tokens: int) -> None:
+        """One sheddable request evicted on ``endpoint`` for a non-sheddable one."""
+        self.evictions.labels(endpoint, reason).inc()
+        self.evicted_tokens.labels(endpoint).inc(wasted_tokens)
+        by_reason = self._evictions.setdefault(endpoint, {})
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+        self._evicted_tokens[endpoint] = self._evicted_tokens.get(endpoint, 0) + wasted_tokens
+
+    def evictions_of(self, endpoint: str) -> tuple[dict[str, int], int]:
+        """``(evictions by reason, estimated wasted tokens)`` on ``endpoint`` since start (for /admin/state)."""
+        return dict(self._evictions.get(endpoint, {})), self._evicted_tokens.get(endpoint, 0)
 
     def admitted(self, objective: str, waited_s: float) -> None:
         """One request released by flow control after ``waited_s`` seconds."""
@@ -179,6 +211,13 @@ class _LiveCollector(Collector):
                      ("endpoint",), [((e.name,), e.in_flight_requests) for e in eps])
         yield _gauge("backfill_router_endpoint_in_flight_tokens", "Uncached prompt tokens of in-flight requests.",
                      ("endpoint",), [((e.name,), e.in_flight_uncached_tokens) for e in eps])
+        yield _gauge("backfill_router_endpoint_slot_reserve", "Sequence slots kept for non-sheddable work.",
+                     ("endpoint",), [((e.name,), e.slot_reserve) for e in eps if e.slot_reserve is not None])
+        yield _gauge("backfill_router_endpoint_reserve_in_use", "Reserved slots held by non-sheddable requests.",
+                     ("endpoint",), [((e.name,), e.reserve_in_use) for e in eps])
+        yield _gauge("backfill_router_endpoint_batch_prefill_tokens",
+                     "Sheddable prompt tokens the router counts as in prefill there.",
+                     ("endpoint",), [((e.name,), e.batch_prefill_tokens) for e in eps])
         bands = state.bands
         yield _gauge("backfill_router_flow_queue_requests", "Requests waiting in flow control.", ("band",),
                      [((b.objective,), b.queued_requests) for b in bands])

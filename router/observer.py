@@ -23,6 +23,11 @@ class RouterObserver(Protocol):
         """A sheddable request on ``endpoint`` was evicted to make room for a non-sheddable one
         (the director's make-room; the victim's own ``shed(…, "evicted")`` follows when it ends)."""
 
+    def evicted(self, endpoint: str, reason: str, wasted_tokens: int) -> None:
+        """A sheddable request on ``endpoint`` was evicted for a non-sheddable one (``reason``:
+        ``no_free_slot``, ``batch_prefill``, ``engine_queue``); ``wasted_tokens``: the router's
+        estimate of the work lost (``Director.make_room``)."""
+
     def admitted(self, objective: str, waited_s: float) -> None:
         """Flow control released a request after ``waited_s`` seconds since it was received."""
 

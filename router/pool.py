@@ -25,6 +25,19 @@ The in-flight counters on each :class:`~router.scheduling.types.Endpoint` (reque
 uncached prompt tokens still to prefill, sheddable requests) change only through :meth:`EndpointPool.started`,
 :meth:`EndpointPool.first_chunk` and :meth:`EndpointPool.finished`.
 
+**Sheddable prefills in flight** (the batch prefill share, ``router/scheduling/saturation.py``):
+a sheddable request's uncached prompt tokens count in ``in_flight_sheddable_prefill_tokens`` from
+:meth:`EndpointPool.started` until its first streamed chunk, its end, or ``batch_prefill_window_s``
+after it was sent (:meth:`EndpointPool.expire_prefills`), whichever comes first: batch requests are
+not streamed, so the router cannot see their prefill end; the window (default 0.25 s, about one
+full-budget step of an 8B model on an H100: 8,192 tokens × 32 µs) stands for it.
+
+**Interactive arrivals and durations** (the reserve sized by Little's law): each non-sheddable
+request forwarded adds to the endpoint's exponentially weighted arrival rate
+(``rate ← rate × e^(−Δt/τ) + 1/τ``, τ = ``interactive_rate_tau_s``, 10 s: the rate of a Poisson
+stream is estimated within about ±1/√(λτ), ±14 % at 5 requests/s), and each completed one to
+``mean_interactive_duration_s`` (the same EWMA as ``mean_request_duration_s``).
+
 Endpoints are named by their base URL, the key of every per-endpoint index.
 """
 
@@ -33,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -54,6 +68,7 @@ SCRAPED_SERIES = (
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
     "vllm:external_prefix_cache_hits",
+    "vllm:num_preemptions",
 )
 _WANTED_PREFIXES = tuple(s.encode() for s in SCRAPED_SERIES)
 
@@ -73,6 +88,7 @@ class EngineMetrics:
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
     external_prefix_cache_hits: float = 0.0
+    num_preemptions: float = 0.0
 
 
 def parse_engine_metrics(text: bytes) -> EngineMetrics:
@@ -107,6 +123,8 @@ def parse_engine_metrics(text: bytes) -> EngineMetrics:
                 out.prefix_cache_hits += sample.value
             elif name == "vllm:external_prefix_cache_hits":
                 out.external_prefix_cache_hits += sample.value
+            elif name == "vllm:num_preemptions":
+                out.num_preemptions += sample.value
     if kv_values:
         out.kv_cache_usage_perc = sum(kv_values) / len(kv_values)
     return out
@@ -160,16 +178,18 @@ class InFlight:
     endpoint goes down the pool resets its counters; the shares taken before no longer count.
     """
 
-    __slots__ = ("endpoint", "tokens", "sheddable", "counted", "generation", "started_at")
+    __slots__ = ("endpoint", "tokens", "sheddable", "counted", "generation", "started_at", "prefill", "dispatched")
 
     def __init__(self, endpoint: Endpoint, tokens: int, generation: int, started_at: float,
                  sheddable: bool = False) -> None:
         self.endpoint = endpoint
         self.tokens = tokens
+        self.dispatched = tokens  # uncached prompt tokens estimated at dispatch (kept after the prefill)
         self.sheddable = sheddable
         self.counted = True
         self.generation = generation
         self.started_at = started_at
+        self.prefill = sheddable  # counted in the endpoint's in_flight_sheddable_prefill_tokens
 
 
 class EndpointPool:
@@ -187,6 +207,9 @@ class EndpointPool:
             requests, so a change of load shows within a few seconds on a busy engine).
         max_num_seqs: every engine's sequence slots (vLLM's ``--max-num-seqs``) when configured;
             None: each endpoint's is learned from its scrapes (module docstring).
+        batch_prefill_window_s: seconds a sheddable request's tokens count as in prefill at most
+            (module docstring).
+        interactive_rate_tau_s: time constant of the interactive arrival rate, seconds.
     """
 
     def __init__(
@@ -200,12 +223,17 @@ class EndpointPool:
         on_change: Callable[[], None] | None = None,
         duration_ewma_alpha: float = 0.1,
         max_num_seqs: int | None = None,
+        batch_prefill_window_s: float = 0.25,
+        interactive_rate_tau_s: float = 10.0,
     ) -> None:
         if not 0.0 < duration_ewma_alpha <= 1.0:
             raise ValueError(f"duration_ewma_alpha must be in (0, 1], got {duration_ewma_alpha}")
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
+        self.batch_prefill_window_s = batch_prefill_window_s
+        self.interactive_rate_tau_s = interactive_rate_tau_s
+        self._prefills: dict[str, deque[InFlight]] = {}  # endpoint → sheddable shares in prefill, oldest first
         self.duration_ewma_alpha = duration_ewma_alpha
         self._session = session
         self.scrape_interval_s = scrape_interval_s
@@ -288,15 +316,41 @@ class EndpointPool:
     def started(self, endpoint: Endpoint, uncached_tokens: int, sheddable: bool = False) -> InFlight:
         """A request was forwarded to ``endpoint`` with ``uncached_tokens`` of prefill work;
         ``sheddable``: it is of a sheddable band (counted in ``in_flight_sheddable`` too)."""
+        now = self.clock()
         endpoint.in_flight_requests += 1
         endpoint.in_flight_uncached_tokens += uncached_tokens
+        share = InFlight(endpoint, uncached_tokens, self._generation.get(endpoint.name, 0), now, sheddable)
         if sheddable:
             endpoint.in_flight_sheddable += 1
-        return InFlight(endpoint, uncached_tokens, self._generation.get(endpoint.name, 0), self.clock(),
-                        sheddable)
+            endpoint.in_flight_sheddable_prefill_tokens += uncached_tokens
+            self._prefills.setdefault(endpoint.name, deque()).append(share)
+        else:
+            tau = self.interactive_rate_tau_s
+            endpoint.interactive_rate_per_s = endpoint.interactive_rate(now, tau) + 1.0 / tau
+            endpoint.interactive_rate_at = now
+        return share
+
+    def expire_prefills(self) -> None:
+        """Stop counting as in prefill the sheddable requests sent over ``batch_prefill_window_s`` ago."""
+        cutoff = self.clock() - self.batch_prefill_window_s
+        for queue in self._prefills.values():
+            while queue and (queue[0].started_at <= cutoff or not queue[0].prefill):
+                self._end_prefill(queue.popleft())
+
+    def in_prefill(self, share: InFlight) -> bool:
+        """Whether the request of ``share`` counts as in prefill now (sheddable ones only)."""
+        return share.prefill and share.started_at > self.clock() - self.batch_prefill_window_s
+
+    def _end_prefill(self, share: InFlight) -> None:
+        if share.prefill:
+            share.prefill = False
+            if self._counts(share):
+                ep = share.endpoint
+                ep.in_flight_sheddable_prefill_tokens = max(0, ep.in_flight_sheddable_prefill_tokens - share.dispatched)
 
     def first_chunk(self, share: InFlight) -> None:
         """The request's prefill is over: remove its uncached tokens (idempotent)."""
+        self._end_prefill(share)
         if share.tokens and self._counts(share):
             ep = share.endpoint
             ep.in_flight_uncached_tokens = max(0, ep.in_flight_uncached_tokens - share.tokens)
@@ -317,6 +371,10 @@ class EndpointPool:
                 mean = ep.mean_request_duration_s
                 ep.mean_request_duration_s = duration if mean is None else \
                     mean + self.duration_ewma_alpha * (duration - mean)
+                if not share.sheddable:
+                    mean = ep.mean_interactive_duration_s
+                    ep.mean_interactive_duration_s = duration if mean is None else \
+                        mean + self.duration_ewma_alpha * (duration - mean)
         share.counted = False
 
     def _counts(self, share: InFlight) -> bool:
@@ -416,6 +474,7 @@ class EndpointPool:
         if ep.learned_max_num_seqs is not None or (metrics.num_requests_waiting > 0 and metrics.num_requests_running > 0):
             ep.learned_max_num_seqs = ep.peak_running  # it was full once: peak_running is its batch size
         ep.kv_cache_usage_perc = metrics.kv_cache_usage_perc
+        ep.num_preemptions = int(metrics.num_preemptions)
         if metrics.block_size is not None:
             ep.block_size = metrics.block_size
         if metrics.num_gpu_blocks is not None:
@@ -443,6 +502,11 @@ class EndpointPool:
             state.endpoint.peak_running = 0  # it may come back as another engine
             state.endpoint.learned_max_num_seqs = None
             state.endpoint.mean_request_duration_s = None
+            state.endpoint.in_flight_sheddable_prefill_tokens = 0
+            state.endpoint.interactive_rate_per_s = 0.0
+            state.endpoint.interactive_rate_at = None
+            state.endpoint.mean_interactive_duration_s = None
+        self._prefills.pop(name, None)
         for hook in self._on_down:
             try:
                 hook(name)

@@ -65,6 +65,13 @@ class RouterSettings(BaseSettings):
             ``router/scheduling/saturation.py`` gives the reasoning). Both 0: no reserve.
         make_room: a non-sheddable request bound for an engine with no free slot evicts the newest
             sheddable request this router runs there (``Director.make_room``; module doc: why on).
+        evict_on_wait, reserve_from_arrivals, batch_prefill_share, batch_prefill_window_s,
+            max_num_batched_tokens: issue 13's interactive protection, each off by default (measured in
+            docs/benchmarks.md "isolation"): evict-and-resume when an interactive request would wait
+            on an engine (``Director.make_room``), the slot reserve sized by Little's law from the
+            measured interactive arrivals, and the bound of batch prompt tokens in prefill per engine
+            as a share of the engines' ``max_num_batched_tokens``
+            (``router/scheduling/saturation.py``, ``router/pool.py``).
         max_num_seqs: every engine's sequence slots (vLLM's ``--max-num-seqs``), when the fleet
             shares one; None (default): learned per engine from its scrapes (``router/pool.py``).
         connect_timeout_s: connecting to an engine, seconds.
@@ -116,6 +123,11 @@ class RouterSettings(BaseSettings):
     slot_reserve_fraction: float = Field(0.1, ge=0, le=1)
     min_slot_reserve: int = Field(1, ge=0)
     make_room: bool = True
+    evict_on_wait: bool = False
+    reserve_from_arrivals: bool = False
+    batch_prefill_share: float | None = Field(None, gt=0, le=1)
+    batch_prefill_window_s: float = Field(0.25, gt=0)
+    max_num_batched_tokens: int = Field(8192, ge=1)
     max_num_seqs: int | None = Field(None, ge=1)
     connect_timeout_s: float = Field(2.0, gt=0)
     request_timeout_s: float = Field(600.0, ge=0)

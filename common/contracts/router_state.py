@@ -77,6 +77,18 @@ class EndpointState(_Lenient):
     prefix_cache_hit_rate: float | None = None
     external_prefix_cache_hit_rate: float | None = None
     last_error: str | None = None
+    slot_reserve: int | None = None
+    """Slots kept for non-sheddable work (None while the slot count is unknown)."""
+    reserve_in_use: int = 0
+    interactive_rate_per_s: float = 0.0
+    batch_prefill_tokens: int = 0
+    """Sheddable prompt tokens the router counts as in prefill there (the batch prefill share's term)."""
+    num_preemptions: int = 0
+    """``vllm:num_preemptions_total`` at the last scrape."""
+    evictions: dict[str, int] = Field(default_factory=dict)
+    """Sheddable requests evicted there for non-sheddable ones, by reason, since the router started."""
+    evicted_tokens: int = 0
+    """The router's estimate of the tokens those evictions wasted."""
 
 
 class BandState(_Lenient):

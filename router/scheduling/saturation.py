@@ -43,6 +43,26 @@ raise ``slot_reserve_fraction`` when interactive traffic is heavier. Interactive
 the gate (flow control's ``bypass_saturation``) and the ``spare-capacity-filter`` leaves it
 alone. Before the slot count is known no reserve applies (the values are llm-d's detector's).
 
+**Reserve sized from the interactive arrivals** (``reserve_from_arrivals``, off by default). The
+fixed fraction above knows nothing of the load. With it on, an endpoint's reserve is the larger of
+the fixed one and :func:`little_reserve` of the non-sheddable arrival rate the router measures
+there (:meth:`Endpoint.interactive_rate`, an exponentially weighted rate, time constant 10 s) and
+their mean duration there (:attr:`Endpoint.mean_interactive_duration_s`)::
+
+    R = max(fixed reserve, ⌈L + 2.326 √L⌉),  L = λ_interactive × W_interactive   (Little's law)
+
+so interactive work finds a free slot 99 % of the time (M/G/∞ occupancy is Poisson(L)).
+
+**Batch prefill share of the step budget** (``batch_prefill_share``, off by default): vLLM V1 puts
+every waiting prefill into the next step up to ``max_num_batched_tokens`` (8,192 on an H100-class
+GPU, about 270 ms of prefill for an 8B model), so an interactive request that shares a step with
+batch prefills waits for all of them. With a share set, the uncached prompt tokens of the sheddable
+requests the router has *in prefill* on the endpoint (:attr:`Endpoint.in_flight_sheddable_prefill_tokens`:
+forwarded, no first chunk, not answered, sent within the pool's ``batch_prefill_window_s``) count
+as a term ``tokens / (share × max_num_batched_tokens)``: sheddable work stops at the bound (at
+most one request past it). This is the router's form of the twin's engine-level background budget
+(``engine_twin/core.py`` item 4), for engines that have none (real vLLM).
+
 **Idle sessions' working set (sheddable work only).** An agent session between turns holds no
 request on its engine, so the engine's books (``kv_cache_usage_perc``) count its KV blocks free,
 but its next turn needs them within seconds. The router knows those sessions
@@ -97,6 +117,12 @@ class SaturationThresholds:
             (module docstring; default 0.1, ours).
         min_slot_reserve: fewest slots kept, requests (≥ 0; default 1, ours). Both 0: no reserve,
             but sheddable work still never waits in an engine's queue once its slots are known.
+        reserve_from_arrivals: size each endpoint's reserve from its measured interactive arrivals
+            too (:func:`little_reserve`; module docstring). Default off.
+        batch_prefill_share: bound of the sheddable prompt tokens in prefill on an endpoint, a
+            share (0, 1] of ``max_num_batched_tokens`` (module docstring); None: no bound.
+        max_num_batched_tokens: the engines' step token budget (vLLM's flag; it is not exported),
+            tokens; default 8,192, vLLM's default on GPUs of 70 GiB or more.
 
     Raises:
         ValueError: a threshold is not positive, or a reserve parameter is out of range.
@@ -108,12 +134,19 @@ class SaturationThresholds:
     in_flight_credit: bool = False
     slot_reserve_fraction: float = 0.1
     min_slot_reserve: int = 1
+    reserve_from_arrivals: bool = False
+    batch_prefill_share: float | None = None
+    max_num_batched_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.queue_threshold <= 0 or self.kv_threshold <= 0 or self.max_metrics_age_s <= 0:
             raise ValueError("saturation thresholds must be positive")
         if not 0.0 <= self.slot_reserve_fraction <= 1.0 or self.min_slot_reserve < 0:
             raise ValueError("slot_reserve_fraction must be in [0, 1] and min_slot_reserve ≥ 0")
+        if self.batch_prefill_share is not None and not 0.0 < self.batch_prefill_share <= 1.0:
+            raise ValueError("batch_prefill_share must be in (0, 1]")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
 
 
 def unseen_requests(endpoint: Endpoint) -> int:
@@ -138,12 +171,65 @@ def slot_reserve(slots: int, thresholds: SaturationThresholds | None = None) -> 
     return max(0, min(wanted, slots - 1))
 
 
-def sheddable_slots(endpoint: Endpoint, thresholds: SaturationThresholds | None = None) -> int | None:
-    """Slots sheddable work may hold on the endpoint (``slots − reserve``, ≥ 1), requests; None
-    while its slot count is unknown."""
+#: z-score of the 99th percentile of a normal distribution (the margin of :func:`little_reserve`).
+Z_P99 = 2.326
+
+
+def little_reserve(rate_per_s: float, request_s: float, slots: int | None = None) -> int:
+    """Slots to keep for interactive work on one engine so that it finds a free one 99 % of the time.
+
+    ``L = rate_per_s × request_s`` is the mean number of interactive requests on the engine
+    (Little's law, L = λW: J. D. C. Little, "A proof for the queuing formula L = λW", Operations
+    Research 9(3), 1961). With Poisson arrivals and slots to spare the count in the system is
+    Poisson with mean L whatever the service time's distribution (M/G/∞, Palm's theorem), so the
+    reserve is its 99th percentile by the normal approximation, ``R = ⌈L + 2.326 × √L⌉``
+    (0 when L = 0), at most ``slots − 1`` when ``slots`` is given (sheddable work keeps one).
+
+    Args:
+        rate_per_s: interactive arrivals per second on the engine (≥ 0; the router's EWMA).
+        request_s: an interactive request's time on the engine, seconds (≥ 0; its mean duration).
+        slots: the engine's sequence slots, or None for no cap.
+    """
+    load = max(0.0, rate_per_s) * max(0.0, request_s)
+    wanted = math.ceil(load + Z_P99 * math.sqrt(load) - 1e-9) if load > 0 else 0
+    return wanted if slots is None else max(0, min(wanted, slots - 1))
+
+
+def endpoint_reserve(endpoint: Endpoint, now: float, thresholds: SaturationThresholds | None = None) -> int | None:
+    """The endpoint's slot reserve now, requests: :func:`slot_reserve` of its slots, raised to
+    :func:`little_reserve` of its interactive arrivals with ``reserve_from_arrivals``; None while
+    its slot count is unknown."""
+    t = thresholds or SaturationThresholds()
     slots = endpoint.slots
     if slots is None or slots < 1:
         return None
+    reserve = slot_reserve(slots, t)
+    if t.reserve_from_arrivals and endpoint.mean_interactive_duration_s is not None:
+        reserve = max(reserve, little_reserve(endpoint.interactive_rate(now), endpoint.mean_interactive_duration_s,
+                                              slots))
+    return reserve
+
+
+def reserve_in_use(endpoint: Endpoint, now: float, thresholds: SaturationThresholds | None = None) -> int:
+    """Reserved slots taken now, requests: the router's non-sheddable requests in flight there,
+    at most the reserve (0 while the slot count is unknown)."""
+    reserve = endpoint_reserve(endpoint, now, thresholds)
+    if not reserve:
+        return 0
+    return min(reserve, max(0, endpoint.in_flight_requests - endpoint.in_flight_sheddable))
+
+
+def sheddable_slots(endpoint: Endpoint, thresholds: SaturationThresholds | None = None,
+                    now: float | None = None) -> int | None:
+    """Slots sheddable work may hold on the endpoint (``slots − reserve``, ≥ 1), requests; None
+    while its slot count is unknown. ``now`` (seconds) is needed for ``reserve_from_arrivals``;
+    without it the fixed reserve applies."""
+    slots = endpoint.slots
+    if slots is None or slots < 1:
+        return None
+    if now is not None:
+        reserve = endpoint_reserve(endpoint, now, thresholds)
+        return slots - (reserve or 0)
     return slots - slot_reserve(slots, thresholds)
 
 
@@ -193,7 +279,10 @@ def endpoint_saturation(endpoint: Endpoint, now: float, thresholds: SaturationTh
     if reserve and working_set_tokens > 0:
         kv += working_set_fraction(endpoint, working_set_tokens)
     value = max(waiting / t.queue_threshold, kv / t.kv_threshold)
-    room = sheddable_slots(endpoint, t) if reserve else None
+    if reserve and t.batch_prefill_share is not None:
+        value = max(value, endpoint.in_flight_sheddable_prefill_tokens
+                    / (t.batch_prefill_share * t.max_num_batched_tokens))
+    room = sheddable_slots(endpoint, t, now) if reserve else None
     if room is not None:
         value = max(value, (endpoint.in_flight_sheddable + extra_sheddable) / room)
         if waiting > 0:

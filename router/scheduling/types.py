@@ -17,6 +17,7 @@ see ``shared/contracts/vllm-engine.md``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -66,6 +67,16 @@ class Endpoint:
             the requests the router forwarded there that completed (forward → end of the
             response, so engine queueing included); None before the first. The pool keeps it
             (:meth:`router.pool.EndpointPool.finished`).
+        in_flight_sheddable_prefill_tokens: uncached prompt tokens of the sheddable requests forwarded
+            there whose prefill the router counts as in progress (no first chunk, not answered, sent
+            within the pool's ``batch_prefill_window_s``), tokens; the batch prefill share bounds them.
+        interactive_rate_per_s: non-sheddable requests forwarded there per second, an exponentially
+            weighted rate as of ``interactive_rate_at`` (:meth:`interactive_rate`; the pool keeps it).
+        interactive_rate_at: time of the last update of that rate (router's monotonic clock); None
+            before the first non-sheddable request.
+        mean_interactive_duration_s: EWMA of the durations of the completed non-sheddable requests
+            there (seconds, as ``mean_request_duration_s``); None before the first.
+        num_preemptions: ``vllm:num_preemptions_total`` at the last scrape (requests).
     """
 
     name: str
@@ -83,6 +94,18 @@ class Endpoint:
     max_num_seqs: int | None = None
     in_flight_sheddable: int = 0
     mean_request_duration_s: float | None = None
+    in_flight_sheddable_prefill_tokens: int = 0
+    interactive_rate_per_s: float = 0.0
+    interactive_rate_at: float | None = None
+    mean_interactive_duration_s: float | None = None
+    num_preemptions: int = 0
+
+    def interactive_rate(self, now: float, tau_s: float = 10.0) -> float:
+        """The non-sheddable arrival rate at ``now`` (requests/s): :attr:`interactive_rate_per_s`
+        decayed by ``exp(−(now − interactive_rate_at) / tau_s)`` (the pool's time constant)."""
+        if self.interactive_rate_at is None:
+            return 0.0
+        return self.interactive_rate_per_s * math.exp(-max(0.0, now - self.interactive_rate_at) / tau_s)
 
     @property
     def slots(self) -> int | None:

@@ -52,7 +52,9 @@ class FakeRouter:
                   "in_flight_uncached_tokens": 5120, "saturation": 0.9, "gate_open": True, "headroom": 0.1,
                   "metrics_age_s": 0.2,
                   "cache_blocks": {"gpu": 812, "cpu": 96, "disk": 0}, "prefix_cache_hit_rate": 0.8,
-                  "external_prefix_cache_hit_rate": 0.15, "last_error": None}
+                  "external_prefix_cache_hit_rate": 0.15, "last_error": None,
+                  "slot_reserve": 26, "reserve_in_use": 3, "batch_prefill_tokens": 1024, "num_preemptions": 4,
+                  "evictions": {"batch_prefill": 5, "no_free_slot": 2}, "evicted_tokens": 1900}
         hot = {**engine, "name": "engine-1", "models": ["sim-model", "sim-lora"], "kv_cache_usage_perc": 0.95,
                "saturation": 1.7, "gate_open": False, "headroom": 0.0, "prefix_cache_hit_rate": None, "external_prefix_cache_hit_rate": None}
         sick = {**engine, "name": "engine-2", "healthy": False, "saturation": None, "gate_open": False,
@@ -129,6 +131,10 @@ def test_lanes_page_shows_queues_rates_sheds_gate_and_saturation_over_time(gatew
         assert 'id="gate-saturation">1.30<' in page.text
         assert _row(page.text, "data-engine", "engine-0")[1:4] == [["open"], ["0.90"], ["10%"]]
         assert _row(page.text, "data-engine", "engine-1")[1:4] == [["closed"], ["1.70"], ["0%"]]
+        # issue 13's protection per engine: reserve in use / kept, batch prefill tokens, preemptions,
+        # evictions by reason, wasted tokens
+        assert _row(page.text, "data-engine", "engine-0")[8:13] == [
+            ["3", "/", "26"], ["1024"], ["4"], ["7", "batch_prefill", "5", "no_free_slot", "2"], ["1900"]]
         assert _row(page.text, "data-engine", "engine-2")[1:3] == [["unhealthy"], ["—"]]
 
         # one engine has room while the pool's mean is past the threshold: the gate is open

@@ -250,3 +250,49 @@ def test_step_model_matches_the_documented_formula():
     assert m.seconds(work) == pytest.approx(expected)
     # the idle decode step: about 8.2 ms (module docstring)
     assert m.seconds(StepWork(1, 1, 0)) == pytest.approx(0.0082, abs=0.0001)
+
+
+# ---- background prefills bounded per step (--background-priority-threshold) -------------------
+
+
+def test_background_prefill_chunks_share_at_most_the_background_budget_per_step():
+    core = make_core(max_num_batched_tokens=100, background_priority_threshold=5, max_background_prefill_tokens=12,
+                     scheduling_policy="priority")
+    core.add(request("b1", 20, priority=10), 0.0)
+    core.add(request("b2", 20, priority=10), 0.0)
+    steps = [core.step(0.0).scheduled for _ in range(3)]
+    # 12 background tokens per step in all: b1 takes them, then b1's last 8 and 4 of b2, ...
+    assert steps == [{"b1": 12}, {"b1": 8, "b2": 4}, {"b1": 1, "b2": 12}]
+    # under FCFS vLLM ignores priority, so nothing is background
+    fcfs = make_core(max_num_batched_tokens=100, background_priority_threshold=5, max_background_prefill_tokens=12)
+    fcfs.add(request("b1", 20, priority=10), 0.0)
+    assert fcfs.step(0.0).scheduled == {"b1": 20}
+
+
+def test_no_background_prefill_in_a_step_that_starts_with_a_foreground_prefill_waiting_or_partial():
+    core = make_core(max_num_batched_tokens=10, background_priority_threshold=5, max_background_prefill_tokens=8,
+                     scheduling_policy="priority")
+    core.add(request("b", 20, max_tokens=3, priority=10), 0.0)
+    assert core.step(0.0).scheduled == {"b": 8}
+    core.add(request("i", 12, max_tokens=3, priority=-100), 0.0)
+    # i waits at the head: b (partial) gets nothing; i's 12 tokens take two steps, b still nothing
+    # in the second (i is partial when it starts); b resumes beside i's decode
+    assert [core.step(0.0).scheduled for _ in range(3)] == [{"i": 10}, {"i": 2}, {"b": 8, "i": 1}]
+
+
+def test_background_decodes_are_never_limited_and_foreground_is_not_limited():
+    core = make_core(max_num_batched_tokens=100, background_priority_threshold=5, max_background_prefill_tokens=4,
+                     scheduling_policy="priority")
+    core.add(request("b", 4, max_tokens=3, priority=10), 0.0)
+    core.add(request("i", 40, max_tokens=3, priority=0), 0.0)
+    # i (foreground) waits at the start of the first step: b gets no prefill, i all 40 tokens
+    assert core.step(0.0).scheduled == {"i": 40}
+    assert core.step(0.0).scheduled == {"i": 1, "b": 4}
+    assert core.step(0.0).scheduled == {"i": 1, "b": 1}
+
+
+def test_without_the_threshold_background_prefills_fill_the_budget_as_vllm():
+    core = make_core(max_num_batched_tokens=30, max_background_prefill_tokens=4)
+    core.add(request("b1", 20, priority=10), 0.0)
+    core.add(request("b2", 20, priority=10), 0.0)
+    assert core.step(0.0).scheduled == {"b1": 20, "b2": 10}

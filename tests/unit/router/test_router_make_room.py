@@ -75,13 +75,15 @@ class Rig:
     def endpoint(self, name: str) -> Endpoint:
         return self.pool.states[name].endpoint
 
-    async def start(self, objective: str, target: str = A) -> tuple[asyncio.Task[object], Admitted]:
+    async def start(self, objective: str, target: str = A, prompt_tokens: int = 0
+                    ) -> tuple[asyncio.Task[object], Admitted]:
         """Admit one request of ``objective`` and forward it to ``target``; returns once it is in flight."""
         admission = await self.flow.admit(FlowItem(request_id=f"{objective}-{len(self.observer.calls)}",
                                                    fairness_id="", objective=objective, byte_size=10))
         admitted = Admitted(admission)
         request = LLMRequest(request_id=admission.request_id, model="m", objective=objective,
-                             priority=PRIORITY[objective], sheddable=objective != "interactive")
+                             priority=PRIORITY[objective], sheddable=objective != "interactive",
+                             prompt_bytes=b"x" * (4 * prompt_tokens))
         self.picker.target = target
         self.clock[0] += 1.0  # each request starts later than the one before
         task = asyncio.create_task(self.director.forward(request, objective, admitted, self.hold))
@@ -94,12 +96,13 @@ class Rig:
         ep.num_requests_running, ep.num_requests_waiting = running, 0
 
 
-def scenario(body: Callable[[Rig], Awaitable[None]], *, make_room: bool = True, max_num_seqs: int | None = 4) -> None:
+def scenario(body: Callable[[Rig], Awaitable[None]], *, make_room: bool = True, max_num_seqs: int | None = 4,
+             evict_on_wait: bool = False, window_s: float = 0.25) -> None:
     async def run() -> None:
         clock = [0.0]
         async with aiohttp.ClientSession() as session:
             pool = EndpointPool(session, health_interval_s=60, scrape_interval_s=60, max_num_seqs=max_num_seqs,
-                                clock=lambda: clock[0])
+                                clock=lambda: clock[0], batch_prefill_window_s=window_s)
             pool.set_endpoints([A, B])
             await pool.close()  # no probes: the test plays the scrapes
             for state in pool.states.values():
@@ -111,7 +114,8 @@ def scenario(body: Callable[[Rig], Awaitable[None]], *, make_room: bool = True, 
             picker = Pick()
             director = Director(pool=pool, scheduler=picker, profile=None, flow=flow,  # type: ignore[arg-type]
                                 observer=observer, objective_priority=PRIORITY, default_objective="interactive",
-                                sheddable_objectives=frozenset({"async", "batch"}), make_room=make_room)
+                                sheddable_objectives=frozenset({"async", "batch"}), make_room=make_room,
+                                evict_on_wait=evict_on_wait)
             rig = Rig(director, pool, flow, picker, observer, Hold(), clock)
             try:
                 await body(rig)
@@ -224,3 +228,55 @@ def test_only_non_sheddable_requests_are_on_the_endpoint_nothing_is_evicted() ->
         assert _made_room(rig) == [] and not any(t.done() for t in others)
 
     scenario(body)
+
+
+# ---- evict-and-resume when the interactive request would wait (evict_on_wait) -----------------
+
+
+def _evicted(rig: Rig) -> list[tuple[object, ...]]:
+    return [args for name, args in rig.observer.calls if name == "evicted"]
+
+
+def test_with_evict_on_wait_a_free_slot_still_evicts_the_newest_batch_request_in_prefill() -> None:
+    async def body(rig: Rig) -> None:
+        old, _ = await rig.start("batch", prompt_tokens=300)
+        new, _ = await rig.start("batch", prompt_tokens=200)  # 1 s later: both within the 10-s window
+        rig.scraped(A, 2)
+        assert rig.endpoint(A).in_flight_sheddable_prefill_tokens == 500
+        await rig.start("interactive")
+        assert await asyncio.wait_for(new, 5) is EVICTED and not old.done()
+        # wasted-token estimate: its uncached prompt tokens at dispatch, no stream chunks relayed
+        assert _evicted(rig) == [(A, "batch_prefill", 200)] and _made_room(rig) == []
+        assert rig.endpoint(A).in_flight_sheddable_prefill_tokens == 300
+
+    scenario(body, evict_on_wait=True, window_s=10.0)
+
+
+def test_with_evict_on_wait_a_request_past_its_prefill_is_evicted_only_when_requests_wait() -> None:
+    async def body(rig: Rig) -> None:
+        batch = [(await rig.start("batch", prompt_tokens=100))[0] for _ in range(2)]
+        rig.clock[0] += 5.0  # past the 0.25-s prefill window: no prefill in flight as the router counts
+        rig.pool.expire_prefills()
+        assert rig.endpoint(A).in_flight_sheddable_prefill_tokens == 0
+        rig.scraped(A, 2)
+        await rig.start("interactive")
+        assert _evicted(rig) == [] and not any(t.done() for t in batch)
+        rig.endpoint(A).num_requests_waiting = 1  # something waits on the engine now
+        await rig.start("interactive")
+        assert await asyncio.wait_for(batch[1], 5) is EVICTED and not batch[0].done()
+        assert _evicted(rig) == [(A, "engine_queue", 100)]
+
+    scenario(body, evict_on_wait=True)
+
+
+def test_without_evict_on_wait_batch_in_prefill_is_left_alone_and_no_free_slot_is_counted_as_its_reason() -> None:
+    async def body(rig: Rig) -> None:
+        batch = [(await rig.start("batch", prompt_tokens=50))[0] for _ in range(3)]
+        rig.scraped(A, 3)
+        await rig.start("interactive")  # a free slot: nothing evicted though batch is in prefill
+        assert _evicted(rig) == []
+        await rig.start("interactive")  # no slot left: make room
+        assert _evicted(rig) == [(A, "no_free_slot", 50)] and _made_room(rig) == [(A,)]
+        assert await asyncio.wait_for(batch[2], 5) is EVICTED
+
+    scenario(body, window_s=10.0)

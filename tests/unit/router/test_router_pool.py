@@ -174,3 +174,42 @@ def test_sheddable_requests_are_counted_apart_and_dropped_on_reset() -> None:
     assert ep.in_flight_sheddable == 1
     pool.finished(again)
     assert ep.in_flight_sheddable == 0
+
+
+def test_sheddable_prompt_tokens_count_as_in_prefill_until_first_chunk_end_or_the_window() -> None:
+    clock = SimpleNamespace(now=10.0)
+    pool = EndpointPool(None, clock=lambda: clock.now, batch_prefill_window_s=0.25)  # type: ignore[arg-type]
+    ep = Endpoint("http://e")
+    a = pool.started(ep, 300, sheddable=True)
+    clock.now = 10.1
+    b = pool.started(ep, 200, sheddable=True)
+    pool.started(ep, 999)  # interactive: not batch prefill
+    assert ep.in_flight_sheddable_prefill_tokens == 500 and pool.in_prefill(a) and pool.in_prefill(b)
+    pool.first_chunk(b)  # a streamed chunk: its prefill is over
+    assert ep.in_flight_sheddable_prefill_tokens == 300
+    clock.now = 10.3  # a was sent 0.3 s ago, past the window
+    pool.expire_prefills()
+    assert ep.in_flight_sheddable_prefill_tokens == 0 and not pool.in_prefill(a)
+    pool.finished(a)  # counted once
+    assert ep.in_flight_sheddable_prefill_tokens == 0 and ep.in_flight_sheddable == 1
+
+
+def test_interactive_arrivals_feed_a_decaying_rate_and_their_durations_an_ewma() -> None:
+    clock = SimpleNamespace(now=0.0)
+    pool = EndpointPool(None, clock=lambda: clock.now, duration_ewma_alpha=0.5)  # type: ignore[arg-type]
+    ep = Endpoint("http://e")
+    shares = []
+    for _ in range(10):  # 10 arrivals at once: 10 × 1/τ = 1.0 per second with τ = 10 s
+        shares.append(pool.started(ep, 10))
+    pool.started(ep, 10, sheddable=True)  # batch does not count
+    assert ep.interactive_rate(0.0) == pytest.approx(1.0)
+    clock.now = 0.4
+    pool.finished(shares[0], completed=True)
+    clock.now = 0.8
+    pool.finished(shares[1], completed=True)
+    assert ep.mean_interactive_duration_s == pytest.approx(0.6)  # 0.4, then 0.4 + 0.5 × (0.8 − 0.4)
+
+
+def test_parse_reads_the_preemption_counter() -> None:
+    m = parse_engine_metrics(VLLM_TEXT + b'vllm:num_preemptions_total{engine="0",model_name="m"} 12.0\n')
+    assert m.num_preemptions == 12.0

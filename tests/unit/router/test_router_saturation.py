@@ -98,6 +98,9 @@ class FakePool:
     def candidates(self) -> list[Endpoint]:
         return self.eps
 
+    def expire_prefills(self) -> None:
+        pass
+
 
 def test_router_runtime_gates_flow_control_per_engine_and_counts_released_requests():
     now = time.monotonic() + 60  # fresh for the test's duration
@@ -183,3 +186,43 @@ def test_router_runtime_gate_and_admin_values_read_the_reserve():
     rt = RouterRuntime(RouterSettings(engines=[], slot_reserve_fraction=0.0, min_slot_reserve=0))
     rt.pool = FakePool([a, b])  # type: ignore[assignment]
     assert rt.endpoint_saturations() == {"http://a": pytest.approx(3 / 4), "http://b": pytest.approx(2 / 4)}
+
+
+# ---- issue 13: the reserve sized by Little's law, the batch prefill share ----------------------
+
+
+def test_little_reserve_is_the_p99_of_the_interactive_requests_on_the_engine():
+    from router.scheduling.saturation import little_reserve
+
+    # L = 5/s × 0.2 s = 1: ⌈1 + 2.326 × 1⌉ = 4; L = 25/s × 0.4 s = 10: ⌈10 + 2.326 × √10⌉ = ⌈17.36⌉ = 18
+    assert little_reserve(5.0, 0.2) == 4 and little_reserve(25.0, 0.4) == 18
+    assert little_reserve(0.0, 0.3) == 0 and little_reserve(25.0, 0.4, slots=8) == 7  # sheddable keeps one
+
+
+def test_reserve_from_arrivals_raises_the_reserve_with_the_measured_interactive_load():
+    from router.scheduling.saturation import endpoint_reserve, reserve_in_use
+
+    on = SaturationThresholds(in_flight_credit=True, reserve_from_arrivals=True)
+    ep = slotted(slots=32, max_num_seqs=32, interactive_rate_per_s=5.0, interactive_rate_at=NOW,
+                 mean_interactive_duration_s=0.2, in_flight_requests=10, in_flight_sheddable=8)
+    assert endpoint_reserve(ep, NOW, CREDIT) == 4  # the fixed tenth: ⌈3.2⌉
+    assert endpoint_reserve(ep, NOW, on) == 4  # Little: L = 1 → 4
+    ep.interactive_rate_per_s = 25.0
+    ep.mean_interactive_duration_s = 0.4
+    assert endpoint_reserve(ep, NOW, on) == 18 and reserve_in_use(ep, NOW, on) == 2
+    # the sheddable share is 32 − 18 = 14 slots: 8 sheddable in flight read 8/14
+    assert endpoint_saturation(ep, NOW, on) == pytest.approx(8 / 14)
+    # the rate decays with the 10-s time constant when no interactive request comes
+    assert ep.interactive_rate(NOW + 10.0) == pytest.approx(25.0 / 2.718281828, rel=1e-6)
+
+
+def test_the_batch_prefill_share_bounds_sheddable_prompt_tokens_in_prefill():
+    share = SaturationThresholds(in_flight_credit=True, batch_prefill_share=0.125)  # 1,024 of 8,192 tokens
+    ep = fresh(in_flight_sheddable_prefill_tokens=512)
+    assert endpoint_saturation(ep, NOW, share) == pytest.approx(0.5)
+    ep.in_flight_sheddable_prefill_tokens = 1024
+    assert endpoint_saturation(ep, NOW, share) == pytest.approx(1.0)
+    assert endpoint_saturation(ep, NOW, share, reserve=False) == 0.0  # interactive work is never held by it
+    assert endpoint_saturation(ep, NOW, CREDIT) == 0.0  # off by default
+    with pytest.raises(ValueError):
+        SaturationThresholds(batch_prefill_share=0.0)
