@@ -14,7 +14,9 @@ import sys
 from typing import NoReturn
 
 import click
+from pydantic import ValidationError
 
+from common.validation import describe
 from engine_twin.launch import vllm_engine_argv, vllm_engine_env
 
 
@@ -161,7 +163,10 @@ def engine_sim_command(args: tuple[str, ...]) -> None:
     if "-h" in args or "--help" in args:
         click.echo(sim_help(), nl=False)
         return
-    settings = settings_from_args(list(args))
+    try:
+        settings = settings_from_args(list(args))
+    except ValidationError as exc:  # inconsistent values: a usage error, as argparse's own, not a traceback
+        raise click.UsageError(describe(exc)) from None
     log_level = sim_parser().parse_args(list(args)).log_level
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"

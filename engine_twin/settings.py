@@ -153,7 +153,7 @@ class EngineSimSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _gpu_pool_holds_one_request(self) -> EngineSimSettings:
+    def _sizes_are_consistent(self) -> EngineSimSettings:
         needed = -(-self.max_model_len // self.block_size)
         if self.num_gpu_blocks < needed:
             raise ValueError(
@@ -163,6 +163,9 @@ class EngineSimSettings(BaseSettings):
             )
         if not self.served_model_name:
             raise ValueError("served_model_name needs at least one name")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM's SchedulerConfig refuses it too
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or "
+                             f"equal to max_num_seqs ({self.max_num_seqs})")
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} must be less than or "
                              f"equal to max_num_partial_prefills={self.max_num_partial_prefills}")

@@ -8,6 +8,7 @@ import logging
 import click
 from pydantic import ValidationError
 
+from common.validation import describe
 from router.settings import build_settings
 
 
@@ -83,7 +84,7 @@ def router_command(engines: tuple[str, ...], no_flow_control: bool, kv_events_co
     try:
         settings = build_settings(**overrides)
     except ValidationError as exc:
-        raise click.BadParameter(str(exc)) from exc
+        raise click.UsageError(describe(exc)) from None
     if not settings.engines and not settings.engine_selector:
         raise click.UsageError("give at least one --engine URL or an --engine-selector")
     configure_logging(settings.log_level)

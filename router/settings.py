@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 #: The shipped scheduling config (approximate prefix + load scorers) used when none is given.
@@ -177,6 +177,25 @@ class RouterSettings(BaseSettings):
         discovered engines' KV-event port)."""
         return bool(self.kv_events_bind or self.kv_events_connect
                     or (self.engine_selector and self.kv_events_port is not None))
+
+    @field_validator("state_redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"state_redis_url must be a redis-py URL (redis://, rediss:// or unix://): {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _connected_engines_are_known(self) -> RouterSettings:
+        """Without discovery, every ``--kv-events-connect`` names an ``--engine`` (a typo would feed an
+        index no endpoint reads)."""
+        if self.engines and not self.engine_selector:
+            from router.kv_index.subscriber import parse_connect_spec
+
+            unknown = [s.endpoint for s in map(parse_connect_spec, self.kv_events_connect) if s.endpoint not in self.engines]
+            if unknown:
+                raise ValueError(f"--kv-events-connect names engines that no --engine gives: {', '.join(unknown)}")
+        return self
 
     @field_validator("engines", mode="before")
     @classmethod

@@ -68,7 +68,9 @@ def interference(budget: int, stream_prompt: int, long_prompt: int, idle_tokens:
     s = build_settings(max_num_batched_tokens=budget, max_model_len=long_prompt + 4096, time_scale=0.0,
                        num_gpu_blocks=(long_prompt + stream_prompt + 8192) // 16 + 1)
     core = EngineCore(s, TieredPrefixCache(s.num_gpu_blocks, s.block_size))
-    core.add(_request("stream", [1] * stream_prompt, 4000, s.block_size), 0.0)
+    # the stream must outlive the long prefill: at least one of its tokens per step, budget - 1 per step for it
+    stream_tokens = idle_tokens + 10 + 2 * -(-long_prompt // max(1, budget - 1))
+    core.add(_request("stream", [1] * stream_prompt, stream_tokens, s.block_size), 0.0)
     t = 0.0
     stream_times: list[float] = []
     long_arrival = long_first = None
@@ -85,6 +87,8 @@ def interference(budget: int, stream_prompt: int, long_prompt: int, idle_tokens:
             prefill_steps += 1
         if "long" in out.sampled and long_first is None:
             long_first = t
+        if not core.has_work():
+            raise click.ClickException(f"the stream ended before the long prompt's first token (budget {budget})")
     assert long_arrival is not None and long_first is not None
     gaps = [b - a for a, b in zip(stream_times, stream_times[1:])]
     idle = statistics.median(gaps[1:idle_tokens - 1])
@@ -100,7 +104,10 @@ def pressure(policy: str, requests: int, prompt: int, output: int, blocks: int) 
                        time_scale=0.0)
     core = EngineCore(s, TieredPrefixCache(s.num_gpu_blocks, s.block_size))
     for i in range(requests):
-        core.add(_request(f"r{i}", [10 + i] * prompt, output, s.block_size, priority=i % 4), float(i))
+        try:
+            core.add(_request(f"r{i}", [10 + i] * prompt, output, s.block_size, priority=i % 4), float(i))
+        except ValueError as exc:  # one request larger than the whole cache: the engine would refuse it
+            raise click.BadParameter(str(exc), param_hint="--pressure-blocks") from None
     t = 0.0
     generated: dict[str, int] = {}
     completed = 0
@@ -117,16 +124,22 @@ def pressure(policy: str, requests: int, prompt: int, output: int, blocks: int) 
 
 
 @click.command("interference")
-@click.option("--budget", "budgets", type=int, multiple=True, default=(2048, 8192, 16384), show_default=True,
-              help="--max-num-batched-tokens values to compare (repeat the flag)")
-@click.option("--stream-prompt", type=int, default=1000, show_default=True, help="the running stream's prompt tokens")
-@click.option("--long-prompt", type=int, default=24_000, show_default=True, help="the arriving prompt's tokens")
+@click.option("--budget", "budgets", type=click.IntRange(min=256), multiple=True, default=(2048, 8192, 16384),
+              show_default=True, help="--max-num-batched-tokens values to compare (repeat the flag; ≥ 256, the "
+                                      "engines' max_num_seqs, as vLLM requires)")
+@click.option("--stream-prompt", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="the running stream's prompt tokens")
+@click.option("--long-prompt", type=click.IntRange(min=1), default=24_000, show_default=True,
+              help="the arriving prompt's tokens")
 @click.option("--idle-tokens", type=int, default=20, show_default=True,
               help="stream tokens before the long prompt arrives (the idle gap is their median)")
-@click.option("--requests", type=int, default=32, show_default=True, help="KV pressure: requests at once")
-@click.option("--pressure-prompt", type=int, default=1000, show_default=True, help="KV pressure: prompt tokens")
-@click.option("--pressure-output", type=int, default=500, show_default=True, help="KV pressure: output tokens")
-@click.option("--pressure-blocks", type=int, default=1024, show_default=True,
+@click.option("--requests", type=click.IntRange(min=1), default=32, show_default=True,
+              help="KV pressure: requests at once")
+@click.option("--pressure-prompt", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="KV pressure: prompt tokens")
+@click.option("--pressure-output", type=click.IntRange(min=1), default=500, show_default=True,
+              help="KV pressure: output tokens")
+@click.option("--pressure-blocks", type=click.IntRange(min=1), default=1024, show_default=True,
               help="KV pressure: GPU blocks of 16 tokens (default 16k tokens for 32 x 1.5k)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
 def interference_command(budgets: tuple[int, ...], stream_prompt: int, long_prompt: int, idle_tokens: int,

@@ -120,7 +120,7 @@ def replay_address_for(address: str, offset: int) -> str | None:
     """The replay address by convention: ``address``'s port + ``offset`` (None for offset 0 or an
     address without a port)."""
     base, colon, port = address.rpartition(":")
-    if not offset or not colon or not port.isdigit():
+    if not offset or not colon or not port.isdigit() or not 0 < int(port) + offset < 65536:
         return None
     return f"{base}:{int(port) + offset}"
 
@@ -132,14 +132,17 @@ def parse_connect_spec(spec: str, replay_port_offset: int = 1) -> KVEventSource:
     engine has none).
 
     Raises:
-        ValueError: no ``=``, an engine URL that is not ``http(s)://``, or an address that is not
-            ``tcp://host:port``.
+        ValueError: no ``=``, an engine URL that is not ``http(s)://``, an address that is not
+            ``tcp://host:port`` with a port in 1..65535, or a trailing comma without a replay address.
     """
     url, sep, rest = spec.partition("=")
     url = url.strip().rstrip("/")
     if not sep or not url.startswith(("http://", "https://")):
         raise ValueError(f"--kv-events-connect wants ENGINE_URL=tcp://HOST:PORT, got {spec!r}")
-    address, _, replay = (part.strip() for part in rest.partition(","))
+    address, comma, replay = (part.strip() for part in rest.partition(","))
+    if comma and not replay:
+        raise ValueError(f"--kv-events-connect: nothing after the comma in {spec!r} (give the replay address or "
+                         "leave the comma out)")
     for value in (address, replay):
         if value and not _is_tcp(value):
             raise ValueError(f"KV-event address must be tcp://HOST:PORT: {value!r} in {spec!r}")
@@ -150,7 +153,7 @@ def parse_connect_spec(spec: str, replay_port_offset: int = 1) -> KVEventSource:
 
 def _is_tcp(address: str) -> bool:
     host, colon, port = address.removeprefix("tcp://").rpartition(":")
-    return address.startswith("tcp://") and bool(colon and host) and port.isdigit()
+    return address.startswith("tcp://") and bool(colon and host) and port.isdigit() and 0 < int(port) < 65536
 
 
 class _Stream:

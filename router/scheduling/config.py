@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from common.validation import describe
 from router.scheduling.errors import ConfigError
 from router.scheduling.interfaces import DataProducer, Filter, Picker, PluginHandle, Scorer
 from router.scheduling.plugins.pickers import MAX_SCORE_PICKER_TYPE
@@ -92,8 +93,7 @@ def parse_config(text: str) -> SchedulerConfig:
     try:
         return SchedulerConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"scheduling config: {problems}") from None
+        raise ConfigError(f"scheduling config: {describe(exc, 'config')}") from None
 
 
 def load_config(path: str | Path) -> SchedulerConfig:

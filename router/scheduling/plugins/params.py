@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.alias_generators import to_camel
 
+from common.validation import describe
 from router.scheduling.errors import ConfigError
 
 
@@ -34,7 +35,4 @@ def parse_params(model: type[P], plugin_name: str, raw: Mapping[str, Any] | None
     try:
         return model.model_validate(dict(raw or {}))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(parameters)'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"plugin {plugin_name!r}: bad parameters: {problems}") from None
+        raise ConfigError(f"plugin {plugin_name!r}: bad parameters: {describe(exc, '(parameters)')}") from None

@@ -15,7 +15,7 @@ ROOT = none_hash("0")
 
 def make_core(**overrides):
     s = build_settings(**{"block_size": BS, "num_gpu_blocks": 64, "max_model_len": 32, "time_scale": 0.0,
-                          "max_num_batched_tokens": 100, **overrides})
+                          "max_num_batched_tokens": 100, "max_num_seqs": 8, **overrides})
     return EngineCore(s, TieredPrefixCache(s.num_gpu_blocks, BS, s.cpu_offload_blocks))
 
 

@@ -108,8 +108,10 @@ def test_connect_specs():
     assert parse_connect_spec("http://e:8000=tcp://e:5557,tcp://e:6000").replay == "tcp://e:6000"
     assert parse_connect_spec("http://e:8000=tcp://e:5557", replay_port_offset=0).replay is None
     assert replay_address_for("tcp://[::1]:5557", 2) == "tcp://[::1]:5559"
+    assert parse_connect_spec("http://e:8000=tcp://e:65535").replay is None  # no port 65536: no replay socket
     for bad in ("tcp://e:5557", "e:8000=tcp://e:5557", "http://e:8000=", "http://e:8000=tcp://e",
-                "http://e:8000=ipc:///x", "http://e:8000=tcp://e:1,udp://e:2"):
+                "http://e:8000=ipc:///x", "http://e:8000=tcp://e:1,udp://e:2", "http://e:8000=tcp://e:99999",
+                "http://e:8000=tcp://e:0", "http://e:8000=tcp://e:5557,", "http://e:8000=tcp://e:1,tcp://e:70000"):
         with pytest.raises(ValueError):
             parse_connect_spec(bad)
 
