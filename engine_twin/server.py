@@ -452,28 +452,59 @@ async def _completion_stream(engine: SimEngine, spec: GenerationSpec) -> AsyncIt
     yield b"data: [DONE]\n\n"
 
 
+def _response_status(spec: GenerationSpec) -> str:
+    """``completed``, or ``incomplete`` when the output was cut by ``max_output_tokens`` (or the
+    context left): OpenAI's rule. vLLM's non-harmony path (serving_responses.py) says ``completed``
+    for both."""
+    return "incomplete" if spec.finish_reason == "length" else "completed"
+
+
+def _output_message(item_id: str, status: str, text: str | None, logprobs: list[Any] | None) -> dict[str, Any]:
+    """A ``message`` output item: no content while ``text`` is None (``response.output_item.added``)."""
+    content = [] if text is None else [_output_text(text, logprobs)]
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def _output_text(text: str, logprobs: list[Any] | None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
 def _response_object(engine: SimEngine, spec: GenerationSpec, response_id: str, out: Outcome | None,
-                     text: str) -> dict[str, Any]:
-    completed = out is not None
+                     text: str, created_at: int | None = None) -> dict[str, Any]:
+    """The ``response`` object: ``in_progress`` with no output while ``out`` is None, else final
+    (status per :func:`_response_status`, ``incomplete_details.reason`` ``max_output_tokens`` when
+    incomplete, usage in tokens)."""
     usage = None
+    status = "in_progress" if out is None else _response_status(spec)
+    output = []
     if out is not None:
         usage = {"input_tokens": out.prompt_tokens, "input_tokens_details": {"cached_tokens": out.cached_tokens},
                  "output_tokens": out.generated, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": out.prompt_tokens + out.generated}
-    output = [{"id": f"msg_{response_id[5:]}", "type": "message", "status": "completed", "role": "assistant",
-               "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}]}]
+        output = [_output_message(_item_id(response_id), status, text, None)]
     return {
-        "id": response_id, "object": "response", "created_at": now(), "model": spec.model,
-        "status": "completed" if completed else "in_progress", "output": output if completed else [],
-        "incomplete_details": None if spec.finish_reason == "stop" or not completed
-        else {"reason": "max_output_tokens"},
+        "id": response_id, "object": "response", "created_at": now() if created_at is None else created_at,
+        "model": spec.model, "status": status, "output": output,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "temperature": 1.0, "top_p": 1.0,
         "max_output_tokens": spec.max_tokens, "usage": usage, "error": None, "instructions": None,
         "metadata": None, "text": {"format": {"type": "text"}},
     }
 
 
+def _item_id(response_id: str) -> str:
+    return f"msg_{response_id.removeprefix('resp_')}"
+
+
 async def _responses_stream(engine: SimEngine, spec: GenerationSpec, response_id: str) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed response, as OpenAI's Responses API and vLLM send them, each with
+    ``sequence_number`` (0, 1, …): ``response.created``, ``response.in_progress``,
+    ``response.output_item.added`` (the message, ``in_progress``, no content),
+    ``response.content_part.added`` (an empty ``output_text``), one ``response.output_text.delta``
+    per token, ``response.output_text.done``, ``response.content_part.done``,
+    ``response.output_item.done``, then ``response.completed``, or ``response.incomplete`` when the
+    output was cut by ``max_output_tokens`` (OpenAI's event; vLLM sends ``response.completed``
+    with the status inside)."""
     seq = 0
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -481,15 +512,23 @@ async def _responses_stream(engine: SimEngine, spec: GenerationSpec, response_id
         seq += 1
         return b"event: " + kind.encode() + b"\n" + _sse({"type": kind, "sequence_number": seq - 1, **fields})
 
-    yield event("response.created", response=_response_object(engine, spec, response_id, None, ""))
+    created_at = now()
+    initial = _response_object(engine, spec, response_id, None, "", created_at)
+    yield event("response.created", response=initial)
+    yield event("response.in_progress", response=initial)
+    item_id = _item_id(response_id)
+    at = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    yield event("response.output_item.added", output_index=0, item=_output_message(item_id, "in_progress", None, None))
+    yield event("response.content_part.added", **at, part=_output_text("", []))
     cached = generated = 0
-    item_id = f"msg_{response_id[5:]}"
     async for req, count in engine.stream(spec):
         cached, generated = req.cached_tokens, count
-        yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                    delta=engine.piece(count), logprobs=[])
+        yield event("response.output_text.delta", **at, delta=engine.piece(count), logprobs=[])
     out = Outcome(len(spec.prompts[0]), cached, generated)
     text = "".join(engine.pieces(generated))
-    yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text,
-                logprobs=[])
-    yield event("response.completed", response=_response_object(engine, spec, response_id, out, text))
+    status = _response_status(spec)
+    yield event("response.output_text.done", **at, text=text, logprobs=[])
+    yield event("response.content_part.done", **at, part=_output_text(text, []))
+    yield event("response.output_item.done", output_index=0, item=_output_message(item_id, status, text, []))
+    final = "response.completed" if status == "completed" else "response.incomplete"
+    yield event(final, response=_response_object(engine, spec, response_id, out, text, created_at))

@@ -84,7 +84,7 @@ def test_embeddings_are_deterministic_unit_vectors(sim):
 def test_responses_api(sim):
     r = client(sim).responses.create(model="gpt-3.5-turbo", input="hello", instructions="be brief",
                                      max_output_tokens=4)
-    assert r.status == "completed" and r.output_text == "".join(sim.engine.pieces(4))
+    assert r.status == "incomplete" and r.output_text == "".join(sim.engine.pieces(4))  # cut at max_output_tokens
     assert r.usage.output_tokens == 4
     events = [e.type for e in client(sim).responses.create(model="gpt-3.5-turbo", input="hi", stream=True)]
     assert events[0] == "response.created" and events[-1] == "response.completed"

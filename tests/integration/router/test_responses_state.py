@@ -79,7 +79,8 @@ def test_a_chain_across_replicas_reaches_the_engine_holding_it(fleet: Fleet):
     a1, a2 = fleet.client(replica=0), fleet.client(replica=1)
     first = a1.responses.create(model="sim-model", instructions=RULES, input="Where is the handbook?",
                                 max_output_tokens=8)
-    assert first.id.startswith("resp_") and first.status == "completed" and first.store is True
+    # cut at max_output_tokens: incomplete (OpenAI's rule), and stored and chained like a completed one
+    assert first.id.startswith("resp_") and first.status == "incomplete" and first.store is True
     assert first.previous_response_id is None and first.output_text
     second = a1.responses.create(model="sim-model", instructions=RULES, input="And the index?",
                                  previous_response_id=first.id, max_output_tokens=8)
@@ -120,14 +121,20 @@ def test_streamed_turns_are_stored_before_they_complete(fleet: Fleet):
     client = fleet.client(replica=1)
     events = list(client.responses.create(model="sim-model", input="stream me", max_output_tokens=4, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
     assert "response.output_text.delta" in kinds
-    created, completed = events[0].response, events[-1].response  # type: ignore[union-attr]
-    assert created.id == completed.id and completed.store is True
+    created, in_progress, completed = (e.response for e in (events[0], events[1], events[-1]))  # type: ignore[union-attr]
+    assert created.id == in_progress.id == completed.id and completed.store is True
     # chained at once through the other replica
     nxt = fleet.client(replica=0).responses.create(model="sim-model", input="next", previous_response_id=completed.id,
                                                    max_output_tokens=4)
     assert nxt.previous_response_id == completed.id
+    # the SDK's stream helper reads the router's stream (the lifecycle events keep one id) and the
+    # completed answer is stored and chainable
+    with client.responses.stream(model="sim-model", input="stream to the end") as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.id.startswith("resp_") and final.store is True and final.output_text
+    assert fleet.client(replica=0).responses.retrieve(final.id).output_text == final.output_text
 
 
 def test_tenants_see_only_their_own_responses(fleet: Fleet):
