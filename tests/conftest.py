@@ -30,24 +30,6 @@ from backfill.up import free_port
 SHARED_BATCHES = Path(__file__).resolve().parents[2] / "shared" / "data" / "batches"
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's ``--dist loadgroup`` (pyproject's addopts): the tests of a file that
-    share a module-, package- or class-scoped fixture (a ``backfill up`` stack, a router stack, a
-    bench's ``--quick`` run) form one group, run in order on one worker, so the fixture starts once;
-    every other test goes to whichever worker is free."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        for name in info.names_closure:
-            defs = info.name2fixturedefs.get(name)
-            if defs and defs[-1].scope in ("module", "package", "class"):
-                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-                break
-
-
 def xdist_worker_index() -> int | None:
     """This pytest-xdist worker's number (``gw3`` → 3), or None outside xdist."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
