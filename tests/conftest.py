@@ -30,16 +30,42 @@ from backfill.up import free_port
 SHARED_BATCHES = Path(__file__).resolve().parents[2] / "shared" / "data" / "batches"
 
 
+def xdist_worker_index() -> int | None:
+    """This pytest-xdist worker's number (``gw3`` → 3), or None outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
+
+
+def worker_redis_url(url: str, worker: int | None) -> str:
+    """An external Redis URL (``redis://`` / ``rediss://``) moved to a database of xdist worker
+    ``worker``'s own: the URL's database + 1 + ``worker`` (modulo Redis's default 16), so a test
+    that empties its database (``FLUSHDB``) cannot touch another worker's queues. Other URLs, and
+    ``worker`` None (no xdist), are returned unchanged."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if worker is None or parts.scheme not in ("redis", "rediss"):
+        return url
+    base = int(parts.path.strip("/") or 0)
+    return urlunsplit(parts._replace(path=f"/{(base + 1 + worker) % 16}"))
+
+
 @pytest.fixture(scope="session")
 def stores():
     """Session-wide PostgreSQL and Redis (embedded unless the URLs are set), in a directory of
     their own: pytest prunes old ``basetemp`` folders, which another concurrent run could do under
-    a running server."""
+    a running server.
+
+    Each pytest-xdist worker has a session of its own, so embedded servers are per worker; on
+    external servers a worker's databases carry its pid (template) or a random name (per test) and
+    its Redis is a database of its own (:func:`worker_redis_url`)."""
     from backfill.stores import start_stores
 
     directory = Path(tempfile.mkdtemp(prefix="backfill-test-stores-"))
     try:
         with start_stores(directory, database="postgres") as found:
+            if os.environ.get("REDIS_URL"):
+                found.redis_url = worker_redis_url(found.redis_url, xdist_worker_index())
             yield found
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -193,7 +193,8 @@ def _vllm_router(policy: str) -> Callable[..., list[str]]:
     def argv(port: int, engines: list[str], event_endpoints: list[str], opts: EngineOptions,
              router_events_port: int | None) -> list[str]:
         cmd = [peer_binary("vllm-router") or "vllm-router", "--host", HOST, "--port", str(port), "--policy", policy,
-               "--worker-urls", *engines, "--log-level", "warning", "--request-timeout-secs", "600"]
+               "--worker-urls", *engines, "--log-level", "warning", "--request-timeout-secs", "600",
+               *_prometheus_on_a_free_port()]
         if policy == "kv_aware":
             cmd += ["--kv-event-model", opts.model, "--kv-event-block-size", str(opts.block_size)]
             for url, endpoint in zip(engines, event_endpoints, strict=True):
@@ -207,8 +208,15 @@ def _sglang_router(policy: str) -> Callable[..., list[str]]:
              router_events_port: int | None) -> list[str]:
         return [peer_binary("sglang-router") or "sglang-router", "launch", "--host", HOST, "--port", str(port),
                 "--policy", policy, "--worker-urls", *engines, "--log-level", "warn",
-                "--request-timeout-secs", "600"]
+                "--request-timeout-secs", "600", *_prometheus_on_a_free_port()]
     return argv
+
+
+def _prometheus_on_a_free_port() -> list[str]:
+    """The peers' metrics listener on a free port of :data:`HOST`: both Rust routers otherwise bind
+    0.0.0.0:29000, so a second one running at the same time (another benchmark, a parallel test)
+    panics with "Address already in use"."""
+    return ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
 
 
 def bench_flow_control() -> Path:

@@ -54,7 +54,8 @@ def test_vllm_router_kv_aware_routes_prefixes_to_the_engine_holding_them(tmp_pat
         router_port = _port()
         cmd = [router_bin, "--host", "127.0.0.1", "--port", str(router_port), "--policy", "kv_aware",
                "--worker-urls", *[u for u, _ in engines], "--kv-event-model", "m1", "--kv-event-block-size", "16",
-               "--health-check-interval-secs", "3600"]
+               "--health-check-interval-secs", "3600",
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_port())]  # not the shared default 29000
         for url, events in engines:
             cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}"]
         log = open(tmp_path / "router.log", "w")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import socket
 import time
 import uuid
@@ -106,8 +107,13 @@ def post_multipart(http, body: bytes, boundary: str = BOUNDARY):
                      headers={"content-type": f"multipart/form-data; boundary={boundary}"})
 
 
+ANSWER = object()
+"""A piece of :func:`raw_exchange`: wait until the server has begun to answer (or ``timeout``)."""
+
+
 def raw_exchange(gateway, pieces, timeout: float = 10.0) -> tuple[int, dict, bytes, float]:
-    """Send ``pieces`` (bytes, or a float = pause that many seconds) on one socket; read one response.
+    """Send ``pieces`` (bytes, a float = pause that many seconds, or :data:`ANSWER` = wait for the
+    answer to begin) on one socket; read one response.
 
     Returns ``(status, headers, body, seconds from the last piece sent to the response)``; status 0
     when the server closed without answering.
@@ -115,7 +121,9 @@ def raw_exchange(gateway, pieces, timeout: float = 10.0) -> tuple[int, dict, byt
     host, port = gateway.base_url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         for piece in pieces:
-            if isinstance(piece, float):
+            if piece is ANSWER:
+                select.select([sock], [], [], timeout)
+            elif isinstance(piece, float):
                 time.sleep(piece)
             else:
                 try:
@@ -239,8 +247,8 @@ def test_lying_content_length(gateway):
     body = multipart(field("purpose", "batch"), file_part(line() + b"\n"))
 
     # Declares fewer bytes than it sends: the body is cut at Content-Length, so the multipart body
-    # has no closing boundary (the rest, arriving later, is a separate, broken request).
-    status, _, payload, _ = raw_exchange(gateway, [upload_head(gateway, 100), body[:100], 0.3, body[100:]])
+    # has no closing boundary (the rest, sent once the answer has begun, is a separate, broken request).
+    status, _, payload, _ = raw_exchange(gateway, [upload_head(gateway, 100), body[:100], ANSWER, body[100:]])
     error = assert_envelope(json.loads(payload), 400, status)
     assert "closing boundary" in error["message"]
     assert_nothing_stored(gateway)

@@ -3,15 +3,15 @@
 What a user of the router sees: the OpenAI endpoints answer through it (JSON and SSE passed
 through chunk by chunk), repeated prefixes stick to the engine that has them cached (the engines'
 own ``cached_tokens`` say so), new prefixes spread over the pool, a saturated engine is avoided,
-batch work leaves an engine's reserved slot to interactive work once its slot count is learned,
 bad input gets OpenAI's error envelope, and the admin JSON and Prometheus series are there.
+The slot-bound stacks (the gate, the slot reserve, make-room) are in ``test_router_proxy_make_room.py``
+and the trusted identities in ``test_router_proxy_tenants.py``, so the files run on separate test
+workers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import secrets
 import threading
 import time
 from pathlib import Path
@@ -111,16 +111,6 @@ def _hog(url: str, n: int) -> list[threading.Thread]:
     return threads
 
 
-def _wait_waiting(s: RouterStack, url: str, at_least: int) -> dict:
-    deadline = time.monotonic() + 15
-    while True:
-        state = s.state()
-        if next(e for e in state["endpoints"] if e["name"] == url)["num_requests_waiting"] >= at_least:
-            return state
-        assert time.monotonic() < deadline, f"{url} never showed {at_least} waiting"
-        time.sleep(0.05)
-
-
 def test_a_saturated_engine_is_avoided(tmp_path: Path) -> None:
     # engine 0 runs one sequence at a time, slowly: a few direct requests fill its waiting queue
     slow = {"time_scale": 1.0, "max_num_seqs": 1}
@@ -137,82 +127,6 @@ def test_a_saturated_engine_is_avoided(tmp_path: Path) -> None:
         after = s.served_counts()
         assert after[1] - before[1] == 4  # all on the idle engine
         assert after[0] == before[0] or after[0] - before[0] <= 1  # hogs may finish, none of ours ran there
-
-
-def test_the_gate_is_per_engine_and_batch_with_no_room_gets_an_immediate_429(tmp_path: Path) -> None:
-    # two engines running one sequence at a time, slowly; direct requests fill their waiting queues
-    slow = {"time_scale": 1.0, "max_num_seqs": 1}
-    with RouterStack(tmp_path, engines=2, engine_options=[slow, slow]) as s:
-        full, idle = s.engine_urls
-        _hog(full, 11)
-        state = _wait_waiting(s, full, 10)  # saturation 10 / 5 = 2.0 there, 0 on the idle engine
-        by_name = {e["name"]: e for e in state["endpoints"]}
-        assert state["pool_saturation"] >= 0.9  # the mean reads (about) saturated ...
-        assert state["gate_saturation"] < 0.5  # ... but the gate is per engine: open
-        assert (by_name[full]["gate_open"], by_name[idle]["gate_open"]) == (False, True)
-        batch = s.trusted({"x-llm-d-inference-objective": "batch"})
-        body = {"model": "sim-model", "prompt": "batch line", "max_tokens": 4}
-        before = s.served_counts()
-        answer = httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=30)
-        assert answer.status_code == 200
-        assert [a - b for a, b in zip(s.served_counts(), before)] == [0, 1]  # on the engine with room
-        _hog(idle, 6)
-        state = _wait_waiting(s, idle, 5)
-        assert state["gate_saturation"] >= 1.0 and not any(e["gate_open"] for e in state["endpoints"])
-        refused = httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=30)
-        assert refused.status_code == 429
-        assert refused.headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
-        assert refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["code"] == "rejected-saturated"
-        bands = {b["objective"]: b for b in s.state()["bands"]}
-        assert bands["batch"]["queued_requests"] == 0 and bands["batch"]["shed_total"]["rejected-saturated"] == 1
-
-
-def _endpoint(s: RouterStack, url: str) -> dict:
-    return next(e for e in s.state()["endpoints"] if e["name"] == url)
-
-
-def _until(predicate, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
-def test_with_the_slot_count_learned_batch_leaves_a_slot_to_interactive_work(tmp_path: Path) -> None:
-    # one engine with 4 sequence slots: reserve max(1, ⌈10 % × 4⌉) = 1, so batch may hold 3
-    with RouterStack(tmp_path, engines=1, engine_options=[{"time_scale": 1.0, "max_num_seqs": 4}]) as s:
-        url = s.engine_urls[0]
-        body = {"model": "sim-model", "prompt": "batch line", "max_tokens": 400}  # ~5 s at 12 ms a token
-        batch = s.trusted({"x-llm-d-inference-objective": "batch"})
-        # 6 direct requests fill the 4 slots with 2 waiting: the router learns the slot count, and
-        # with it known a waiting request closes the engine to sheddable work (llm-d's 2 / 5 would not)
-        _hog(url, 6)
-        _until(lambda: _endpoint(s, url)["num_requests_waiting"] >= 2, "the engine never showed 2 waiting")
-        full = _endpoint(s, url)
-        assert full["saturation"] >= 1.0 and not full["gate_open"] and full["headroom"] == 0.0
-        _until(lambda: _endpoint(s, url)["num_requests_running"] == 0, "the direct requests never ended", 30)
-        results: list[int] = []
-
-        def send() -> None:
-            results.append(httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=60).status_code)
-
-        senders = [threading.Thread(target=send) for _ in range(3)]
-        for t in senders:
-            t.start()
-        _until(lambda: _endpoint(s, url)["in_flight_requests"] == 3, "the 3 batch requests never started")
-        state = _endpoint(s, url)
-        assert state["num_requests_waiting"] == 0 and not state["gate_open"] and state["headroom"] == 0.0
-        refused = httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=30)
-        assert refused.status_code == 429  # the fourth slot is the reserve
-        assert refused.headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
-        chat(client, "interactive", "now")  # takes the reserved slot: no wait for a batch request
-        assert not results  # answered before any of the ~5-s batch requests ended
-        for t in senders:
-            t.join()
-        assert results == [200, 200, 200]
-        _until(lambda: _endpoint(s, url)["gate_open"], "the gate never reopened")
 
 
 def test_bad_input_gets_openai_error_envelopes(stack: RouterStack) -> None:
@@ -390,135 +304,3 @@ def test_a_request_past_its_deadline_is_shed_with_the_reason(stack: RouterStack)
     assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "rejected-ttl-expired"
     batch = next(b for b in stack.state()["bands"] if b["objective"] == "batch")
     assert batch["shed_total"]["rejected-ttl-expired"] >= 1
-
-
-def test_an_interactive_request_makes_room_by_evicting_the_newest_batch_request(tmp_path: Path, monkeypatch) -> None:
-    # no slot reserve: batch may hold all 4 slots of the engine; an interactive request then evicts one
-    monkeypatch.setenv("BACKFILL_ROUTER_MIN_SLOT_RESERVE", "0")
-    monkeypatch.setenv("BACKFILL_ROUTER_SLOT_RESERVE_FRACTION", "0")
-    with RouterStack(tmp_path, engines=1, engine_options=[{"time_scale": 1.0, "max_num_seqs": 4}]) as s:
-        url = s.engine_urls[0]
-        _hog(url, 6)  # fills the 4 slots with 2 waiting: the router learns the slot count
-        _until(lambda: _endpoint(s, url)["num_requests_waiting"] >= 2, "the engine never showed 2 waiting")
-        _until(lambda: _endpoint(s, url)["num_requests_running"] == 0, "the direct requests never ended", 30)
-        body = {"model": "sim-model", "prompt": "batch line", "max_tokens": 400}  # ~5 s at 12 ms a token
-        batch = s.trusted({"x-llm-d-inference-objective": "batch"})
-        results: list[httpx.Response] = []
-
-        def send() -> None:
-            results.append(httpx.post(f"{s.url}/v1/completions", json=body, headers=batch, timeout=60))
-
-        senders = []
-        for _ in range(4):
-            senders.append(threading.Thread(target=send))
-            senders[-1].start()
-            n = len(senders)
-            _until(lambda n=n: _endpoint(s, url)["num_requests_running"] == n, f"batch request {n} never ran")
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
-        chat(client, "interactive", "now")  # evicts one batch request: no wait for a ~5-s one to end
-        assert [r.status_code for r in results] == [429]  # only the evicted one has ended
-        evicted = results[0]
-        assert evicted.headers["x-llm-d-request-dropped-reason"] == "evicted"
-        assert evicted.headers["retry-after"] == "1" and evicted.json()["error"]["code"] == "evicted"
-        for t in senders:
-            t.join()
-        assert sorted(r.status_code for r in results) == [200, 200, 200, 429]
-        metrics = httpx.get(f"{s.url}/metrics").text
-        assert f'backfill_router_make_room_evictions_total{{endpoint="{url}"}} 1.0' in metrics
-        assert 'backfill_router_shed_total{band="batch",reason="evicted"} 1.0' in metrics
-        assert _aborted(url) >= 1  # the engine aborted the evicted request
-
-
-# ---- trusted identities (issue 17, item 12; router/trust.py) -----------------------------------------
-#: ~5 s per request at the simulator's ~12 ms a token: a flood stays in flight while the test looks.
-SLOW_TOKENS = 400
-FAIRNESS = "x-llm-d-inference-fairness-id"
-
-
-async def _post_all(url: str, headers: list[dict[str, str]], max_tokens: int) -> list[httpx.Response]:
-    limits = httpx.Limits(max_connections=len(headers), max_keepalive_connections=len(headers))
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        return await asyncio.gather(*(client.post(
-            f"{url}/v1/completions", headers=h,
-            json={"model": "sim-model", "prompt": f"flood {i}", "max_tokens": max_tokens})
-            for i, h in enumerate(headers)))
-
-
-def _band(s: RouterStack, objective: str) -> dict:
-    return next(b for b in s.state()["bands"] if b["objective"] == objective)
-
-
-def _metric(s: RouterStack, series: str) -> float:
-    line = next((ln for ln in httpx.get(f"{s.url}/metrics", timeout=10).text.splitlines()
-                 if ln.startswith(series + " ")), None)
-    return float(line.rsplit(" ", 1)[1]) if line else 0.0
-
-
-def test_random_fairness_ids_without_the_token_are_one_tenant_and_get_429s(tmp_path: Path) -> None:
-    """Before: every random fairness id was its own tenant, so no per-tenant limit ever bound."""
-    with RouterStack(tmp_path, engines=2, engine_options=[{"time_scale": 1.0}] * 2) as s:
-        spoofed = [{FAIRNESS: secrets.token_hex(8), "x-llm-d-inference-objective": "batch"} for _ in range(300)]
-
-        async def scenario() -> tuple[list[httpx.Response], dict]:
-            flood = asyncio.create_task(_post_all(s.url, spoofed, SLOW_TOKENS))
-            deadline = time.monotonic() + 20
-            while (during := await asyncio.to_thread(_band, s, "interactive"))["queued_requests"] < 16:
-                assert time.monotonic() < deadline, "the flood never reached the quota"
-                await asyncio.sleep(0.05)
-            return await flood, during
-
-        answers, during = asyncio.run(scenario())
-        band = _band(s, "interactive")
-        ignored = _metric(s, f'backfill_router_untrusted_headers_total{{header="{FAIRNESS}"}}')
-    refused = [a for a in answers if a.status_code == 429]
-    # one tenant "anonymous" in the default band: 16 in flight + 16 queued, the rest refused at once
-    assert {a.status_code for a in answers} == {200, 429}
-    assert len(refused) >= 300 - 2 * 32, len(refused)
-    assert {a.headers["x-llm-d-request-dropped-reason"] for a in refused} == {"rejected-quota"}
-    assert {a.headers["retry-after"] for a in refused} == {"30"}  # the interactive band's TTL
-    assert during["flows"] == 1 and during["in_flight"] == 16  # one flow, at its in-flight quota
-    assert band["shed_total"]["rejected-quota"] == len(refused)
-    assert sum(1 for a in answers if a.status_code == 200) == band["dispatched_total"]
-    assert ignored == 300
-
-
-def test_one_tenants_flood_is_refused_while_another_tenant_is_served(tmp_path: Path) -> None:
-    with RouterStack(tmp_path, engines=2, engine_options=[{"time_scale": 1.0}] * 2) as s:
-        async def scenario() -> tuple[list[httpx.Response], list[httpx.Response], dict]:
-            flood = asyncio.create_task(_post_all(s.url, [s.trusted({FAIRNESS: "tenant-a"})] * 100, SLOW_TOKENS))
-            deadline = time.monotonic() + 20
-            while (await asyncio.to_thread(_band, s, "interactive"))["queued_requests"] < 16:
-                assert time.monotonic() < deadline, "tenant-a never reached its quota"
-                await asyncio.sleep(0.05)
-            other = await _post_all(s.url, [s.trusted({FAIRNESS: "tenant-b"})] * 8, 4)
-            during = await asyncio.to_thread(_band, s, "interactive")
-            return await flood, other, during
-
-        flood, other, during = asyncio.run(scenario())
-    # tenant-b: all answered, while tenant-a still had its quota's worth waiting behind its own work
-    assert [a.status_code for a in other] == [200] * 8
-    assert during["queued_requests"] >= 1 and during["in_flight"] >= 16
-    refused = [a for a in flood if a.status_code == 429]
-    assert len(refused) >= 100 - 2 * 32
-    assert {a.headers["x-llm-d-request-dropped-reason"] for a in refused} == {"rejected-quota"}
-    assert all(a.headers["retry-after"] == "30" and a.json()["error"]["code"] == "rejected-quota" for a in refused)
-
-
-def test_the_processors_objective_and_fairness_id_are_honoured_only_with_the_token(tmp_path: Path, stores) -> None:
-    from tests.integration.processor.test_processor_end_to_end import InProcess, Ns, message
-
-    with RouterStack(tmp_path, engines=1, model="m") as s:
-        for n, token in enumerate((s.token, None)):
-            ns = Ns(stores.redis_url)
-            before = {b["objective"]: b["dispatched_total"] for b in s.state()["bands"]}
-            for i in range(3):
-                ns.put("batch", message(f"m{n}-{i}", tenant="acme"))
-            with InProcess(ns.settings(s.url, router_token=token)):
-                results = ns.wait_results(3, timeout_s=30)
-            assert [r.status_code for r in results] == [200] * 3
-            after = {b["objective"]: b["dispatched_total"] for b in s.state()["bands"]}
-            grew = {k: after[k] - before[k] for k in after if after[k] != before[k]}
-            # with the token: the batch band; without: the default band, as tenant "anonymous"
-            assert grew == ({"batch": 3} if token else {"interactive": 3}), (token, grew)
-        assert _metric(s, f'backfill_router_untrusted_headers_total{{header="{FAIRNESS}"}}') == 3
-        assert _metric(s, 'backfill_router_untrusted_headers_total{header="x-llm-d-inference-objective"}') == 3

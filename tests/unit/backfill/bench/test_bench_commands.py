@@ -1,10 +1,10 @@
-"""`backfill bench prefix --quick` and `backfill bench router-overhead --quick` write the JSON shape
-of ``docs/benchmarks.md``; a router that is not installed is reported missing, not a failure."""
+"""`backfill bench prefix --quick` writes the JSON shape of ``docs/benchmarks.md``; a router that is
+not installed is reported missing, not a failure. (``router-overhead --quick``, and ``prefix`` on a
+trace file and on every shape, are in files of their own so they run on separate test workers.)"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -12,15 +12,13 @@ from backfill.bench import launch
 from backfill.bench.launch import POLICIES
 from backfill.bench.prefix import (
     FIGURES,
-    SHAPES,
     build_trace,
     engine_options,
     prefix_command,
     run_policy,
     versus_best_peer,
 )
-from backfill.bench.router_overhead import router_overhead_command
-from backfill.bench.workloads import oracle_reusable_tokens, read_mooncake
+from backfill.bench.workloads import oracle_reusable_tokens
 
 
 def _number(value) -> bool:
@@ -59,60 +57,6 @@ def test_a_peer_that_is_not_installed_is_reported_missing(monkeypatch):
     assert "sglang-router is not installed" in figures["missing"]
     assert all(figures[key] is None for key in FIGURES)
     assert POLICIES["vllm-router-kv_aware"].available() is not None
-
-
-def test_router_overhead_quick_writes_the_headline_figures(tmp_path):
-    out = tmp_path / "overhead.json"
-    result = CliRunner().invoke(router_overhead_command, ["--quick", "--json", str(out)], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    payload = json.loads(out.read_text())
-    for key in ("decision_p50_ms", "decision_p99_ms", "added_latency_p50_ms", "throughput_ratio_vs_vllm_router"):
-        assert key in payload
-    assert _number(payload["decision_p50_ms"]) and payload["decision_p50_ms"] <= payload["decision_p99_ms"]
-    assert {(d["endpoints"], d["prompt_tokens"]) for d in payload["decision"]} == {(16, 1000), (16, 8000)}
-    targets = payload["targets"]
-    assert list(targets) == ["direct", "ours", "vllm-router-cache_aware", "vllm-router-round_robin"]
-    assert targets["direct"]["errors"] == 0 and targets["direct"]["requests_per_s"] > 0
-    for name, target in targets.items():
-        if "missing" in target:
-            assert target["requests_per_s"] is None, name
-        else:
-            assert target["errors"] == 0 and target["requests_per_s"] > 0, name
-    if "missing" not in targets["ours"] and "missing" not in targets["vllm-router-cache_aware"]:
-        assert payload["throughput_ratio_vs_vllm_router"] == (targets["ours"]["requests_per_s"]
-                                                              / targets["vllm-router-cache_aware"]["requests_per_s"])
-
-
-def test_prefix_replays_a_mooncake_trace_file_on_the_long_context_fleet(tmp_path):
-    sample = Path(__file__).parent / "data" / "mooncake-sample.jsonl"
-    out = tmp_path / "mooncake.json"
-    result = CliRunner().invoke(prefix_command, ["--quick", "--trace", str(sample), "--trace-format", "mooncake",
-                                                 "--minutes", "1", "--speed", "4", "--policy", "approximate",
-                                                 "--policy", "precise", "--json", str(out)], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    payload = json.loads(out.read_text())
-    assert payload["shape"] == "mooncake" and payload["trace"]["requests"] == 4  # the 400 s record is cut
-    for name in ("approximate", "precise"):
-        figures = payload["policies"][name]
-        if "missing" in figures:
-            continue
-        assert figures["errors"] == 0, figures.get("first_error")
-        assert 0 < figures["captured_reuse"] <= 1.0
-
-
-def test_prefix_shape_all_quick_prints_a_summary_per_shape(tmp_path):
-    out, trace = tmp_path / "all.json", tmp_path / "long-context.jsonl"
-    result = CliRunner().invoke(prefix_command, ["--quick", "--shape", "all", "--policy", "round-robin",
-                                                 "--write-trace", str(trace), "--json", str(out)],
-                                catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    payload = json.loads(out.read_text())
-    assert list(payload["shapes"]) == list(SHAPES)
-    for shape, body in payload["shapes"].items():
-        assert body["policies"]["round-robin"]["errors"] == 0, shape
-        assert set(body["versus_best_peer"]) >= {"best_peer_reuse", "best_peer_ttft_p50_s", "approximate", "precise"}
-    assert "ours vs best peer" in result.output
-    assert len(read_mooncake(trace)) == payload["shapes"]["long-context"]["trace"]["requests"]
 
 
 def test_versus_best_peer_picks_the_best_figure_of_any_peer():
