@@ -363,6 +363,10 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
                                           trust=build_trust(settings))
         pool.add_on_down(director.endpoint_down)
         app[RESPONSES_KEY].open(settings.state_redis_url, settings.responses_ttl_s)
+        problem = await app[RESPONSES_KEY].check()
+        if problem is not None:
+            log.warning("responses state Redis is not answering (%s): stored responses fail with 503 "
+                        "state_store_unavailable until it does", problem)
         for profile in scheduler.profiles.values():
             profile.plugin_timer = metrics.plugin_timing
         if rt.subscriber is not None:

@@ -94,6 +94,16 @@ class ResponsesAPI:
         if redis_url:
             self.store = RedisResponseStore(redis_url, ttl_s)
 
+    async def check(self) -> str | None:
+        """Why the state Redis cannot be used now (its ``PING`` failed), or None: the router logs it
+        at start, so an unreachable store shows before the first chained request fails with 503."""
+        if isinstance(self.store, RedisResponseStore):
+            try:
+                await self.store.ping()
+            except StoreUnavailable as exc:
+                return str(exc)
+        return None
+
     async def aclose(self) -> None:
         """Close the store."""
         if self.store is not None:

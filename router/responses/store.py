@@ -100,6 +100,13 @@ class RedisResponseStore:
         except Exception as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
+    async def ping(self) -> None:
+        """Raises :class:`StoreUnavailable` when Redis does not answer ``PING`` (checked at start)."""
+        try:
+            await self._redis.ping()
+        except Exception as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
     async def aclose(self) -> None:
         """Close the connection pool."""
         await self._redis.aclose()

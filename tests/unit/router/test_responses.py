@@ -344,3 +344,20 @@ def test_unreadable_or_newer_records_are_absent():
         store._records[record_key("t", "resp_new")] = (float("inf"), b'{"v": 2, "response": {}, "input": []}')
         return await store.get("t", "resp_bad"), await store.get("t", "resp_new")
     assert asyncio.run(run()) == (None, None)
+
+
+def test_the_start_check_names_an_unreachable_state_redis_and_passes_a_live_one(stores):
+    from backfill.up import free_port
+
+    async def check(url: str | None) -> str | None:
+        api = ResponsesAPI(lambda: None)  # type: ignore[arg-type, return-value]
+        api.open(url, 60)
+        try:
+            return await api.check()
+        finally:
+            await api.aclose()
+
+    assert asyncio.run(check(None)) is None  # no store configured: nothing to check
+    assert asyncio.run(check(stores.redis_url)) is None
+    problem = asyncio.run(check(f"redis://127.0.0.1:{free_port()}/0"))  # nothing listens there
+    assert problem is not None and "Connection" in problem
