@@ -188,7 +188,9 @@ def test_streaming_client_that_disconnects_is_aborted_while_another_gets_its_ful
                 "max_tokens": max_tokens, "stream": True}
 
     with httpx.Client(timeout=30) as stays_client, httpx.Client(timeout=30) as leaves_client:
-        with stays_client.stream("POST", url, json=body("I stay " * 20, 60)) as stays:
+        # the one that stays runs ~2.5 s (300 decode steps of ~8 ms), so it is still running when the
+        # other one's abort is checked, however loaded the machine
+        with stays_client.stream("POST", url, json=body("I stay " * 20, 300)) as stays:
             kept = data_lines(stays.iter_lines())
             received = [next(kept), next(kept)]  # role chunk, first token
             with leaves_client.stream("POST", url, json=body("I leave " * 20, 5000)) as leaves:
@@ -203,7 +205,7 @@ def test_streaming_client_that_disconnects_is_aborted_while_another_gets_its_ful
     chunks = [json.loads(x) for x in received[:-1]]
     assert received[-1] == "[DONE]"
     content = [c["choices"][0]["delta"]["content"] for c in chunks[1:]]
-    assert "".join(content) == "".join(sim.engine.pieces(60)) and len(content) == 60
+    assert "".join(content) == "".join(sim.engine.pieces(300)) and len(content) == 300
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     until(lambda: metric(sim, "vllm:num_requests_running") == 0)
     assert metric(sim, "vllm:kv_cache_usage_perc") == 0.0
@@ -303,8 +305,10 @@ def test_engine_sim_help_lists_vllm_flags():
 
 def test_kv_pressure_preempts_counts_it_in_metrics_and_every_request_completes(make_sim):
     """A cache of 64 blocks of 16 (1,024 tokens) and eight requests of 100 + 120 tokens (14 blocks
-    each when done, 112 together): vLLM V1 admits all eight, then preempts by recompute; all finish."""
-    sim = make_sim(num_gpu_blocks=64, max_model_len=1024, block_size=16)
+    each when done, 112 together): vLLM V1 admits all eight, then preempts by recompute; all finish.
+    In model time (time scale 1: a request runs about a second) so the eight overlap however slowly
+    they arrive; at time scale 0 the first could finish before the last is sent."""
+    sim = make_sim(num_gpu_blocks=64, max_model_len=1024, block_size=16, time_scale=1.0)
     url = f"{sim.url}/v1/completions"
 
     async def main():
