@@ -24,6 +24,24 @@ from router.cli import router_argv
 from router.trust import TOKEN_HEADER
 from tests.integration.engine_twin.conftest import free_port
 
+#: A scheduling config that spreads unrelated prompts (prefix, no-hit LRU and queue scorers), for
+#: tests that need requests on several engines.
+SPREAD_CONFIG = """
+plugins:
+- type: approx-prefix-cache-producer
+- type: prefix-cache-scorer
+- type: no-hit-lru-scorer
+- type: queue-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+  - {pluginRef: no-hit-lru-scorer, weight: 2}
+  - {pluginRef: queue-scorer, weight: 1}
+  - {pluginRef: max-score-picker}
+"""
+
 #: The trusted token a :class:`RouterStack`'s router runs with unless told otherwise.
 ROUTER_STACK_TOKEN = "router-stack-token"
 

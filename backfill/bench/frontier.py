@@ -47,16 +47,18 @@ from typing import Any
 
 import click
 
+from backfill.bench.isolation import percentile, poisson_arrivals
 from engine_twin.core import CoreRequest, EngineCore
 from engine_twin.kv_cache import TieredPrefixCache, block_hashes, none_hash
 from engine_twin.settings import build_settings
+from router.flow_control.core import SHORT_RETRY_S
 
 ROOT = none_hash("0")
 INTERACTIVE_PRIORITY = -100
 BATCH_PRIORITY = 10
 BACKGROUND_THRESHOLD = -10
-RETRY_AFTER_S = 1.0
-"""The router's ``Retry-After`` for an evicted request (``router.flow_control.core.SHORT_RETRY_S``)."""
+RETRY_AFTER_S = SHORT_RETRY_S
+"""The router's ``Retry-After`` for an evicted request."""
 
 
 @dataclass(frozen=True)
@@ -128,14 +130,7 @@ class Sim:
                            background_priority_threshold=BACKGROUND_THRESHOLD if p.bg_cap else None,
                            max_background_prefill_tokens=p.bg_cap or 512)
         core = EngineCore(s, TieredPrefixCache(s.num_gpu_blocks, s.block_size))
-        rng = random.Random(self.seed)
-        arrivals: list[float] = []
-        t = 0.0
-        while self.rate > 0:
-            t += rng.expovariate(self.rate)
-            if t >= self.duration:
-                break
-            arrivals.append(t)
+        arrivals = poisson_arrivals(self.rate, self.duration, self.seed) if self.rate > 0 else []
         prompt_rng = random.Random(f"{self.seed}-prompts")
         counter = [0]
 
@@ -232,17 +227,6 @@ class Sim:
         victim.computed_at_abort = max(1, creq.num_computed_tokens)
         self.wasted += creq.num_computed_tokens + creq.output_tokens
         heapq.heappush(held, (t + RETRY_AFTER_S, seq, victim))
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), linear between closest ranks; NaN if empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def interactive_request_seconds(prompt_tokens: int, max_tokens: int) -> float:

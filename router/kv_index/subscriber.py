@@ -404,12 +404,8 @@ class KVEventSubscriber:
         """Decode one multipart message of connected source ``endpoint`` and apply it, replaying
         missed batches first (see the module docstring). Public so tests can feed messages."""
         stream = self._streams[endpoint]
-        self.messages += 1
-        try:
-            message = decode_message(frames)
-        except KVEventDecodeError as exc:
-            self.index.record_decode_error()
-            log.debug("kv events: undecodable message: %s", exc)
+        message = self._decode(frames)
+        if message is None:
             return
         seq = message.seq
         stream.last_seq = seq
@@ -540,14 +536,19 @@ class KVEventSubscriber:
 
         ``fixed``: the (endpoint, model) the message is from; None to resolve the topic. A gap
         or a reset drops the endpoint's entries (no replay in this mode)."""
+        message = self._decode(frames)
+        if message is not None:
+            self._apply_bound(message, fixed)
+
+    def _decode(self, frames: list[bytes]) -> KVEventMessage | None:
+        """Count one message and decode it; None (counted as a decode error) when it is malformed."""
         self.messages += 1
         try:
-            message = decode_message(frames)
+            return decode_message(frames)
         except KVEventDecodeError as exc:
             self.index.record_decode_error()
             log.debug("kv events: undecodable message: %s", exc)
-            return
-        self._apply_bound(message, fixed)
+            return None
 
     def _apply_bound(self, message: KVEventMessage, fixed: tuple[str, str] | None) -> None:
         target = fixed or self.resolve(message.topic)

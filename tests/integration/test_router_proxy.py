@@ -20,23 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router_stack import RouterStack
-
-SPREAD_CONFIG = """
-plugins:
-- type: approx-prefix-cache-producer
-- type: prefix-cache-scorer
-- type: no-hit-lru-scorer
-- type: queue-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: prefix-cache-scorer, weight: 3}
-  - {pluginRef: no-hit-lru-scorer, weight: 2}
-  - {pluginRef: queue-scorer, weight: 1}
-  - {pluginRef: max-score-picker}
-"""
+from tests.router_stack import SPREAD_CONFIG, RouterStack
 
 #: A shared prefix of 2,000 bytes = 500 estimate tokens (the simulator's built-in tokenizer counts
 #: 4 bytes per token too): 7 blocks of 64 tokens for the router, 31 blocks of 16 for the engine.

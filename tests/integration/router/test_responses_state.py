@@ -21,23 +21,8 @@ from common.contracts.responses import record_key
 from router.cli import router_argv
 from router.trust import TOKEN_HEADER
 from tests.integration.engine_twin.conftest import free_port
-from tests.router_stack import RouterStack
+from tests.router_stack import SPREAD_CONFIG, RouterStack
 
-SPREAD_CONFIG = """
-plugins:
-- type: approx-prefix-cache-producer
-- type: prefix-cache-scorer
-- type: no-hit-lru-scorer
-- type: queue-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: prefix-cache-scorer, weight: 3}
-  - {pluginRef: no-hit-lru-scorer, weight: 2}
-  - {pluginRef: queue-scorer, weight: 1}
-  - {pluginRef: max-score-picker}
-"""
 TTL_S = 600
 #: Instructions of 2,000 bytes (500 tokens for the router's estimate and the engines' tokenizer).
 RULES = "".join(f"Rule {i}: answer tersely and cite section {i}. " for i in range(60))[:2000]
