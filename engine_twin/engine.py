@@ -338,10 +338,16 @@ class SimEngine:
 
     # ---- prefill/decode (NixlConnector) ----------------------------------------------------------
     def _expire(self) -> None:
+        """Free the held blocks past their deadline; a timer that fired early (the loop's clock is
+        coarser than ``time.monotonic``) runs again for the rest."""
         timeout = self.settings.nixl_abort_request_timeout_s
-        for rid in self.core.expire_held(time.monotonic()):
+        now = time.monotonic()
+        for rid in self.core.expire_held(now):
             logger.warning("Releasing expired KV blocks for request %s which were retrieved by 0 decode worker(s) "
-                           "within %d seconds.", rid, timeout)
+                           "within %g seconds.", rid, timeout)
+        deadline = self.core.next_expiry()
+        if deadline is not None and deadline - now < timeout:
+            asyncio.get_running_loop().call_later(max(deadline - now, 0.001), self._expire)
 
     def _side_channel_meta(self) -> dict[str, Any]:
         s = self.settings
