@@ -48,6 +48,24 @@ One step, as vLLM V1's ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py
    prefill beside an interactive request's prefill, and an interactive request that arrives during
    a step waits at most one step of ``fixed + share × 32 µs`` (default step model) for its own.
 
+5. **Prefill/decode disaggregation** (vLLM's NixlConnector, ``vllm/distributed/kv_transfer/
+   kv_connector/v1/nixl/scheduler.py`` and the scheduler's ``WAITING_FOR_REMOTE_KVS`` handling). A
+   request added by :meth:`~EngineCore.add_remote` (``do_remote_prefill``), on reaching the head of
+   the waiting pass, takes its local GPU prefix hits and blocks for the rest of the prompt (or stops
+   the pass when they do not fit), enters ``WAITING_FOR_REMOTE_KVS`` (not scheduled, not counted
+   against ``max_num_seqs``, counted as waiting) and is reported as a :class:`KVLoad` (blocks to
+   read, bytes = blocks × block size × KV bytes per token, model seconds over
+   ``--kv-transfer-bandwidth``). :meth:`~EngineCore.kv_arrived` makes every prompt token but the
+   last computed and the full blocks cached (``BlockStored``), and puts it back at the head of the
+   queue; its next schedule computes the last prompt token and samples its first output token, so
+   ``num_cached_tokens`` is prompt − 1. :meth:`~EngineCore.kv_load_failed` frees its blocks and
+   requeues it for a local prefill (``kv_load_failure_policy: recompute``) or fails it (``fail``,
+   vLLM's default). A request with ``remote_decode`` (``do_remote_decode``, ended length-capped)
+   keeps its blocks after finishing in :attr:`~EngineCore.held` until
+   :meth:`~EngineCore.release_held` (the decode engine's notification) or
+   :meth:`~EngineCore.expire_held` past ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``; the time of every call
+   is the caller's clock (wall for the HTTP server, virtual for a simulation).
+
 After the schedule, every scheduled request's computed tokens advance; one that has computed all its
 tokens samples one (its first token when it had none); one with ``max_tokens`` tokens finishes and
 frees its blocks. Full blocks of prompt tokens are cached as they are computed (``BlockStored``);

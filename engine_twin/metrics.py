@@ -137,7 +137,10 @@ class _NixlMetrics:
     start to its end, the modeled transfer × ``time_scale`` plus the side channel's round trips),
     ``vllm:nixl_bytes_transferred`` (blocks × block bytes), ``vllm:nixl_num_descriptors`` (one per
     block per K and V region per layer, as NIXL registers them), and the counters
-    ``vllm:nixl_num_failed_transfers`` / ``vllm:nixl_num_failed_notifications``. vLLM's
+    ``vllm:nixl_num_failed_transfers`` (a read whose prefill twin could not be reached) /
+    ``vllm:nixl_num_failed_notifications`` (exported for parity; it stays 0: vLLM counts a failed
+    notification-only message, sent on a full local prefix hit, and a decode twin always reads at
+    least the block holding the last prompt token). vLLM's
     ``vllm:nixl_post_time_seconds`` (time to post a NIXL request) has no counterpart and is left out."""
 
     def __init__(self, settings: EngineSimSettings, labels: list[str], values: tuple[str, str], reg) -> None:
