@@ -264,3 +264,15 @@ def test_without_a_connector_kv_transfer_params_are_ignored(make_sim):
                    json={"model": MODEL, "prompt": "x " * 100, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
     assert r.status_code == 200 and r.json()["kv_transfer_params"] is None
     assert plain.state()["kv_transfer"] is None and plain.state()["kv_usage"] == 0.0
+
+
+def test_a_streamed_prefill_request_gets_no_params_and_its_blocks_wait_for_the_timeout(make_sim):
+    """vLLM puts ``kv_transfer_params`` only in the non-streamed answer; the blocks are held all the same."""
+    prefill = pd_sim(make_sim, "kv_producer", nixl_abort_request_timeout_s=0.3)
+    with httpx.stream("POST", f"{prefill.url}/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": "x " * 100, "max_tokens": 1, "stream": True,
+                            "kv_transfer_params": PREFILL_PARAMS}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and all("kv_transfer_params" not in line for line in lines)
+    assert prefill.state()["kv_transfer"]["held_requests"] == 1
+    assert until(lambda: prefill.state()["kv_transfer"]["held_requests"] == 0, 5)

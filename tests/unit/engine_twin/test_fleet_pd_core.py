@@ -183,3 +183,13 @@ def test_other_connectors_and_roles_are_refused_at_startup():
     s = build_settings(kv_transfer_config=json.dumps(NIXL))
     assert s.nixl and s.kv_transfer_config is not None and s.kv_transfer_config.engine_id
     assert s.kv_transfer_config.kv_load_failure_policy == "fail"  # vLLM's default
+
+
+def test_aborting_a_request_whose_kv_arrived_but_is_not_scheduled_yet_frees_its_blocks():
+    core, _ = make_core()
+    core.add_remote(request("d", PROMPT), 0.0)
+    core.step(0.0)
+    core.kv_arrived("d", 0.1)
+    assert core.cache.used_blocks == 7 and core.num_waiting == 1
+    core.abort("d")
+    assert core.cache.used_blocks == 0 and core.num_waiting == 0 and not core.has_work()
