@@ -68,8 +68,8 @@ def precise_pd_config_text() -> str:
     return HEADER + yaml.safe_dump(precise_pd_config(), sort_keys=False, width=110)
 
 
-DERIVED = {"pd-precise-config.yaml": precise_pd_config}
-"""ConfigMap file name → the config it must parse to."""
+DERIVED = {"pd-precise-config.yaml": precise_pd_config_text}
+"""ConfigMap file name → the text it must hold (instead of a shipped file of that name)."""
 
 
 def patch_text() -> str:

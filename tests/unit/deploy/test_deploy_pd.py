@@ -11,14 +11,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import OVERLAYS
+from conftest import OVERLAYS, REPO
 from test_deploy_manifests import _selected
 from test_deploy_wiring import container_of, engine_kv_endpoints, find
 
-from engine_twin.launch import vllm_engine_argv
+from engine_twin.launch import pd_engine_env, vllm_engine_argv
 
 POOLS = {"prefill": "backfill-vllm-prefill", "decode": "backfill-vllm"}
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+"""Both pools' connector: kv_both, as vLLM's NixlConnector guide runs both sides (the role of a
+request comes from its kv_transfer_params)."""
 ROLE_LABEL = "llm-d.ai/role"
 
 
@@ -50,8 +52,7 @@ def test_each_pool_runs_the_launch_builders_nixl_command_line(pd, role):
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
     kv, replay = engine_kv_endpoints(pd)
     expected = vllm_engine_argv("$(MODEL)", port, ["$(SERVED_MODEL_NAME)"], kv, host="$(POD_IP)", python="python3",
-                                kv_events_replay_endpoint=replay,
-                                extra=("--kv-transfer-config", json.dumps(NIXL)))
+                                kv_events_replay_endpoint=replay, pd_role="both")
     assert container["command"] + container["args"] == expected
     args = container["args"]
     assert json.loads(args[args.index("--kv-transfer-config") + 1]) == NIXL
@@ -76,6 +77,9 @@ def test_the_nixl_side_channel_is_the_pod_ip_on_a_declared_port(pd, role):
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"]) == ports["nixl"]
+    # the names and the port the launch builder's environment uses (vLLM's own, default 5600)
+    built = pd_engine_env(ports["nixl"], "$(POD_IP)", base={})
+    assert set(built) <= set(env) and built["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert env["UCX_TLS"]["value"] and env["UCX_NET_DEVICES"]["value"]
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
@@ -125,3 +129,26 @@ def test_engine_metrics_keep_the_role(pd):
     service = find(pd, "Service", "backfill-vllm")
     for name in POOLS.values():  # the scraped Service reaches both pools
         assert _selected({"matchLabels": service["spec"]["selector"]}, _template(pd, name)["metadata"]["labels"])
+
+
+def test_the_routers_run_the_pd_handler_with_the_kv_event_index(pd):
+    """The mounted config builds the router's scheduler: the P/D profile handler deciding on the
+    precise (KV-event) producer, both profiles, the threshold of the shipped pd-config.yaml."""
+    import yaml
+
+    from router.kv_index.index import KVBlockIndex
+    from router.scheduling.config import build_scheduler, parse_config
+    from router.scheduling.interfaces import PluginHandle
+
+    data = find(pd, "ConfigMap", "backfill-config")["data"]
+    name = data["BACKFILL_ROUTER_CONFIG"].rsplit("/", 1)[1]
+    text = find(pd, "ConfigMap", "backfill-router-scheduling")["data"][name]
+    handle = PluginHandle(prefix_index=KVBlockIndex())
+    scheduler = build_scheduler(parse_config(text), handle)
+    handler = scheduler.profile_handler
+    assert handler is not None and set(scheduler.profiles) == {"decode", "prefill"}
+    producer = handle.plugins[handler.params.prefix_plugin_name]
+    assert producer.plugin_type == "precise-prefix-cache-producer"
+    shipped = yaml.safe_load((REPO / "router" / "scheduling" / "pd-config.yaml").read_text())
+    threshold = next(p for p in shipped["plugins"] if p["type"] == "pd-profile-handler")["parameters"]["threshold"]
+    assert handler.params.threshold == threshold
