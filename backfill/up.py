@@ -62,12 +62,17 @@ class Stack:
     """Base URL → ``prefill`` | ``decode`` for the engines started in a role (absent: both)."""
     router_url: str | None = None
     argv: dict[str, list[str]] = field(default_factory=dict)
+    child_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Environment of the children started with their own (the P/D engines' NIXL side channels)."""
     restarts: dict[str, list[float]] = field(default_factory=dict)
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        """Start child ``name`` (output to ``logs/NAME.log``), remembering how, to restart it."""
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start child ``name`` (output to ``logs/NAME.log``) with ``env`` (default: the stack's),
+        remembering how, to restart it."""
         self.argv[name] = argv
-        self.children[name] = _spawn(argv, self.env, self.data_dir / "logs", name)
+        if env is not None:
+            self.child_env[name] = env
+        self.children[name] = _spawn(argv, self.child_env.get(name, self.env), self.data_dir / "logs", name)
         return self.children[name]
 
     def metrics_urls(self) -> str:
@@ -139,7 +144,7 @@ class Stack:
                 return name
             self.restarts[name] = recent + [now]
             click.echo(f"backfill: {name} exited with status {proc.returncode}; restarting it", err=True)
-            self.start(name, self.argv[name])
+            self.start(name, self.argv[name], self.child_env.get(name))
         return None
 
     def stop(self, grace: float = GRACE_SECONDS) -> None:
@@ -267,11 +272,12 @@ def start_engines(stack: Stack, count: int, served_model_names: list[str],
     engines (children ``engine-N``) plus ``prefill`` prefill and ``decode`` decode engines in their
     prefill/decode roles (``prefill-N``, ``decode-N``: :func:`engine_twin.launch.sim_engine_argv`
     with ``pd_role``, vLLM's NixlConnector between them), all serving ``served_model_names`` on free
-    ports, and wait until each answers ``/health``. ``background_prefill``: the simulated engines
+    ports (a P/D engine's NIXL side channel on one more free port, :func:`engine_twin.launch.pd_engine_env`),
+    and wait until each answers ``/health``. ``background_prefill``: the simulated engines
     bound batch and async prefills per step (``--background-priority-threshold``,
     ``engine_twin/core.py``; ``max_background_prefill_tokens`` None: the twin's default).
     Raises ``click.ClickException`` when an engine does not start."""
-    from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, sim_engine_argv, wait_ready
+    from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, pd_engine_env, sim_engine_argv, wait_ready
 
     if engine_urls:
         stack.engine_urls = [url.rstrip("/") for url in engine_urls]
@@ -284,7 +290,8 @@ def start_engines(stack: Stack, count: int, served_model_names: list[str],
         stack.start(name, sim_engine_argv(
             engine_port, served_model_names,
             background_priority_threshold=BACKGROUND_PRIORITY_THRESHOLD if background_prefill else None,
-            max_background_prefill_tokens=max_background_prefill_tokens, **({"pd_role": role} if role else {})))
+            max_background_prefill_tokens=max_background_prefill_tokens, pd_role=role),
+            env=pd_engine_env(free_port(), base=stack.env) if role else None)
         url = f"http://127.0.0.1:{engine_port}"
         stack.engine_urls.append(url)
         if role:

@@ -36,8 +36,10 @@ time (wall ÷ ``--time-scale``):
 * throughput: output tokens ÷ the replay's model seconds (first send to last answer).
 
 Ratios, side by side in one run: ITL p99 aggregated ÷ P/D (goal ≥ 1.5, the point of splitting),
-TTFT p50 and throughput P/D ÷ aggregated; the best ratio is the P/D layout with the highest
-throughput among those meeting the ITL goal (else the lowest ITL p99).
+TTFT p50 and throughput P/D ÷ aggregated. The trace is open loop, so throughput is the offered
+load unless a layout falls behind (a queue that grows); the best ratio is the P/D layout with the
+lowest TTFT p50 among those meeting the ITL goal that keep up (throughput ≥ 0.95 × aggregated's),
+else the one with the lowest ITL p99.
 
 ``--quick`` (the test's run): 2 engines, aggregated vs 1:1, a 6-second trace with 4k–8k prompts.
 """
@@ -77,10 +79,13 @@ from backfill.bench.workloads import (
     mooncake_trace,
 )
 from common.executable import backfill_executable
-from engine_twin.launch import sim_engine_argv
+from engine_twin.launch import pd_engine_env, sim_engine_argv
 
 ITL_GOAL = 1.5
 """ITL p99 aggregated ÷ P/D to reach (issue 15's goal table)."""
+BEST_MIN_THROUGHPUT = 0.95
+"""A layout counts for the best ratio only if it serves the open-loop trace about as fast as the
+aggregated fleet (its throughput is the offered load unless its queues grow)."""
 PREFILL_TOKENS_GOAL = 1.0
 """Most tokens a prefill engine may generate per request (vLLM's NIXL flow sends it ``max_tokens`` 1)."""
 TRUSTED_TOKEN_HEADER = "x-backfill-router-token"
@@ -313,12 +318,13 @@ class Fleet:
 
 
 def engine_argv(port: int, role: str, opts: PdOptions, index: int) -> list[str]:
-    """``backfill engine-sim`` of one engine of the fleet in ``role`` (``prefill``, ``decode`` or
-    ``both``: a plain engine, no KV transfer)."""
-    roles = {} if role == "both" else {"pd_role": role}
+    """``backfill engine-sim`` of one engine of the fleet in ``role`` (``prefill``, ``decode``: vLLM's
+    NixlConnector as ``kv_producer`` / ``kv_consumer``, the twin's default 50 GB/s link; ``both``:
+    a plain engine, no KV transfer). Start a P/D engine with :func:`engine_twin.launch.pd_engine_env`."""
     return sim_engine_argv(port, ["sim-model"], None, host=HOST, block_size=opts.block_size,
                            num_gpu_blocks=opts.num_gpu_blocks, max_model_len=opts.max_model_len,
-                           time_scale=opts.time_scale, extra=("--engine-index", f"{role}-{index}"), **roles)
+                           time_scale=opts.time_scale, pd_role=None if role == "both" else role,
+                           extra=("--engine-index", f"{role}-{index}"))
 
 
 def router_argv(port: int, engines: dict[str, list[str]]) -> list[str]:
@@ -348,7 +354,9 @@ def pd_fleet(layout: Layout, opts: PdOptions, log_dir: Path | None = None) -> It
         for role, count in (("prefill", layout.prefill), ("decode", layout.decode), ("both", layout.both)):
             for _ in range(count):
                 port = free_port()
-                proc = group.start(f"{layout.name.replace(':', 'x')}-{role}-{index}", engine_argv(port, role, opts, index))
+                env = pd_engine_env(free_port(), HOST) if role != "both" else None  # its NIXL side channel
+                proc = group.start(f"{layout.name.replace(':', 'x')}-{role}-{index}", engine_argv(port, role, opts, index),
+                                   env=env)
                 url = f"http://{HOST}:{port}"
                 engines.setdefault(role, []).append(url)
                 started.append((proc, url))
@@ -439,7 +447,9 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Ratios of every P/D layout against ``aggregated`` (ITL p99 aggregated ÷ P/D, TTFT p50 and
-    throughput P/D ÷ aggregated), the goals, and the best P/D ratio (module docstring)."""
+    throughput P/D ÷ aggregated), the goals, and the best P/D ratio: of the layouts meeting the
+    ITL goal that keep up with the trace (throughput ≥ :data:`BEST_MIN_THROUGHPUT` × aggregated's),
+    the lowest TTFT p50; when none does, the lowest ITL p99."""
     agg = results["aggregated"]
     ratios: dict[str, dict[str, Any]] = {}
     for name, fig in results.items():
@@ -455,9 +465,11 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "throughput_pd_over_aggregated": _ratio(fig["output_tokens_per_s"], agg["output_tokens_per_s"]),
             "prefill_max_generated_per_request": prefill.get("max_generated_per_request"),
         }
-    meeting = [n for n, r in ratios.items() if (r["itl_p99_aggregated_over_pd"] or 0) >= ITL_GOAL]
+    meeting = [n for n, r in ratios.items() if (r["itl_p99_aggregated_over_pd"] or 0) >= ITL_GOAL
+               and (r["throughput_pd_over_aggregated"] or 0) >= BEST_MIN_THROUGHPUT]
+    best: str | None
     if meeting:
-        best = max(meeting, key=lambda n: results[n]["output_tokens_per_s"] or 0)
+        best = min(meeting, key=lambda n: results[n]["ttft_p50_ms_all"] or math.inf)
     else:
         best = min(ratios, key=lambda n: results[n]["itl_p99_ms_all"] or math.inf) if ratios else None
     correct = all(r["errors"] == 0 for r in results.values()) and all(
@@ -497,7 +509,7 @@ def _table(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
                       str(fig["output_tokens_per_s"]), str(r.get("itl_p99_aggregated_over_pd", "-")),
                       str(r.get("ttft_p50_pd_over_aggregated", "-")), str(r.get("throughput_pd_over_aggregated", "-")),
                       str(r.get("prefill_max_generated_per_request", "-")))
-    Console(stderr=True).print(table)
+    Console(stderr=True, width=200).print(table)
 
 
 @click.command("pd")
