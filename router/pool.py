@@ -380,6 +380,17 @@ class EndpointPool:
                 ep = share.endpoint
                 ep.in_flight_sheddable_prefill_tokens = max(0, ep.in_flight_sheddable_prefill_tokens - share.dispatched)
 
+    def add_prefill(self, share: InFlight, tokens: int) -> None:
+        """The request of ``share`` will prefill there after all (a disaggregated request whose
+        prefill leg failed falls back to its decode endpoint): its ``tokens`` uncached prompt
+        tokens join the endpoint's queued prefill work until its first chunk or its end."""
+        if tokens <= 0 or not self._counts(share) or share.tokens:
+            return
+        share.tokens = share.dispatched = tokens
+        share.endpoint.in_flight_uncached_tokens += tokens
+        if share.prefill:  # a sheddable request still counted in the batch prefill share
+            share.endpoint.in_flight_sheddable_prefill_tokens += tokens
+
     def first_chunk(self, share: InFlight) -> None:
         """The request's prefill is over: remove its uncached tokens (idempotent)."""
         self._end_prefill(share)
