@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from router.scheduling.errors import ConfigError, NoCandidatesError
-from router.scheduling.interfaces import DataProducer, PluginHandle
+from router.scheduling.interfaces import DataProducer, PluginHandle, PreRequest, ResponseComplete
 from router.scheduling.plugins.params import PluginParams, parse_params
 from router.scheduling.plugins.prefix import APPROX_PRODUCER_TYPE
 from router.scheduling.types import (
@@ -183,6 +183,14 @@ class PDProfileHandler:
                               f"{self.params.prefix_plugin_name!r}'s blockSizeTokens {block}")
         self._producer = producer
         self._profiles = profiles
+        # the decode pick holds the prompt's blocks once the request ran there (received from the
+        # prefill engine, or computed): the producer learns from it even when the decode profile
+        # (load-aware) does not run it
+        decode = profiles[self.decode_profile]
+        if isinstance(producer, PreRequest) and producer not in decode.pre_request_hooks:
+            decode.pre_request_hooks.append(producer)
+        if isinstance(producer, ResponseComplete) and producer not in decode.response_hooks:
+            decode.response_hooks.append(producer)
 
     def uncached_tokens(self, request: LLMRequest, endpoint: Endpoint, state: CycleState | None = None) -> int:
         """Prompt tokens ``endpoint`` would compute for ``request``: prompt tokens minus the
