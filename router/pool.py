@@ -54,7 +54,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.kv_index.subscriber import KVEventSource
-from router.scheduling.types import ROLE_BOTH, ROLE_PREFILL, ROLES, Endpoint
+from router.scheduling.types import ROLE_BOTH, ROLES, Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -290,20 +290,6 @@ class EndpointPool:
                 changed = True
         if changed:
             self._rebuild()
-
-    def role_counts(self) -> dict[str, dict[str, int]]:
-        """``{role: {"endpoints": n, "healthy": m}}`` for each of the three roles (for the metrics)."""
-        out = {role: {"endpoints": 0, "healthy": 0} for role in ROLES}
-        for state in self.states.values():
-            counts = out[state.endpoint.role]
-            counts["endpoints"] += 1
-            counts["healthy"] += int(state.healthy)
-        return out
-
-    def has_prefill_endpoints(self) -> bool:
-        """Some endpoint of the pool (healthy or not) has the role ``prefill``: the fleet is
-        disaggregated, so the gate works per pool (:func:`router.scheduling.saturation.pd_gate_saturation`)."""
-        return any(s.endpoint.role == ROLE_PREFILL for s in self.states.values())
 
     def _remove(self, name: str) -> None:
         state = self.states.pop(name)
