@@ -228,7 +228,8 @@ def _plugins(scheduler: Scheduler | None) -> list[object]:
         return []
     seen: dict[int, object] = {}
     for profile in scheduler.profiles.values():
-        for plugin in (*profile.producers, *profile.filters, *(s for s, _ in profile.scorers), profile.picker):
+        for plugin in (*profile.producers, *profile.filters, *(s for s, _ in profile.scorers), profile.picker,
+                       *profile.pre_request_hooks, *profile.response_hooks):  # hooks: a P/D handler's producer
             seen[id(plugin)] = plugin
     return list(seen.values())
 

@@ -6,16 +6,20 @@ errors, the pod label ``llm-d.ai/role``, the per-pool gate, and the prefill/deco
 
 from __future__ import annotations
 
+import asyncio
 import random
 from types import SimpleNamespace
 
+import aiohttp
 import orjson
 import pytest
+from click.testing import CliRunner
 from pydantic import ValidationError
 from scheduling_helpers import FakeClock
 
+from router.cli import router_argv, router_command
 from router.disagg import PREFILL_KV_TRANSFER_PARAMS, decode_body, kv_transfer_params_of, prefill_body
-from router.pool import ROLE_LABEL, pod_role, ready_pod_roles, ready_pod_urls
+from router.pool import ROLE_LABEL, EndpointPool, KubernetesSource, pod_role, ready_pod_roles, ready_pod_urls
 from router.scheduling import DEFAULT_CONFIG_PATH, PD_CONFIG_PATH
 from router.scheduling.config import build_scheduler, load_config, parse_config
 from router.scheduling.errors import ConfigError, NoCandidatesError
@@ -284,3 +288,31 @@ def test_decode_body_and_the_prefill_answer() -> None:
     for bad in (b"not json", b"[1]", b'{"kv_transfer_params": null}', b'{"kv_transfer_params": {}}',
                 b'{"kv_transfer_params": [1]}', b'{"id": "x"}'):
         assert kv_transfer_params_of(bad) is None, bad
+
+
+def test_discovery_gives_the_pool_each_pods_role_and_follows_a_relabel() -> None:
+    async def scenario() -> list[dict[str, str]]:
+        async with aiohttp.ClientSession() as session:
+            pool = EndpointPool(session, health_interval_s=60, scrape_interval_s=60)
+            source = KubernetesSource(pool, "app=vllm", 8000, namespace="llm", static=["http://static:1"],
+                                      static_roles={"http://static:1": "decode"})
+            seen = []
+            source.apply([pod("10.0.0.1", {ROLE_LABEL: "prefill"}), pod("10.0.0.2", None)])
+            seen.append({n: s.endpoint.role for n, s in pool.states.items()})
+            source.apply([pod("10.0.0.1", {ROLE_LABEL: "decode"}), pod("10.0.0.2", None)])
+            seen.append({n: s.endpoint.role for n, s in pool.states.items()})
+            await pool.close()
+            return seen
+
+    first, second = asyncio.run(scenario())
+    assert first == {"http://static:1": "decode", "http://10.0.0.1:8000": "prefill", "http://10.0.0.2:8000": "both"}
+    assert second["http://10.0.0.1:8000"] == "decode"
+
+
+def test_the_cli_wants_somewhere_to_decode() -> None:
+    result = CliRunner().invoke(router_command, ["--prefill-engine", "http://p:1"])
+    assert result.exit_code == 2 and "--decode-engine or --engine" in result.output
+    result = CliRunner().invoke(router_command, ["--prefill-engine", "http://p:1", "--decode-engine", "http://p:1"])
+    assert result.exit_code == 2 and "one role per engine" in result.output
+    argv = router_argv(8100, [], prefill_engines=["http://p:1"], decode_engines=["http://d:1"])
+    assert argv[-4:] == ["--prefill-engine", "http://p:1", "--decode-engine", "http://d:1"]
