@@ -19,6 +19,16 @@ and writes what it decides. For one parsed request:
 4. when a try ends the counters fall and the ``response_complete`` hooks get the cached prompt
    tokens the engine reported (:attr:`Attempt.cached_tokens`).
 
+Prefill/decode disaggregation (a ``pd-profile-handler`` in the scheduling config, a
+:class:`PDForwarder` transport): :meth:`Director.decide` gives the decode endpoint and, for a
+long enough uncached prompt, a prefill endpoint. The decode try holds its endpoint's slot from
+the decision (no prefill tokens); the prefill leg (:meth:`Director._prefill`) runs first, as its
+own task counted on the prefill endpoint until its answer, and is tried once more on another
+prefill endpoint when it fails; with no ``kv_transfer_params`` after that the decode endpoint runs
+the request whole (its uncached tokens join its counters). Eviction, the client going away or the
+decode endpoint going down cancel the request with its prefill leg; the prefill endpoint going
+down cancels the leg alone.
+
 What happens is reported to a :class:`router.observer.RouterObserver`; the admin page's decision
 rate is :attr:`Director.decisions`.
 """
