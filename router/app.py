@@ -346,6 +346,10 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
         if settings.profile is not None and settings.profile not in scheduler.profiles:
             raise ValueError(f"profile {settings.profile!r} is not in {settings.scheduling_config} "
                              f"(profiles: {', '.join(scheduler.profiles)})")
+        if settings.prefill_engines and scheduler.profile_handler is None:
+            log.warning("prefill engines are given but the scheduling config has no pd-profile-handler: they get "
+                        "whole requests like any engine", extra={"action": "router.pd_without_handler",
+                                                                 "config": str(settings.scheduling_config)})
         rt.working_set = working_set_of(_plugins(scheduler))
         for plugin in _plugins(scheduler):
             forget = getattr(plugin, "forget_endpoint", None)
