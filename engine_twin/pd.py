@@ -23,7 +23,7 @@ proxy ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``):
 The side channel: vLLM serves NIXL agent metadata on a ZMQ socket at
 ``VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT`` (``remote_host`` / ``remote_port``) and
 moves notifications over NIXL itself. The twin serves both as a small HTTP/1.1 endpoint on that
-same host and port (:class:`SideChannel`, ``h11`` over asyncio streams): ``GET /nixl/meta`` (the
+same host and port (:class:`SideChannel`, an aiohttp server): ``GET /nixl/meta`` (the
 handshake: engine id, block size, KV bytes per token) and ``POST /nixl/notif`` with body
 ``{"notif_msg": "<remote_request_id>:<tp_size>"}``. The decode twin calls the first before the read
 and the second when the read ends (a READ carries its notification in NIXL); 5 s timeouts, vLLM's
@@ -44,8 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import h11
 import orjson
+from aiohttp import web
 
 from engine_twin.errors import BadRequestError
 
@@ -132,79 +132,73 @@ def prefill_params(engine_id: str, request_id: str, block_ids: list[int], host: 
 
 
 class SideChannel:
-    """The prefill twin's side channel (module docstring): an HTTP/1.1 server on asyncio streams.
+    """The prefill twin's side channel (module docstring): a small aiohttp server.
 
     ``meta()`` gives the handshake's JSON; ``notify(request_id)`` frees the held blocks and returns
-    whether they were held. Bad requests get 400/404 with a JSON ``error``; the server never raises
-    into the event loop."""
+    whether they were held. Bad requests get 400/404/405 with a JSON ``error``; bodies over
+    :data:`MAX_BODY_BYTES` get 413."""
 
     def __init__(self, meta: Callable[[], dict[str, Any]], notify: Callable[[str], bool]):
         self._meta = meta
         self._notify = notify
-        self._server: asyncio.Server | None = None
+        self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> None:
         """Listen on ``host:port``; raises RuntimeError when the port cannot be bound."""
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+        app.router.add_get(META_PATH, self._get_meta)
+        app.router.add_post(NOTIF_PATH, self._post_notif)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
         try:
-            self._server = await asyncio.start_server(self._serve, host, port)
+            await web.TCPSite(runner, host, port).start()
         except OSError as exc:
+            await runner.cleanup()
             raise RuntimeError(f"the NIXL side channel cannot listen on {host}:{port} ({exc}); set "
                                "VLLM_NIXL_SIDE_CHANNEL_PORT to a free port") from exc
+        self._runner = runner
 
     async def aclose(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
-            self._server = None
+                await asyncio.wait_for(runner.cleanup(), 1.0)
 
-    def route(self, method: str, target: str, body: bytes) -> tuple[int, dict[str, Any]]:
-        """Status and JSON answer of one side-channel request."""
-        if target == META_PATH and method == "GET":
-            return 200, self._meta()
-        if target == NOTIF_PATH and method == "POST":
-            try:
-                msg = orjson.loads(body).get("notif_msg")
-                request_id, _tp = msg.rsplit(":", 1)
-            except (orjson.JSONDecodeError, AttributeError, ValueError):
-                return 400, {"error": 'body must be {"notif_msg": "<remote_request_id>:<tp_size>"}'}
-            released = self._notify(request_id)
-            if not released:
-                logger.error("Potentially invalid KV blocks for unrecognized request %s were retrieved by a "
-                             "decode worker. They may have expired.", request_id)
-            return 200, {"released": released}
-        return 404, {"error": f"no side-channel route {method} {target}"}
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER)
-        request: h11.Request | None = None
-        body = b""
+    def notified(self, body: bytes) -> tuple[int, dict[str, Any]]:
+        """Status and JSON answer of one notification (body ``{"notif_msg": "<request id>:<tp>"}``)."""
         try:
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(await reader.read(65536))
-                elif isinstance(event, h11.Request):
-                    request, body = event, b""
-                elif isinstance(event, h11.Data):
-                    body += event.data
-                elif isinstance(event, h11.EndOfMessage) and request is not None:
-                    status, answer = self.route(request.method.decode(), request.target.decode(), body)
-                    payload = orjson.dumps(answer)
-                    headers = [("content-type", "application/json"), ("content-length", str(len(payload)))]
-                    writer.write(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
-                    writer.write(conn.send(h11.Data(data=payload)) or b"")
-                    writer.write(conn.send(h11.EndOfMessage()) or b"")
-                    await writer.drain()
-                    if conn.our_state is h11.MUST_CLOSE:
-                        break
-                    conn.start_next_cycle()
-                    request = None
-                else:  # ConnectionClosed, PAUSED
-                    break
-        except (h11.ProtocolError, ConnectionError, OSError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            msg = orjson.loads(body).get("notif_msg")
+            request_id, _tp = msg.rsplit(":", 1)
+        except (orjson.JSONDecodeError, AttributeError, ValueError):
+            return 400, {"error": 'body must be {"notif_msg": "<remote_request_id>:<tp_size>"}'}
+        released = self._notify(request_id)
+        if not released:
+            logger.error("Potentially invalid KV blocks for unrecognized request %s were retrieved by a "
+                         "decode worker. They may have expired.", request_id)
+        return 200, {"released": released}
+
+    async def _get_meta(self, request: web.Request) -> web.Response:
+        return web.json_response(self._meta(), dumps=_dumps)
+
+    async def _post_notif(self, request: web.Request) -> web.Response:
+        status, answer = self.notified(await request.read())
+        return web.json_response(answer, status=status, dumps=_dumps)
+
+
+MAX_BODY_BYTES = 64 * 1024
+"""Largest side-channel request body (bytes): a notification is a few dozen."""
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    """aiohttp's own 404/405/413 answers as JSON ``{"error": …}``, like the routes' own errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return web.json_response({"error": exc.reason}, status=exc.status)

@@ -276,3 +276,18 @@ def test_a_streamed_prefill_request_gets_no_params_and_its_blocks_wait_for_the_t
     assert lines[-1] == "data: [DONE]" and all("kv_transfer_params" not in line for line in lines)
     assert prefill.state()["kv_transfer"]["held_requests"] == 1
     assert until(lambda: prefill.state()["kv_transfer"]["held_requests"] == 0, 5)
+
+
+def test_side_channel_answers_bad_requests_in_json(pd_pair):
+    prefill, _ = pd_pair
+    side = f"http://127.0.0.1:{prefill.side_port}"
+    meta = httpx.get(side + "/nixl/meta")
+    assert meta.status_code == 200 and meta.json()["engine_id"] == prefill.state()["kv_transfer"]["engine_id"]
+    bad = httpx.post(side + "/nixl/notif", content=b"not json")
+    assert bad.status_code == 400 and "notif_msg" in bad.json()["error"]
+    unknown = httpx.post(side + "/nixl/notif", json={"notif_msg": "no-such-request:1"})
+    assert unknown.status_code == 200 and unknown.json() == {"released": False}
+    assert httpx.get(side + "/nowhere").status_code == 404
+    assert httpx.get(side + "/nixl/notif").status_code == 405
+    huge = httpx.post(side + "/nixl/notif", content=b"x" * (1 << 20))
+    assert huge.status_code == 413 and "error" in huge.json()
