@@ -8,20 +8,22 @@ Real processes: ``--engines`` simulated vLLM engines (``backfill engine-sim``, t
 * ``aggregated``: every engine does both (``--engine URL`` each), the router's default scheduling
   config;
 * ``P:D`` for every split of the engines (4 engines: ``1:3``, ``2:2``, ``3:1``; 2: ``1:1``; 3:
-  ``1:2``, ``2:1``): P engines started as NIXL prefill engines and D as decode engines
-  (``engine_twin.launch.sim_engine_argv`` with their role), the router given
+  ``1:2``, ``2:1``): P engines started as NIXL prefill engines (``kv_producer``) and D as decode
+  engines (``kv_consumer``), ``engine_twin.launch.sim_engine_argv`` with their ``pd_role``, each
+  with its own side channel (``pd_engine_env``); the router given
   ``--prefill-engine`` / ``--decode-engine`` and so its shipped P/D scheduling config: a request
   whose uncached prompt reaches the config's threshold is prefilled on a prefill engine
   (``max_tokens`` 1, ``kv_transfer_params.do_remote_decode``) and decoded on a decode engine, which
   receives the KV blocks over the modelled link; shorter prompts run whole on a decode engine.
 
-The trace (:func:`pd_trace`, seeded): long-prompt requests (documents: prompts uniform in
-``--long-prompt`` tokens, 8k–32k, unique text, short answers; Mooncake-format records through
-:func:`~backfill.bench.workloads.mooncake_trace`, Poisson arrivals) beside interactive chat
-(:func:`~backfill.bench.workloads.agentic_sessions` with short system prompts and messages and
-long answers, closed-loop turns), spread over ``--tenants`` tenants: one sends the documents, the
-others the chat sessions, each with its fairness id (``x-llm-d-inference-fairness-id``, sent with
-the router's trusted token so the router honours it).
+The trace (:func:`pd_trace`, seeded; sizes in :class:`PdOptions`): long-prompt requests
+(documents: prompts uniform in 8k–32k tokens, unique text, 32–128 tokens out; Mooncake-format
+records through :func:`~backfill.bench.workloads.mooncake_trace`, Poisson arrivals) beside
+interactive chat (:func:`~backfill.bench.workloads.agentic_sessions` with a short system prompt
+and messages and 384 tokens out, sessions started uniformly, later turns closed loop), from three
+tenants: ``docs`` sends the documents, ``chat-1`` and ``chat-2`` the chat sessions, each with its
+fairness id (``x-llm-d-inference-fairness-id``, sent with the router's trusted token so the router
+honours it).
 
 Figures per layout, at the client (every call streamed, ``stream_options.include_usage``), in model
 time (wall ÷ ``--time-scale``):
