@@ -52,7 +52,14 @@ from router.director import (
 )
 from router.disagg import decode_body, kv_transfer_params_of, prefill_body
 from router.observer import RouterObserver
-from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
+from router.parsing import (
+    ParsedRequest,
+    RequestError,
+    engine_body,
+    engine_priority,
+    parse_request,
+    with_engine_priority,
+)
 from router.scheduling.types import LLMRequest
 from router.tokenizers import PromptTokenizer
 from router.trust import HeaderTrust
@@ -205,7 +212,7 @@ class Proxy:
     def _body(self, parsed: ParsedRequest, llm_request: LLMRequest) -> bytes:
         if self.engine_priority:
             return with_engine_priority(parsed, engine_priority(llm_request.priority))
-        return parsed.raw
+        return engine_body(parsed)  # the original bytes unless the client sent a router-only field
 
     def headers(self, request: web.Request, parsed: ParsedRequest) -> dict[str, str]:
         """The headers forwarded to the engine."""
