@@ -292,6 +292,19 @@ def test_a_clients_kv_transfer_params_never_reach_an_engine(pd: Fleet, prompt: s
     assert decode.bodies()[0]["kv_transfer_params"]["remote_engine_id"] == prefill.name
 
 
+@pytest.mark.parametrize("extra", [{"n": 3}, {"prompt": "list"}])
+def test_a_request_for_several_sequences_runs_whole_on_the_decode_engine(pd: Fleet, extra: dict[str, Any]) -> None:
+    before = pd.state()["disaggregation"]["decisions"].get("multiple_outputs", 0)
+    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 2, **extra}
+    if extra.get("prompt") == "list":
+        body["prompt"] = [long_prompt(), long_prompt()]
+    response = pd.post("/v1/completions", body)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "w0 w1 "
+    assert prefill_of(pd) == []  # no prefill computed for nothing, no blocks held for a reader that never comes
+    assert pd.decode[0].bodies() == [body]
+    assert pd.state()["disaggregation"]["decisions"]["multiple_outputs"] == before + 1
+
+
 def test_a_failed_prefill_is_retried_on_the_other_prefill_engine(pd: Fleet) -> None:
     bad, good = pd.prefill
     bad.mode = "refuse"
