@@ -325,3 +325,14 @@ def test_the_cli_wants_somewhere_to_decode() -> None:
     ({"prompt": [[1], [2]]}, False)])
 def test_only_a_request_for_one_sequence_is_disaggregable(body: dict, single: bool) -> None:
     assert single_sequence(body) is single
+
+
+def test_discovery_without_kubernetes_credentials_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path) -> None:
+    for name in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
+    result = CliRunner().invoke(router_command, ["--prefill-engine", "http://p:1", "--engine-selector", "app=vllm"])
+    assert result.exit_code == 2, result.output
+    assert "--engine-selector needs Kubernetes credentials" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback
