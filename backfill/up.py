@@ -59,7 +59,8 @@ class Stack:
     engine_urls: list[str] = field(default_factory=list)
     """Every engine's base URL (prefill, decode and both)."""
     engine_roles: dict[str, str] = field(default_factory=dict)
-    """Base URL → ``prefill`` | ``decode`` for the engines started in a role (absent: both)."""
+    """Base URL → ``prefill`` | ``decode`` | ``both`` for the engines started in a role (a P/D
+    fleet: its ``--engines`` ones are ``both``); empty without prefill/decode engines."""
     router_url: str | None = None
     argv: dict[str, list[str]] = field(default_factory=dict)
     child_env: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -271,7 +272,8 @@ def start_engines(stack: Stack, count: int, served_model_names: list[str],
     """Use ``engine_urls`` (real vLLM servers) when given; otherwise start ``count`` simulated
     engines (children ``engine-N``) plus ``prefill`` prefill and ``decode`` decode engines in their
     prefill/decode roles (``prefill-N``, ``decode-N``: :func:`engine_twin.launch.sim_engine_argv`
-    with ``pd_role``, vLLM's NixlConnector between them), all serving ``served_model_names`` on free
+    with ``pd_role``, vLLM's NixlConnector between them; with either, the ``engine-N`` run it too, as
+    role ``both``: the router may pick them for either leg), all serving ``served_model_names`` on free
     ports (a P/D engine's NIXL side channel on one more free port, :func:`engine_twin.launch.pd_engine_env`),
     and wait until each answers ``/health``. ``background_prefill``: the simulated engines
     bound batch and async prefills per step (``--background-priority-threshold``,
@@ -282,7 +284,8 @@ def start_engines(stack: Stack, count: int, served_model_names: list[str],
     if engine_urls:
         stack.engine_urls = [url.rstrip("/") for url in engine_urls]
         return
-    names = [(f"engine-{i}", None) for i in range(count)] + [(f"prefill-{i}", "prefill") for i in range(prefill)] \
+    both = "both" if prefill or decode else None
+    names = [(f"engine-{i}", both) for i in range(count)] + [(f"prefill-{i}", "prefill") for i in range(prefill)] \
         + [(f"decode-{i}", "decode") for i in range(decode)]
     started: list[tuple[str, str]] = []
     for name, role in names:
@@ -330,7 +333,7 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     slots = ["--max-num-seqs", str(SIM_MAX_NUM_SEQS)] if simulated else []
     by_role = {role: [u for u in stack.engine_urls if stack.engine_roles.get(u) == role]
                for role in ("prefill", "decode")}
-    both = [u for u in stack.engine_urls if u not in stack.engine_roles]
+    both = [u for u in stack.engine_urls if stack.engine_roles.get(u, "both") == "both"]
     stack.start("router", router_argv(port, both, host=host, engine_priority=simulated,
                                       prefill_engines=by_role["prefill"], decode_engines=by_role["decode"],
                                       extra=["--log-level", "INFO", *slots]))

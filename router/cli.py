@@ -101,6 +101,13 @@ def router_command(engines: tuple[str, ...], prefill_engines: tuple[str, ...], d
                                "--engine-selector")
     if settings.prefill_engines and not settings.engine_selector and not (settings.engines or settings.decode_engines):
         raise click.UsageError("--prefill-engine needs a --decode-engine or --engine to decode on")
+    if settings.engine_selector:
+        from router.pool import KubernetesSource
+
+        try:
+            KubernetesSource.load_credentials()
+        except RuntimeError as exc:
+            raise click.UsageError(str(exc)) from None
     configure_logging(settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine /tokenize call otherwise
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -214,10 +214,15 @@ class PDForwarder(Forwarder[R_co], Protocol[R_co]):
     """A transport that can also run the prefill leg of a disaggregated request.
 
     Attributes:
-        disaggregable: the request may be disaggregated (a chat or completions generation).
+        disaggregable: the request may be disaggregated (a chat or completions generation of one
+            sequence: :func:`router.disagg.single_sequence`).
+        not_disaggregable_reason: the decision's reason when it may not (a :class:`PDReason`
+            value: ``not_generation``, ``multiple_outputs``); read only when ``disaggregable`` is
+            False, ``not_generation`` for a transport without it.
     """
 
     disaggregable: bool
+    not_disaggregable_reason: str
 
     async def prefill(self, attempt: Attempt) -> PrefillAnswer:
         """Send the prefill leg to ``attempt.endpoint`` and read its answer; never raises for
@@ -351,13 +356,15 @@ class Director:
         self.scheduler.pre_request(llm_request, result)
         return result
 
-    def decide(self, llm_request: LLMRequest, exclude: set[str], disaggregable: bool = True) -> PDDecision | None:
+    def decide(self, llm_request: LLMRequest, exclude: set[str], disaggregable: bool = True,
+               not_disaggregable_reason: str = PDReason.NOT_GENERATION.value) -> PDDecision | None:
         """The whole decision (:meth:`Scheduler.decide`: with a P/D profile handler a decode pick
         and, for a long enough uncached prompt, a prefill pick) among the endpoints serving the
         model and not in ``exclude``; None when there is no decode candidate. The plugins learn
         from both picks (``pre_request``: the prefill engine now holds the prompt's prefix, the
         decode engine receives it). A request that cannot be disaggregated (``disaggregable``
-        False: embeddings, responses) gets the default profile's pick (reason ``not_generation``)."""
+        False: embeddings, responses, n > 1) gets the default profile's pick (reason
+        ``not_disaggregable_reason``)."""
         candidates = self.pool.candidates_for(llm_request.model)
         if exclude:
             candidates = [ep for ep in candidates if ep.name not in exclude]
@@ -370,7 +377,7 @@ class Director:
                 decision = self.scheduler.decide(llm_request, candidates)
             else:
                 result = self.scheduler.schedule(llm_request, candidates, self.profile)
-                reason = SINGLE_PROFILE if handler is None else PDReason.NOT_GENERATION.value
+                reason = SINGLE_PROFILE if handler is None else not_disaggregable_reason
                 decision = PDDecision(result, None, reason, _uncached_tokens(result, llm_request))
         except NoCandidatesError:
             return None
@@ -456,7 +463,8 @@ class Director:
         made_room = False
         pd_forwarder: PDForwarder[R] | None = forwarder if getattr(forwarder, "disaggregable", False) else None  # type: ignore[assignment]
         for number in range(2):
-            decision = self.decide(llm_request, tried, pd_forwarder is not None)
+            decision = self.decide(llm_request, tried, pd_forwarder is not None,
+                                   getattr(forwarder, "not_disaggregable_reason", PDReason.NOT_GENERATION.value))
             if decision is None:
                 return forwarder.rejected(NO_ENDPOINT)
             result = decision.decode

@@ -37,6 +37,24 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
+def single_sequence(body: Mapping[str, Any]) -> bool:
+    """Whether ``body`` asks for one sequence: ``n`` absent, null or 1, and one prompt (a chat, or a
+    completions ``prompt`` that is a string, token ids, or a list of one of either). Only such a
+    request is disaggregated: vLLM's NixlConnector hands over one request's blocks per
+    ``kv_transfer_params`` (n > 1 is not supported, vLLM PR #38900 "Support kv_transfer_params for
+    parallel sampling": each child request has its own blocks and request id), and a prompt list
+    is one engine request per prompt with one ``kv_transfer_params`` in the answer, so the rest of
+    the prefill would be computed for nothing and its blocks held until
+    ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        return False
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
+        return False
+    return True
+
+
 def prefill_body(body: Mapping[str, Any]) -> bytes:
     """The prefill leg's body for the client's ``body`` (module docstring, step 1); ``body`` is
     not modified."""

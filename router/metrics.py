@@ -55,7 +55,8 @@ series                                                 type       labels
                                                                   (``disaggregated``,
                                                                   ``below_threshold``,
                                                                   ``no_prefill_endpoint``,
-                                                                  ``not_generation``); with a P/D
+                                                                  ``not_generation``,
+                                                                  ``multiple_outputs``); with a P/D
                                                                   profile handler only
 ``backfill_router_pd_prefill_failures_total``          counter    ``endpoint``, ``reason`` (prefill
                                                                   legs that failed: ``connect``,

@@ -48,7 +48,7 @@ class RouterObserver(Protocol):
 
     def pd_decision(self, reason: str) -> None:
         """The P/D profile handler decided (``reason``: ``disaggregated``, ``below_threshold``,
-        ``no_prefill_endpoint``, ``not_generation``)."""
+        ``no_prefill_endpoint``, ``not_generation``, ``multiple_outputs``)."""
 
     def prefill_failed(self, endpoint: str, reason: str) -> None:
         """A disaggregated request's prefill leg on ``endpoint`` failed (``reason``: ``connect``,

@@ -9,7 +9,8 @@ body, the model, the prompt (rendered text or token ids) for the tokenizer backe
 The proxy forwards the client's ORIGINAL bytes (``ParsedRequest.raw``) unless it must change the
 body: :func:`with_engine_priority` (vLLM's scheduling priority, :func:`engine_priority` of the
 objective's) and :func:`with_stream_usage` (ask the engine for the final usage chunk);
-:func:`engine_body` does both in one serialisation.
+:func:`engine_body` does both in one serialisation, and drops the fields only the router may set
+(:data:`ROUTER_ONLY_FIELDS`: a client's ``kv_transfer_params`` never reaches an engine).
 
 Paths and what the prompt is:
 
@@ -449,8 +450,18 @@ def engine_priority(objective_priority: int) -> int:
     return -objective_priority
 
 
+#: Body fields a client may not send an engine through the router. ``kv_transfer_params`` is
+#: vLLM's KV-connector field (NixlConnector: ``do_remote_decode`` makes an engine hold a request's
+#: blocks for ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s, and answer with its engine id, host, port
+#: and block ids; ``do_remote_prefill`` makes it read the blocks named there from any engine). vLLM's
+#: server accepts it from whoever calls; the router runs the P/D flow itself (:mod:`router.disagg`
+#: sets it on both legs), so a client's value is dropped on every request.
+ROUTER_ONLY_FIELDS = frozenset({"kv_transfer_params"})
+
+
 def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_usage: bool = False) -> bytes:
-    """The body to send to the engine: the original bytes when nothing changes, else re-serialised.
+    """The body to send to the engine: the original bytes when nothing changes, else re-serialised
+    without the client's :data:`ROUTER_ONLY_FIELDS`.
 
     Args:
         parsed: the request.
@@ -470,9 +481,12 @@ def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_us
         changes["priority"] = priority
     if stream_usage and parsed.stream and parsed.kind in _USAGE_STREAM_KINDS and not parsed.stream_include_usage:
         changes["stream_options"] = {**(parsed.body.get("stream_options") or {}), "include_usage": True}
-    if not changes:
+    dropped = ROUTER_ONLY_FIELDS.intersection(parsed.body)
+    if not changes and not dropped:
         return parsed.raw
-    return orjson.dumps({**parsed.body, **changes})
+    body = {k: v for k, v in parsed.body.items() if k not in dropped}
+    body.update(changes)
+    return orjson.dumps(body)
 
 
 def with_engine_priority(parsed: ParsedRequest, priority: int) -> bytes:

@@ -596,17 +596,34 @@ class KubernetesSource:
         self.replay_port_offset = replay_port_offset
         self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        """Load credentials and start listing pods in the background."""
+    @staticmethod
+    def load_credentials() -> None:
+        """Load the Kubernetes client's credentials: the pod's service account, else the
+        kubeconfig (``KUBECONFIG``, ``~/.kube/config``).
+
+        Raises:
+            RuntimeError: the ``kubernetes`` package is missing, or neither source is usable
+                (the message says which flag needs them).
+        """
         try:
-            from kubernetes import client, config
+            from kubernetes import config
         except ImportError as exc:
             raise RuntimeError("engine discovery by label selector needs the kubernetes package "
                                "(pip install 'backfill[k8s]')") from exc
         try:
             config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        except config.ConfigException as in_cluster:
+            try:
+                config.load_kube_config()
+            except (config.ConfigException, OSError) as exc:
+                raise RuntimeError(f"--engine-selector needs Kubernetes credentials: not in a pod ({in_cluster}) "
+                                   f"and no usable kubeconfig ({exc})") from None
+
+    def start(self) -> None:
+        """Load credentials (:meth:`load_credentials`, which raises RuntimeError) and start
+        listing pods in the background."""
+        self.load_credentials()
+        from kubernetes import client
         if self.namespace is None:
             try:
                 with open(self.NAMESPACE_FILE) as fh:

@@ -50,9 +50,17 @@ from router.director import (
     PrefillAnswer,
     Rejected,
 )
-from router.disagg import decode_body, kv_transfer_params_of, prefill_body
+from router.disagg import decode_body, kv_transfer_params_of, prefill_body, single_sequence
 from router.observer import RouterObserver
-from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
+from router.parsing import (
+    ParsedRequest,
+    RequestError,
+    engine_body,
+    engine_priority,
+    parse_request,
+    with_engine_priority,
+)
+from router.scheduling.plugins.disagg import PDReason
 from router.scheduling.types import LLMRequest
 from router.tokenizers import PromptTokenizer
 from router.trust import HeaderTrust
@@ -205,7 +213,7 @@ class Proxy:
     def _body(self, parsed: ParsedRequest, llm_request: LLMRequest) -> bytes:
         if self.engine_priority:
             return with_engine_priority(parsed, engine_priority(llm_request.priority))
-        return parsed.raw
+        return engine_body(parsed)  # the original bytes unless the client sent a router-only field
 
     def headers(self, request: web.Request, parsed: ParsedRequest) -> dict[str, str]:
         """The headers forwarded to the engine."""
@@ -231,7 +239,7 @@ class _Exchange:
     (the original body plus those params), whose answer goes to the client as any other."""
 
     __slots__ = ("proxy", "request", "parsed", "body", "headers", "objective", "received", "response", "hook",
-                 "disaggregable", "_send_body")
+                 "disaggregable", "not_disaggregable_reason", "_send_body")
 
     def __init__(self, proxy: Proxy, request: web.Request, parsed: ParsedRequest, body: bytes, objective: str,
                  received: float, hook: ExchangeHook | None = None) -> None:
@@ -244,7 +252,9 @@ class _Exchange:
         self.received = received
         self.response: web.StreamResponse | None = None
         self.hook = hook
-        self.disaggregable = parsed.kind in DISAGGREGABLE_KINDS and hook is None
+        generation = parsed.kind in DISAGGREGABLE_KINDS and hook is None
+        self.disaggregable = generation and single_sequence(parsed.body)
+        self.not_disaggregable_reason = (PDReason.MULTIPLE_OUTPUTS if generation else PDReason.NOT_GENERATION).value
         self._send_body = body
 
     def use_kv_transfer(self, params: dict[str, Any] | None) -> None:

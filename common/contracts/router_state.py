@@ -10,7 +10,7 @@ gate and the admin dashboard. Units: requests, tokens, blocks, seconds; fraction
                         of each pool: prefill-capable = roles prefill and both, decode-capable =
                         decode and both; 1.0 for an empty pool),
      "disaggregation": {"decisions": {"disaggregated" | "below_threshold" | "no_prefill_endpoint" |
-                        "not_generation": n}, "prefill_failures": {reason: n}, "prefill_retries": n,
+                        "not_generation" | "multiple_outputs": n}, "prefill_failures": {reason: n}, "prefill_retries": n,
                         "fallbacks": {reason: n}} (counters since start; no decisions without a
                         P/D profile handler),
      "decisions_per_s": float, "profile": str, "tokenizer": str,

@@ -55,7 +55,7 @@ class FakeRouter:
                   "external_prefix_cache_hit_rate": 0.15, "last_error": None,
                   "slot_reserve": 26, "reserve_in_use": 3, "batch_prefill_tokens": 1024, "num_preemptions": 4,
                   "evictions": {"batch_prefill": 5, "no_free_slot": 2}, "evicted_tokens": 1900}
-        hot = {**engine, "name": "engine-1", "models": ["sim-model", "sim-lora"], "kv_cache_usage_perc": 0.95,
+        hot = {**engine, "name": "engine-1", "role": "prefill", "models": ["sim-model", "sim-lora"], "kv_cache_usage_perc": 0.95,
                "saturation": 1.7, "gate_open": False, "headroom": 0.0, "prefix_cache_hit_rate": None, "external_prefix_cache_hit_rate": None}
         sick = {**engine, "name": "engine-2", "healthy": False, "saturation": None, "gate_open": False,
                 "headroom": None, "last_error": "refused"}
@@ -160,6 +160,7 @@ def test_fleet_page_shows_engines_load_kv_prefix_hits_and_health(gateway_setting
         assert healthy[10] == ["80%", "/", "15%"]  # prefix-cache hit rate: GPU / CPU and disk tiers
         hot = _row(page.text, "data-engine", "engine-1")
         assert hot[1] == ["sim-model,", "sim-lora"] and hot[10] == ["—", "/", "—"]
+        assert hot[0] == ["engine-1", "prefill"] and healthy[0] == ["engine-0"]  # a P/D role; "both" is not shown
         assert 'class="num hot">1.70' in page.text  # over the saturation threshold
         sick = _row(page.text, "data-engine", "engine-2")  # no saturation while unhealthy
         assert sick[2] == ["unhealthy"] and sick[8] == ["—"]

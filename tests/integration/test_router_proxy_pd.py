@@ -274,6 +274,37 @@ def test_a_short_prompt_runs_whole_on_the_decode_engine(pd: Fleet) -> None:
     assert pd.state()["disaggregation"]["decisions"]["below_threshold"] == before + 1
 
 
+@pytest.mark.parametrize("prompt", ["Say hi", None])
+def test_a_clients_kv_transfer_params_never_reach_an_engine(pd: Fleet, prompt: str | None) -> None:
+    forged = {"do_remote_prefill": True, "do_remote_decode": True, "remote_block_ids": [7, 8],
+              "remote_engine_id": "someone-else", "remote_request_id": "theirs", "remote_host": "10.9.9.9",
+              "remote_port": 5600}
+    body = {"model": MODEL, "prompt": prompt or long_prompt(), "max_tokens": 2}
+    response = pd.post("/v1/completions", {**body, "kv_transfer_params": forged})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "w0 w1 "
+    assert "kv_transfer_params" not in response.json()
+    (decode,) = pd.decode
+    if prompt is not None:  # short: aggregated, the body without the client's field
+        assert prefill_of(pd) == [] and decode.bodies() == [body]
+        return
+    (prefill,) = prefill_of(pd)  # long: both legs carry the router's params only
+    assert prefill.bodies()[0]["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+    assert decode.bodies()[0]["kv_transfer_params"]["remote_engine_id"] == prefill.name
+
+
+@pytest.mark.parametrize("extra", [{"n": 3}, {"prompt": "list"}])
+def test_a_request_for_several_sequences_runs_whole_on_the_decode_engine(pd: Fleet, extra: dict[str, Any]) -> None:
+    before = pd.state()["disaggregation"]["decisions"].get("multiple_outputs", 0)
+    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 2, **extra}
+    if extra.get("prompt") == "list":
+        body["prompt"] = [long_prompt(), long_prompt()]
+    response = pd.post("/v1/completions", body)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "w0 w1 "
+    assert prefill_of(pd) == []  # no prefill computed for nothing, no blocks held for a reader that never comes
+    assert pd.decode[0].bodies() == [body]
+    assert pd.state()["disaggregation"]["decisions"]["multiple_outputs"] == before + 1
+
+
 def test_a_failed_prefill_is_retried_on_the_other_prefill_engine(pd: Fleet) -> None:
     bad, good = pd.prefill
     bad.mode = "refuse"

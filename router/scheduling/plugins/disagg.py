@@ -61,6 +61,7 @@ class PDReason(enum.StrEnum):
     BELOW_THRESHOLD = "below_threshold"  # the uncached prompt on the decode pick is shorter than threshold
     NO_PREFILL_ENDPOINT = "no_prefill_endpoint"  # the prefill profile had no candidate
     NOT_GENERATION = "not_generation"  # embeddings and other paths that do not decode (director)
+    MULTIPLE_OUTPUTS = "multiple_outputs"  # n > 1 or several prompts: one request's blocks per transfer (director)
     PREFILL_FAILED = "prefill_failed"  # disaggregated, but no prefill engine answered: fallback (director)
 
 

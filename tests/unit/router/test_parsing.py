@@ -313,3 +313,12 @@ def test_engine_body_applies_priority_and_usage_in_one_body():
     parsed = parse(CHAT_PATH, {"model": "m", "messages": MESSAGES, "stream": True})
     out = orjson.loads(engine_body(parsed, priority=engine_priority(3), stream_usage=True))
     assert (out["priority"], out["stream_options"]) == (-3, {"include_usage": True})
+
+
+def test_engine_body_drops_a_clients_kv_transfer_params():
+    forged = {"do_remote_prefill": True, "remote_engine_id": "other", "remote_block_ids": [[1, 2]],
+              "remote_host": "10.0.0.9", "remote_port": 5600, "remote_request_id": "r"}
+    parsed = parse(COMPLETIONS_PATH, {"model": "m", "prompt": "p", "kv_transfer_params": forged})
+    assert orjson.loads(engine_body(parsed)) == {"model": "m", "prompt": "p"}
+    assert orjson.loads(with_engine_priority(parsed, 5)) == {"model": "m", "prompt": "p", "priority": 5}
+    assert parsed.body["kv_transfer_params"] == forged  # the parsed request is not mutated

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from scheduling_helpers import FakeClock
 
 from router.cli import router_argv, router_command
-from router.disagg import PREFILL_KV_TRANSFER_PARAMS, decode_body, kv_transfer_params_of, prefill_body
+from router.disagg import PREFILL_KV_TRANSFER_PARAMS, decode_body, kv_transfer_params_of, prefill_body, single_sequence
 from router.pool import ROLE_LABEL, EndpointPool, KubernetesSource, pod_role, ready_pod_roles, ready_pod_urls
 from router.scheduling import DEFAULT_CONFIG_PATH, PD_CONFIG_PATH
 from router.scheduling.config import build_scheduler, load_config, parse_config
@@ -316,3 +316,23 @@ def test_the_cli_wants_somewhere_to_decode() -> None:
     assert result.exit_code == 2 and "one role per engine" in result.output
     argv = router_argv(8100, [], prefill_engines=["http://p:1"], decode_engines=["http://d:1"])
     assert argv[-4:] == ["--prefill-engine", "http://p:1", "--decode-engine", "http://d:1"]
+
+
+@pytest.mark.parametrize(("body", "single"), [
+    ({"messages": []}, True), ({"prompt": "p", "n": 1}, True), ({"prompt": "p", "n": None}, True),
+    ({"prompt": [1, 2, 3]}, True), ({"prompt": ["one"]}, True), ({"prompt": [[1, 2]]}, True),
+    ({"messages": [], "n": 2}, False), ({"prompt": "p", "n": 3}, False), ({"prompt": ["a", "b"]}, False),
+    ({"prompt": [[1], [2]]}, False)])
+def test_only_a_request_for_one_sequence_is_disaggregable(body: dict, single: bool) -> None:
+    assert single_sequence(body) is single
+
+
+def test_discovery_without_kubernetes_credentials_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path) -> None:
+    for name in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
+    result = CliRunner().invoke(router_command, ["--prefill-engine", "http://p:1", "--engine-selector", "app=vllm"])
+    assert result.exit_code == 2, result.output
+    assert "--engine-selector needs Kubernetes credentials" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback

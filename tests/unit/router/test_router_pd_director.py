@@ -41,6 +41,7 @@ class Legs:
 
     answers: dict[str, Callable[[], Awaitable[PrefillAnswer]]] = field(default_factory=dict)
     disaggregable: bool = True
+    not_disaggregable_reason: str = "not_generation"
     prefilled: list[str] = field(default_factory=list)
     decoded: list[tuple[str, dict[str, Any] | None]] = field(default_factory=list)
     params: dict[str, Any] | None = None
@@ -244,7 +245,9 @@ def test_a_short_prompt_and_a_non_generation_request_are_not_disaggregated() -> 
         assert await rig.director.forward(long_request(100), "interactive", await admitted(rig), legs) == "answered"
         legs.disaggregable = False
         assert await rig.director.forward(long_request(5000), "interactive", await admitted(rig), legs) == "answered"
-        assert legs.prefilled == [] and legs.decoded == [(D, None), (D, None)]
-        assert rig.observer.of("pd_decision") == [("below_threshold",), ("not_generation",)]
+        legs.not_disaggregable_reason = "multiple_outputs"
+        assert await rig.director.forward(long_request(5000), "interactive", await admitted(rig), legs) == "answered"
+        assert legs.prefilled == [] and legs.decoded == [(D, None), (D, None), (D, None)]
+        assert rig.observer.of("pd_decision") == [("below_threshold",), ("not_generation",), ("multiple_outputs",)]
 
     scenario(body)
