@@ -55,9 +55,17 @@ SIDE_CHANNEL_PORT_OFFSET = 10000
 """:func:`side_channel_port_for`: an engine's side channel listens on its HTTP port + this."""
 
 
-def kv_transfer_config_json(pd_role: str, kv_load_failure_policy: str | None = None) -> str:
+FLEET_KV_LOAD_FAILURE_POLICY = "recompute"
+"""The fleet's launchers' ``kv_load_failure_policy`` for NixlConnector: a decode engine that cannot
+read a prefill engine's blocks (the prefill engine died after answering, its side channel is
+unreachable, the blocks expired) computes the prompt itself instead of failing the request —
+vLLM's default is ``fail`` (a 500 for a request the fleet could still serve)."""
+
+
+def kv_transfer_config_json(pd_role: str, kv_load_failure_policy: str | None = FLEET_KV_LOAD_FAILURE_POLICY) -> str:
     """vLLM's ``--kv-transfer-config`` JSON for NixlConnector in ``pd_role`` (``prefill``, ``decode``
-    or ``both``); ``kv_load_failure_policy`` (``fail``, vLLM's default when None, or ``recompute``).
+    or ``both``); ``kv_load_failure_policy`` (``recompute``, the default
+    :data:`FLEET_KV_LOAD_FAILURE_POLICY`, or ``fail``; None leaves it out: vLLM's default ``fail``).
     Raises ValueError for another role."""
     return json.dumps(_nixl_config(pd_role, kv_load_failure_policy))
 
@@ -110,7 +118,7 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                     background_priority_threshold: int | None = None,
                     max_background_prefill_tokens: int | None = None,
                     pd_role: str | None = None, kv_transfer_bandwidth_gb_s: float | None = None,
-                    kv_load_failure_policy: str | None = None,
+                    kv_load_failure_policy: str | None = FLEET_KV_LOAD_FAILURE_POLICY,
                     extra: Sequence[str] = ()) -> list[str]:
     """argv of one simulated engine (``backfill engine-sim …``), ready for ``subprocess.Popen``.
 
@@ -160,7 +168,7 @@ def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
                      python: str | None = None, block_size: int | None = None,
                      cpu_offload_bytes: int = 0, max_num_seqs: int | None = None,
                      max_model_len: int | None = None, kv_events_replay_endpoint: str | None = None,
-                     pd_role: str | None = None, kv_load_failure_policy: str | None = None,
+                     pd_role: str | None = None, kv_load_failure_policy: str | None = FLEET_KV_LOAD_FAILURE_POLICY,
                      extra: Sequence[str] = ()) -> list[str]:
     """argv of one real vLLM engine for the fleet.
 

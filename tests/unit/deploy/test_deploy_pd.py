@@ -18,7 +18,7 @@ from test_deploy_wiring import container_of, engine_kv_endpoints, find
 from engine_twin.launch import pd_engine_env, vllm_engine_argv
 
 POOLS = {"prefill": "backfill-vllm-prefill", "decode": "backfill-vllm"}
-NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 """Both pools' connector: kv_both, as vLLM's NixlConnector guide runs both sides (the role of a
 request comes from its kv_transfer_params)."""
 ROLE_LABEL = "llm-d.ai/role"

@@ -23,8 +23,12 @@ def transfer_of(argv):
                                                ("both", "kv_both")])
 def test_pd_role_adds_nixl_in_vllms_role(role, kv_role):
     argv = sim_engine_argv(8001, ["m"], pd_role=role)
-    assert transfer_of(argv) == {"kv_connector": "NixlConnector", "kv_role": kv_role}
+    assert transfer_of(argv) == {"kv_connector": "NixlConnector", "kv_role": kv_role,
+                                 "kv_load_failure_policy": "recompute"}
     settings = settings_from_args(argv[argv.index("engine-sim") + 1:])
+    assert settings.kv_transfer_config is not None and settings.kv_transfer_config.kv_load_failure_policy == "recompute"
+    plain = sim_engine_argv(8001, ["m"], pd_role=role, kv_load_failure_policy=None)
+    assert transfer_of(plain) == {"kv_connector": "NixlConnector", "kv_role": kv_role}  # vLLM's default: fail
     assert settings.nixl and settings.kv_transfer_config is not None
     assert settings.kv_transfer_config.kv_role == kv_role
     assert transfer_of(vllm_engine_argv("/models/x", 8001, ["m"], pd_role=role))["kv_role"] == kv_role
@@ -65,5 +69,5 @@ def test_vllm_with_the_cpu_tier_and_a_role_gets_a_multiconnector_nixl_first():
     transfer = transfer_of(argv)
     assert transfer["kv_connector"] == "MultiConnector" and transfer["kv_role"] == "kv_consumer"
     first, second = transfer["kv_connector_extra_config"]["connectors"]
-    assert first == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    assert first == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
     assert second["kv_connector"] == "OffloadingConnector"
