@@ -228,9 +228,10 @@ class PDForwarder(Forwarder[R_co], Protocol[R_co]):
         """Send the prefill leg to ``attempt.endpoint`` and read its answer; never raises for
         an engine's failure (it is in the answer)."""
 
-    def use_kv_transfer(self, params: dict[str, Any] | None) -> None:
+    def use_kv_transfer(self, params: dict[str, Any] | None, prefill_cached_tokens: int | None = None) -> None:
         """The next :meth:`send` carries ``params`` as ``kv_transfer_params`` (None: the
-        original request, the decode engine computing the prompt too)."""
+        original request, the decode engine computing the prompt too); ``prefill_cached_tokens``
+        (the prefill engine's report, None: unknown) is the ``cached_tokens`` the client gets."""
 
 
 class DecisionRate:
@@ -391,9 +392,9 @@ class Director:
         return decision
 
     async def _prefill(self, llm_request: LLMRequest, decision: PDDecision, forwarder: PDForwarder[Any],
-                       task: asyncio.Task[Any]) -> dict[str, Any] | None:
-        """Run the prefill leg, once more on another prefill engine when it fails; the
-        ``kv_transfer_params`` to decode with, or None: fall back to aggregated (counted).
+                       task: asyncio.Task[Any]) -> PrefillAnswer | None:
+        """Run the prefill leg, once more on another prefill engine when it fails; the answer
+        whose ``kv_transfer_params`` to decode with, or None: fall back to aggregated (counted).
 
         Each try counts in its prefill endpoint's in-flight counters (its uncached prompt tokens
         until the answer) and is interrupted, alone, when that endpoint goes down.
@@ -427,7 +428,7 @@ class Director:
                 self._prefills.get(name, set()).discard(attempt)
                 self.scheduler.response_complete(llm_request, prefill, answer.cached_tokens)
             if answer.kv_transfer_params is not None:
-                return answer.kv_transfer_params
+                return answer
             failure = answer.failure or "unknown"
             self.observer.prefill_failed(name, failure)
             excluded.append(name)
@@ -484,12 +485,15 @@ class Director:
             completed = False
             try:
                 if pd_forwarder is not None:
-                    params = None
+                    prefilled = None
                     if decision.prefill is not None:
-                        params = await self._prefill(llm_request, decision, pd_forwarder, task)
-                        if params is None:  # aggregated after all: the decode engine computes the prompt
+                        prefilled = await self._prefill(llm_request, decision, pd_forwarder, task)
+                        if prefilled is None:  # aggregated after all: the decode engine computes the prompt
                             self.pool.add_prefill(share, decision.uncached_tokens)
-                    pd_forwarder.use_kv_transfer(params)
+                    if prefilled is None:
+                        pd_forwarder.use_kv_transfer(None)
+                    else:
+                        pd_forwarder.use_kv_transfer(prefilled.kv_transfer_params, prefilled.cached_tokens)
                 response = await forwarder.send(attempt, retry)
                 completed = response is not None
             except asyncio.CancelledError:

@@ -13,15 +13,21 @@ llm-d's routing sidecar ``pkg/sidecar/proxy/connector_nixlv2.go``):
    ``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``, …), which the
    router treats as opaque: :func:`kv_transfer_params_of`;
 3. the **decode engine** gets the ORIGINAL body plus ``kv_transfer_params`` = that dict, copied:
-   :func:`decode_body`. Its answer (streamed or not) is the client's, usage included.
+   :func:`decode_body`. Its answer (streamed or not) is the client's, usage included, with one
+   change (:class:`ClientUsage`): ``usage.prompt_tokens_details.cached_tokens`` is the prefill
+   engine's. vLLM's decode side reports every prompt token but the last as cached (they arrived
+   over NIXL); the client gets what one engine would have reported, the prompt tokens found in
+   the prefix cache of the engine that computed the prompt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import orjson
+
+from router.usage import cached_tokens_from_json, sse_events, with_cached_tokens
 
 #: The ``kv_transfer_params`` of the prefill leg (vLLM's toy proxy sends exactly these keys).
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
@@ -85,3 +91,50 @@ def kv_transfer_params_of(answer: bytes) -> dict[str, Any] | None:
         return None
     params = data.get("kv_transfer_params") if isinstance(data, dict) else None
     return params if isinstance(params, dict) and params else None
+
+
+class ClientUsage:
+    """The decode leg's answer as the client would get it from one engine (module docstring, 3):
+    ``cached_tokens`` (the prefill engine's report) in place of the decode engine's.
+
+    ``engine_cached_tokens`` keeps what the decode engine reported (its cache now holds the prompt:
+    the router's prefix learning reads it). Bodies that are not JSON, and events without a
+    ``usage.prompt_tokens_details.cached_tokens``, pass unchanged.
+    """
+
+    def __init__(self, cached_tokens: int) -> None:
+        self.cached_tokens = cached_tokens
+        self.engine_cached_tokens: int | None = None
+
+    def answer(self, data: bytes) -> bytes:
+        """A non-streamed answer for the client."""
+        self.engine_cached_tokens = cached_tokens_from_json(data)
+        try:
+            answer = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return data
+        if isinstance(answer, dict) and with_cached_tokens(answer, self.cached_tokens):
+            return orjson.dumps(answer)
+        return data
+
+    async def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A streamed answer for the client, cut at event boundaries; the usage event rewritten."""
+        async for events in sse_events(chunks):
+            yield b"".join([self._event(event) if b'"cached_tokens"' in event else event for event in events])
+
+    def _event(self, event: bytes) -> bytes:
+        lines = event.split(b"\n")
+        for i, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                answer = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                return event
+            if not isinstance(answer, dict):
+                return event
+            self.engine_cached_tokens = cached_tokens_from_json(line[5:])
+            if with_cached_tokens(answer, self.cached_tokens):
+                lines[i] = b"data: " + orjson.dumps(answer) + (b"\r" if line.endswith(b"\r") else b"")
+            return b"\n".join(lines)
+        return event

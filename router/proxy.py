@@ -50,7 +50,7 @@ from router.director import (
     PrefillAnswer,
     Rejected,
 )
-from router.disagg import decode_body, kv_transfer_params_of, prefill_body, single_sequence
+from router.disagg import ClientUsage, decode_body, kv_transfer_params_of, prefill_body, single_sequence
 from router.observer import RouterObserver
 from router.parsing import (
     ParsedRequest,
@@ -239,7 +239,7 @@ class _Exchange:
     (the original body plus those params), whose answer goes to the client as any other."""
 
     __slots__ = ("proxy", "request", "parsed", "body", "headers", "objective", "received", "response", "hook",
-                 "disaggregable", "not_disaggregable_reason", "_send_body")
+                 "disaggregable", "not_disaggregable_reason", "_send_body", "_client_usage")
 
     def __init__(self, proxy: Proxy, request: web.Request, parsed: ParsedRequest, body: bytes, objective: str,
                  received: float, hook: ExchangeHook | None = None) -> None:
@@ -256,11 +256,15 @@ class _Exchange:
         self.disaggregable = generation and single_sequence(parsed.body)
         self.not_disaggregable_reason = (PDReason.MULTIPLE_OUTPUTS if generation else PDReason.NOT_GENERATION).value
         self._send_body = body
+        self._client_usage: ClientUsage | None = None
 
-    def use_kv_transfer(self, params: dict[str, Any] | None) -> None:
+    def use_kv_transfer(self, params: dict[str, Any] | None, prefill_cached_tokens: int | None = None) -> None:
         """The next :meth:`send` sends ``body`` plus ``kv_transfer_params`` = ``params`` (the
-        decode leg), or ``body`` itself when None."""
+        decode leg), or ``body`` itself when None; with ``prefill_cached_tokens`` its answer's
+        ``cached_tokens`` is rewritten to it (:class:`router.disagg.ClientUsage`)."""
         self._send_body = self.body if params is None else decode_body(orjson.loads(self.body), params)
+        self._client_usage = (ClientUsage(prefill_cached_tokens)
+                              if params is not None and prefill_cached_tokens is not None else None)
 
     async def prefill(self, attempt: Attempt) -> PrefillAnswer:
         """The prefill leg on ``attempt.endpoint`` (:func:`router.disagg.prefill_body` of the
@@ -358,8 +362,13 @@ class _Exchange:
         content_type = upstream.headers.get("content-type", "")
         if not content_type.startswith("text/event-stream"):
             data = await upstream.read()
+            usage = self._client_usage
             if self.hook is not None:
                 data = await self.hook.answer(upstream.status, data)
+            elif usage is not None and upstream.status == 200:
+                data = usage.answer(data)
+                self.response = web.Response(status=upstream.status, body=data, headers=out_headers)
+                return usage.engine_cached_tokens
             self.response = web.Response(status=upstream.status, body=data, headers=out_headers)
             return self.hook.cached_tokens if self.hook is not None else cached_tokens_from_json(data)
         response = self.response = web.StreamResponse(status=upstream.status, headers=out_headers)
@@ -367,13 +376,18 @@ class _Exchange:
         await _to_client(response.prepare(self.request))
         tail = b""
         chunks: AsyncIterator[bytes] = upstream.content.iter_any()
+        usage = self._client_usage if self.hook is None else None
         if self.hook is not None:
             chunks = self.hook.stream(chunks)
+        elif usage is not None:
+            chunks = usage.stream(chunks)
         async for chunk in chunks:
             attempt.chunk_sent()
             await _to_client(response.write(chunk))
             tail = (tail + chunk)[-SSE_TAIL_BYTES:]
         await _to_client(response.write_eof())
+        if usage is not None:
+            return usage.engine_cached_tokens
         return self.hook.cached_tokens if self.hook is not None else cached_tokens_from_sse_tail(tail)
 
     async def interrupted(self, attempt: Attempt, interruption: Interruption) -> web.StreamResponse:

@@ -30,7 +30,6 @@ store fails is a 503 (``state_store_unavailable``), retryable.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -49,6 +48,7 @@ from common.json_types import json_type_name
 from router.parsing import ParsedRequest, RequestError, parse_request
 from router.responses.store import ResponseStore, StoreUnavailable
 from router.trust import ANONYMOUS_TENANT
+from router.usage import sse_events
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 STORED_STATUSES = frozenset({"completed", "incomplete"})
 #: Stream events whose ``response`` is the final object.
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete"})
-#: End of one SSE event (a blank line; either line ending).
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
 #: Message appended when no store is configured.
 NO_STORE_HINT = " This router keeps no response state (no --state-redis-url)."
 
@@ -188,17 +186,8 @@ class ResponsesTurn:
         """The SSE answer for the client, cut at event boundaries (an event is passed on once it
         is whole); events carrying the response object are stamped, and the final one is stored
         before it is passed on."""
-        buffer = b""
-        async for chunk in chunks:
-            buffer += chunk
-            out: list[bytes] = []
-            while (end := _EVENT_END.search(buffer)) is not None:
-                event, buffer = buffer[:end.end()], buffer[end.end():]
-                out.append(await self._event(event))
-            if out:
-                yield b"".join(out)
-        if buffer:
-            yield await self._event(buffer)
+        async for events in sse_events(chunks):
+            yield b"".join([await self._event(event) for event in events])
 
     async def _event(self, event: bytes) -> bytes:
         if b'"response":' not in event:

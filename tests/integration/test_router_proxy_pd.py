@@ -89,7 +89,7 @@ class FakeEngine:
             return web.json_response({"error": {"message": "busy", "type": "ServiceUnavailable", "code": 503}},
                                      status=503)
         if kv.get("do_remote_decode"):  # the prefill leg: one token, the KV kept for the decode engine
-            answer = _answer(chat, 1, prompt_tokens, cached=0)
+            answer = _answer(chat, 1, prompt_tokens, cached=PREFILL_CACHED)
             if self.mode != "no_params":
                 answer["kv_transfer_params"] = {
                     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
@@ -114,6 +114,10 @@ class FakeEngine:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+#: The prompt tokens a fake prefill engine reports found in its prefix cache.
+PREFILL_CACHED = 64
 
 
 def _usage(n: int, prompt_tokens: int, cached: int) -> dict[str, Any]:
@@ -238,7 +242,8 @@ def test_a_long_streamed_chat_is_prefilled_on_a_prefill_engine_and_decoded_on_th
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"]) == "w0 w1 w2 w3 w4 w5 "
     usage = chunks[-1]["usage"]
     assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] > 256
-    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]  # the decode engine's usage
+    # as one engine would report it: the prefill engine's cached tokens, not the decode engine's (all of them)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == PREFILL_CACHED
 
     (prefill,) = prefill_of(pd)
     assert prefill.bodies() == [{"model": MODEL, "messages": body["messages"], "max_tokens": 1, "stream": False,
@@ -257,6 +262,7 @@ def test_a_long_completion_without_streaming(pd: Fleet) -> None:
     assert response.status_code == 200
     answer = response.json()
     assert answer["choices"][0]["text"] == "w0 w1 w2 w3 " and answer["usage"]["completion_tokens"] == 4
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == PREFILL_CACHED  # the prefill engine's
     (prefill,) = prefill_of(pd)
     assert prefill.bodies() == [{**body, "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
                                  "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}]

@@ -94,6 +94,8 @@ def test_long_prompts_are_prefilled_by_the_prefill_twin_and_decoded_by_the_decod
         if n % 2:
             answer = client.completions.create(model=MODEL, prompt=text, max_tokens=7)
             assert answer.usage.completion_tokens == 7 and len(answer.choices[0].text) > 0
+            # a cold prompt: one engine would report nothing cached (the decode twin itself says n - 1)
+            assert answer.usage.prompt_tokens_details.cached_tokens == 0
         else:
             chunks = list(client.chat.completions.create(model=MODEL, max_tokens=7, stream=True,
                                                          stream_options={"include_usage": True},
@@ -101,6 +103,7 @@ def test_long_prompts_are_prefilled_by_the_prefill_twin_and_decoded_by_the_decod
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
             assert chunks[-1].usage.prompt_tokens > 256
+            assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
     short = client.completions.create(model=MODEL, prompt="hi there", max_tokens=4)
     assert short.usage.completion_tokens == 4
 

@@ -52,8 +52,9 @@ class Legs:
         self.prefilled.append(attempt.endpoint.name)
         return await self.answers[attempt.endpoint.name]()
 
-    def use_kv_transfer(self, params: dict[str, Any] | None) -> None:
+    def use_kv_transfer(self, params: dict[str, Any] | None, prefill_cached_tokens: int | None = None) -> None:
         self.params = params
+        self.prefill_cached_tokens = prefill_cached_tokens
 
     async def send(self, attempt: Attempt, retry: bool) -> object:
         self.decoded.append((attempt.endpoint.name, self.params))
