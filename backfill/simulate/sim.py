@@ -485,12 +485,13 @@ class Simulation:
         live_of = self.live
         steady = 0
         itl = self.itl
+        started = now - outcome.duration - 1e-12  # a token of the previous step ended at this step's start
         for rid in outcome.sampled:
             live = live_of[rid]
             if live.first_token is None:
                 live.first_token = now
                 self.pool.first_chunk(live.share)
-            elif now - live.last_token == outcome.duration:
+            elif live.last_token >= started:
                 steady += 1
             else:
                 itl.add(now - live.last_token)
