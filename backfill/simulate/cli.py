@@ -173,13 +173,13 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
             wl.write_mooncake(wl.long_context_records(seed, conversations=conversations, duration_s=duration_s),
                               write_trace)
             console.print(f"wrote {write_trace}")
-    for path in batch_files:
+    for batch_path in batch_files:
         try:
-            backlog = list(batch_file_requests(path, block_size=block_size))
+            backlog = list(batch_file_requests(batch_path, block_size=block_size))
         except (ValueError, OSError, UnicodeDecodeError) as exc:
             raise click.BadParameter(str(exc), param_hint="--batch") from exc
         total += len(backlog)
-        sources.append(lambda backlog=backlog: iter(_fresh(backlog)))
+        sources.append(_replayer(backlog))
 
     names = list(POLICIES) if not policies or "all" in policies else list(dict.fromkeys(policies))
     runs: list[tuple[str, Path | None]] = [(name, None) for name in names]
@@ -236,11 +236,11 @@ def synthetic_requests_iter(n: int, seed: int, rate: float, tenants: int,
     return synthetic_requests(n, seed, rate_per_s=rate, tenants=tenants, system_pieces=system_pieces)
 
 
-def _fresh(backlog: list[SimRequest]) -> list[SimRequest]:
-    """Copies of a batch backlog for one more run (a run mutates nothing but arrival times of turns)."""
+def _replayer(backlog: list[SimRequest]) -> Callable[[], Iterator[SimRequest]]:
+    """A maker of fresh copies of a batch backlog, one per run."""
     from dataclasses import replace
 
-    return [replace(r) for r in backlog]
+    return lambda: iter([replace(r) for r in backlog])
 
 
 def _run(sim: Simulation, name: str, total: int, show: bool, console: Any) -> dict[str, Any]:

@@ -73,7 +73,7 @@ from router.scheduling.interfaces import PluginHandle
 from router.scheduling.plugins.session import working_set_of
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import LLMRequest, SchedulingResult
-from router.settings import RouterSettings
+from router.settings import build_settings as router_settings_of
 
 PRECISE_CONFIG_PATH = DEFAULT_CONFIG_PATH.with_name("precise-config.yaml")
 
@@ -274,7 +274,7 @@ class Simulation:
         self.settings = settings
         self.priority_policy = settings.scheduling_policy == "priority"
         self.pool = VirtualPool(self.clock, scrape_interval_s=config.scrape_interval_s)
-        router_settings = RouterSettings(scrape_interval_s=config.scrape_interval_s,
+        router_settings = router_settings_of(scrape_interval_s=config.scrape_interval_s,
                                          max_num_batched_tokens=config.max_num_batched_tokens)
         self.runtime = RouterRuntime(router_settings, clock=self.clock)
         self.runtime.pool = self.pool
@@ -291,7 +291,7 @@ class Simulation:
         self.runtime.scheduler = self.scheduler
         plugins = self.plugins()
         self.runtime.working_set = working_set_of(plugins)
-        self.key_shapes = sorted({(p.block_size_tokens, p.max_blocks) for p in plugins  # type: ignore[attr-defined]
+        self.key_shapes = sorted({(p.block_size_tokens, p.max_blocks) for p in plugins
                                   if hasattr(p, "block_size_tokens") and hasattr(p, "max_blocks")})
         fc = config.flow_control
         self.flow = FlowControlCore(fc)
@@ -300,7 +300,7 @@ class Simulation:
         sheddable = frozenset(band.objective for band in fc.bands if band.sheddable)
         self.observer = _Observer()
         self.director = Director(pool=self.pool, scheduler=self.scheduler, profile=self.profile, flow=None,
-                                 observer=self.observer, objective_priority=self.objective_priority,  # type: ignore[arg-type]
+                                 observer=self.observer, objective_priority=self.objective_priority,
                                  default_objective=fc.default_objective, sheddable_objectives=sheddable)
         self.director.decisions.clock = self.clock
         self.engines: list[SimEngine] = []
@@ -317,7 +317,7 @@ class Simulation:
         gates: list[Gate] = [ConcurrencyGate(config.processor_concurrency, config.processor_reserved)]
         if config.processor_tenant_limit:
             gates.append(TenantQuotaGate(config.processor_tenant_limit))
-        self.saturation_gate = SaturationGate(_StateClient(self.runtime), "http://router", clock=self.clock)  # type: ignore[arg-type]
+        self.saturation_gate = SaturationGate(_StateClient(self.runtime), "http://router", clock=self.clock)
         gates.append(self.saturation_gate)
         self.gates = AllGates(gates)
         self.held: dict[Work, _Live] = {}
@@ -580,11 +580,11 @@ class Simulation:
                 self.lanes.push(work)
                 free -= 1
         while True:
-            work = self.lanes.pop(now, self.gates.admits)
-            if work is None:
+            ready = self.lanes.pop(now, self.gates.admits)
+            if ready is None:
                 break
-            self.gates.acquire(work)
-            self._admit(self.held.pop(work))
+            self.gates.acquire(ready)
+            self._admit(self.held.pop(ready))
         nxt = self.lanes.next_ready_at(now)
         if nxt is not None:
             self._schedule_pump(nxt)
