@@ -85,7 +85,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 @click.option("--duration-s", type=click.FloatRange(min=0, min_open=True), default=24.0, show_default=True,
               help="--workload long-context: seconds the conversations start over.")
 @click.option("--write-trace", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the long-context workload's records here as Mooncake JSONL (for bench prefix --trace).")
+              help="Only write the long-context workload's records (--conversations, --duration-s, --seed) here as "
+                   "Mooncake JSONL, for --trace here and in bench prefix, and exit.")
 @click.option("--batch", "batch_files", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Add an OpenAI batch input file as a backlog on the batch lane, via the processor (repeatable).")
 @click.option("--engines", type=click.IntRange(min=1), default=4, show_default=True, help="Simulated engines.")
@@ -125,6 +126,12 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
 
     console = Console(stderr=True)
     out = Console()
+    if write_trace is not None:
+        records = wl.long_context_records(seed, conversations=conversations, duration_s=duration_s)
+        wl.write_mooncake(records, write_trace)
+        console.print(f"wrote {write_trace}: {len(records):,} records over {duration_s:g} s, "
+                      f"{wl.reusable_share(records):.3f} of prompt tokens reusable within 5 min")
+        return
     if not (trace_path or synthetic_requests or workload_names or batch_files):
         raise click.UsageError("give a workload: --trace, --synthetic-requests, --workload or --batch")
     if system_pieces[0] < 1 or system_pieces[1] < system_pieces[0]:
@@ -169,10 +176,6 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
         gen, count = _generator(name, seed, conversations, duration_s, model_len)
         total += count
         sources.append(gen)
-        if name == "long-context" and write_trace is not None:
-            wl.write_mooncake(wl.long_context_records(seed, conversations=conversations, duration_s=duration_s),
-                              write_trace)
-            console.print(f"wrote {write_trace}")
     for batch_path in batch_files:
         try:
             backlog = list(batch_file_requests(batch_path, block_size=block_size))

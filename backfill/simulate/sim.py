@@ -88,14 +88,17 @@ POLICIES: dict[str, tuple[Path, str | None]] = {
 MODEL = "sim-model"
 
 
-def bench_flow_control() -> FlowControlConfig:
+def bench_flow_control(engines: int = 4) -> FlowControlConfig:
     """The shipped flow-control defaults without the interactive band's per-tenant limits (what
     ``backfill bench prefix`` runs our router with, ``backfill/bench/launch.py``: a trace replayer
-    is one client, its requests would otherwise share one tenant's 16 in flight)."""
+    is one client, its requests would otherwise share one tenant's 16 in flight), and the
+    interactive bypass bound ``max_in_flight`` at the larger of the default 64 and 5 × ``engines``
+    (the sizing rule of ``router/flow_control/config.py``: "set it near 5 × the number of engines")."""
     data = FlowControlConfig().model_dump(mode="json")
     for band in data["bands"]:
         if band["objective"] == "interactive":
             band["tenant_max_in_flight"] = band["tenant_max_queued"] = None
+            band["max_in_flight"] = max(band["max_in_flight"] or 0, 5 * engines)
     return FlowControlConfig.model_validate(data)
 
 
@@ -124,7 +127,8 @@ class SimConfig:
     seed: int = 0
     scrape_interval_s: float = 0.05
     kv_event_delay_s: float = 0.0
-    flow_control: FlowControlConfig = field(default_factory=bench_flow_control)
+    flow_control: FlowControlConfig | None = None
+    """None: :func:`bench_flow_control` for ``engines``."""
     processor_concurrency: int = 64
     processor_reserved: dict[str, int] = field(default_factory=lambda: {"interactive": 8, "async": 4})
     processor_tenant_limit: int = 0
@@ -293,7 +297,7 @@ class Simulation:
         self.runtime.working_set = working_set_of(plugins)
         self.key_shapes = sorted({(p.block_size_tokens, p.max_blocks) for p in plugins
                                   if hasattr(p, "block_size_tokens") and hasattr(p, "max_blocks")})
-        fc = config.flow_control
+        fc = config.flow_control or bench_flow_control(config.engines)
         self.flow = FlowControlCore(fc)
         self.runtime.flow = self.flow  # type: ignore[assignment]  # reads in_flight_requests only
         self.objective_priority = {band.objective: band.priority for band in fc.bands}
@@ -422,7 +426,7 @@ class Simulation:
             self._refused(self._tickets.pop(id(ticket)), drop.reason.value, drop.retry_after_s)
         if self.flow.queued_requests and not self._flow_wake:
             self._flow_wake = True
-            self.events.at(self.clock.now + self.config.flow_control.poll_interval_s, self._flow_poll)
+            self.events.at(self.clock.now + self.flow.config.poll_interval_s, self._flow_poll)
 
     def _flow_poll(self) -> None:
         self._flow_wake = False
