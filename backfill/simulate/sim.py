@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import random
+import resource
 import time
 from array import array
 from collections import Counter, deque
@@ -675,6 +676,7 @@ class Simulation:
             "virtual_s": virtual,
             "wall_us_per_request": 1e6 * self.wall_s / self.arrived if self.arrived else None,
             "events": self.events.processed,
+            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "steps": sum(e.steps for e in self.engines),
             "preemptions": sum(e.core.num_preemptions for e in self.engines),
             "by_lane_tenant": by_group,

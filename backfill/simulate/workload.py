@@ -190,7 +190,7 @@ class PromptMemo:
         self.max_paths = max_paths
         self._engine: OrderedDict[int, tuple[list[bytes], bytes]] = OrderedDict()
         self._router: dict[int, OrderedDict[int, tuple[list[int], int]]] = {}
-        self._seen: dict[tuple[int, str, int], int] = {}
+        self._seen: dict[int, int] = {}  # hash((parent path, space, piece id)) -> most tokens seen
         self._seed = chain_seed(model)
 
     # ---- keys ------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ class PromptMemo:
         matching = True
         parent = _ROOT_PATH
         for p, path in zip(req.pieces, self.paths(req.pieces)):
-            key = (parent, p.space, p.piece_id)
+            key = hash((parent, hash(p.space), p.piece_id))
             before = seen.get(key, 0)
             if matching:
                 reused += min(before, p.tokens)

@@ -17,7 +17,7 @@ from router.scheduling.plugins.prefix import PrecisePrefixCacheProducer
 from router.scheduling.registry import builtin_factories
 
 # figures that depend on the machine (real time), not on the simulation
-_REAL_TIME = {"wall_s", "wall_us_per_request", "decision_p50_ms", "decision_p99_ms"}
+_REAL_TIME = {"wall_s", "wall_us_per_request", "decision_p50_ms", "decision_p99_ms", "max_rss_mib"}
 
 
 def _run(policy: str, seed: int = 5, n: int = 300, engines: int = 3, **cfg) -> dict:
