@@ -107,6 +107,10 @@ def _fmt(value: Any, digits: int = 3) -> str:
               help="Also run a custom scheduling config YAML (its first profile).")
 @click.option("--flow-control", "flow_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Flow-control YAML (default: the shipped bands without interactive per-tenant limits).")
+@click.option("--processor-concurrency", type=click.IntRange(min=2), default=64, show_default=True,
+              help="The processor's requests in flight at most (its --concurrency; 8 / 4 kept for interactive / async).")
+@click.option("--tenant-limit", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The processor's in flight per tenant (0: no tenant gate).")
 @click.option("--kv-event-delay-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="From a step's end to its KV events reaching the index.")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -119,7 +123,7 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
                      engines: int, gpu_blocks: int, cpu_blocks: int, block_size: int, max_num_seqs: int,
                      max_num_batched_tokens: int, max_model_len: int | None, scheduling_policy: str,
                      policies: tuple[str, ...], config_path: Path | None, flow_path: Path | None,
-                     kv_event_delay_ms: float, seed: int, json_path: Path | None, progress: bool) -> None:
+                     processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, seed: int, json_path: Path | None, progress: bool) -> None:
     """Run the fleet in virtual time with the production router, flow control and processor code."""
     from rich.console import Console
     from rich.table import Table
@@ -143,7 +147,10 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
     config = SimConfig(engines=engines, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, block_size=block_size,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len, scheduling_policy=scheduling_policy, seed=seed,
-                       kv_event_delay_s=kv_event_delay_ms / 1000)
+                       kv_event_delay_s=kv_event_delay_ms / 1000, processor_concurrency=processor_concurrency,
+                       processor_tenant_limit=tenant_limit)
+    if processor_concurrency <= 12:
+        config.processor_reserved = {}
     if flow is not None:
         config.flow_control = flow
     try:

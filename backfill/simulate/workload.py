@@ -9,8 +9,8 @@ KV event needs them, and the engine block hashes and router block keys of a piec
 *path* (the piece and every piece before it), so a shared system prompt is hashed once for the
 whole run (:class:`PromptMemo`).
 
-Path key of piece ``i``: ``hash((key of piece i-1, piece id, tokens))`` over Python ints (stable
-across runs: ints and tuples of ints do not take ``PYTHONHASHSEED``). Equal path keys mean equal
+Path key of piece ``i``: ``hash((key of piece i-1, xxh64(id space), piece id, tokens))`` over
+Python ints (stable across runs: ints and tuples of ints do not take ``PYTHONHASHSEED``). Equal path keys mean equal
 token ids up to the end of the piece (up to 64-bit collisions), the property prefix caching needs.
 
 Arrivals are iterators in arrival order (:func:`mooncake_requests`, :func:`synthetic_requests`,
@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from backfill.bench.workloads import (
     MOONCAKE_BLOCK_TOKENS,
@@ -200,7 +202,7 @@ class PromptMemo:
         out = []
         key = _ROOT_PATH
         for p in pieces:
-            key = hash((key, hash(p.space), p.piece_id, p.tokens))
+            key = hash((key, _space_key(p.space), p.piece_id, p.tokens))
             out.append(key)
         return out
 
@@ -268,7 +270,7 @@ class PromptMemo:
         matching = True
         parent = _ROOT_PATH
         for p, path in zip(req.pieces, self.paths(req.pieces)):
-            key = hash((parent, hash(p.space), p.piece_id))
+            key = hash((parent, _space_key(p.space), p.piece_id))
             before = seen.get(key, 0)
             if matching:
                 reused += min(before, p.tokens)
@@ -285,6 +287,17 @@ class PromptMemo:
             assert req.tokens is not None
             return req.tokens
         return LazyTokens(req.pieces, self.source)
+
+
+_SPACE_KEYS: dict[str, int] = {}
+
+
+def _space_key(space: str) -> int:
+    """A stable int for an id space (``hash`` of a str changes with ``PYTHONHASHSEED``)."""
+    key = _SPACE_KEYS.get(space)
+    if key is None:
+        key = _SPACE_KEYS[space] = xxhash.xxh64_intdigest(space.encode())
+    return key
 
 
 def _chain_hashes(tokens: list[int], block_size: int, parent: bytes) -> list[bytes]:
