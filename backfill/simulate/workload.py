@@ -184,7 +184,7 @@ class PromptMemo:
     every path ever seen (one int → int entry per distinct piece: the trace's working set)."""
 
     def __init__(self, block_size: int, root_hash: bytes, model: str, source: PieceTokens,
-                 max_paths: int = 200_000) -> None:
+                 max_paths: int = 50_000) -> None:
         self.block_size = block_size
         self.root_hash = root_hash
         self.model = model
