@@ -33,14 +33,17 @@ Role = Literal["both", "prefill", "decode"]
 def to_router_events(events: list[twin.KVEvent]) -> list[wire.KVEvent]:
     """The twin's events as the router decodes them off the wire (map layout; module docstring)."""
     out: list[wire.KVEvent] = []
-    for e in events:
-        if isinstance(e, twin.BlockStored):
-            out.append(wire.BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id,
-                                        e.medium, e.lora_name, [None] * len(e.block_hashes), 0, "full_attention"))
-        elif isinstance(e, twin.BlockRemoved):
-            out.append(wire.BlockRemoved(e.block_hashes, e.medium, 0))
+    append = out.append
+    stored, removed, w_stored, w_removed = twin.BlockStored, twin.BlockRemoved, wire.BlockStored, wire.BlockRemoved
+    for e in events:  # one event per offloaded block on a CPU tier: keep this loop lean
+        kind = type(e)
+        if kind is stored:
+            append(w_stored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id,  # type: ignore[union-attr]
+                            e.medium, e.lora_name, [None] * len(e.block_hashes), 0, "full_attention"))  # type: ignore[union-attr]
+        elif kind is removed:
+            append(w_removed(e.block_hashes, e.medium, 0))  # type: ignore[union-attr]
         else:
-            out.append(wire.AllBlocksCleared())
+            append(wire.AllBlocksCleared())
     return out
 
 
