@@ -69,8 +69,9 @@ RESPONSES_KEY: web.AppKey[ResponsesAPI] = web.AppKey("responses", ResponsesAPI)
 class RouterRuntime:
     """What the admin page and metrics read: built in the cleanup context, kept on the app."""
 
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self.clock = clock  # monotonic seconds of the saturation reads (a simulation injects its virtual clock)
         self.thresholds = SaturationThresholds(
             queue_threshold=settings.queue_threshold, kv_threshold=settings.kv_threshold,
             max_metrics_age_s=settings.max_metrics_age_s, in_flight_credit=True,
@@ -109,7 +110,7 @@ class RouterRuntime:
         pending = 0
         if self.flow is not None:
             pending = max(0, self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates))
-        values = pd_fleet_saturation(candidates, time.monotonic(), self.thresholds, pending, reserve=reserve,
+        values = pd_fleet_saturation(candidates, self.clock(), self.thresholds, pending, reserve=reserve,
                                      working_set=self.session_working_set() if reserve else None)
         return {ep.name: value for ep, value in zip(candidates, values)}
 
@@ -152,7 +153,7 @@ class RouterRuntime:
         forwarded; pending ones are not placed here)."""
         if self.pool is not None:
             self.pool.expire_prefills()
-        return endpoint_saturation(endpoint, time.monotonic(), self.thresholds,
+        return endpoint_saturation(endpoint, self.clock(), self.thresholds,
                                    working_set_tokens=self.session_working_set().get(endpoint.name, 0))
 
     def state(self) -> RouterState:

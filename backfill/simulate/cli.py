@@ -1,0 +1,264 @@
+"""``backfill simulate``: the whole fleet in virtual time (docs/simulate.md).
+
+Workloads (one or more, merged by arrival): ``--trace PATH`` (Mooncake JSONL), ``--synthetic-requests
+N`` (a mix of tenants, shared prefixes, multi-turn sessions and the processor's async / batch
+lanes), ``--workload NAME`` (the benchmark generators of :mod:`backfill.bench.workloads`),
+``--batch FILE`` (an OpenAI batch input file as a backlog on the batch lane). Every policy runs the
+same workload on a fresh fleet; the table and ``--json`` hold the figures of each.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import pydantic
+
+from backfill.bench import workloads as wl
+from backfill.simulate.sim import POLICIES, SimConfig, Simulation
+from backfill.simulate.workload import (
+    SimRequest,
+    batch_file_requests,
+    merge_arrivals,
+    mooncake_requests,
+    synthetic_requests,
+    text_requests,
+)
+from router.flow_control import FlowControlConfig
+from router.scheduling.errors import ConfigError
+
+WORKLOADS = ("agentic", "shared-prefix", "tool-agent", "long-context")
+"""``--workload`` names: the generators of ``backfill bench prefix``'s shapes."""
+
+
+def _generator(name: str, seed: int, conversations: int, duration_s: float,
+               max_model_len: int) -> tuple[Callable[[], Iterator[SimRequest]], int]:
+    """A maker of the workload's arrivals and its request count (turns included)."""
+    if name == "long-context":
+        records = wl.long_context_records(seed, conversations=conversations, duration_s=duration_s)
+        return (lambda: mooncake_requests(records, max_model_len=max_model_len, space="long-context")), len(records)
+    if name == "agentic":
+        trace = wl.merge(wl.agentic_sessions(seed), wl.shared_prefix_groups(seed))
+    elif name == "shared-prefix":
+        trace = wl.shared_prefix_batch(seed)
+    else:
+        trace = wl.tool_agents(seed)
+    return (lambda: text_requests(trace)), len(trace)
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+@click.command("simulate")
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Replay this trace file (Mooncake JSONL).")
+@click.option("--trace-format", type=click.Choice(["mooncake"]), default="mooncake", show_default=True,
+              help="Format of --trace: Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids).")
+@click.option("--start-min", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="--trace: skip the first M minutes.")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--trace: replay N minutes (default: to the end).")
+@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="--trace: arrivals S times as fast as the timestamps.")
+@click.option("--max-output-tokens", type=click.IntRange(min=1), default=None,
+              help="--trace: cap every output_length (bench prefix caps long-context answers at 64).")
+@click.option("--synthetic-requests", type=click.IntRange(min=1), default=None,
+              help="Add N requests of the synthetic mix (tenants, shared prefixes, sessions, lanes).")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Synthetic first turns per second (default: 6 per engine).")
+@click.option("--tenants", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Synthetic tenants.")
+@click.option("--system-pieces", type=(int, int), default=(2, 8), show_default=True,
+              help="Synthetic shared system prompts: MIN MAX pieces of 512 tokens.")
+@click.option("--workload", "workload_names", multiple=True, type=click.Choice(WORKLOADS),
+              help="Add a benchmark generator's trace (repeatable).")
+@click.option("--conversations", type=click.IntRange(min=1), default=64, show_default=True,
+              help="--workload long-context: conversations.")
+@click.option("--duration-s", type=click.FloatRange(min=0, min_open=True), default=24.0, show_default=True,
+              help="--workload long-context: seconds the conversations start over.")
+@click.option("--write-trace", type=click.Path(dir_okay=False, path_type=Path),
+              help="Only write the long-context workload's records (--conversations, --duration-s, --seed) here as "
+                   "Mooncake JSONL, for --trace here and in bench prefix, and exit.")
+@click.option("--batch", "batch_files", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Add an OpenAI batch input file as a backlog on the batch lane, via the processor (repeatable).")
+@click.option("--engines", type=click.IntRange(min=1), default=4, show_default=True, help="Simulated engines.")
+@click.option("--gpu-blocks", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="GPU KV blocks per engine (the twin's default).")
+@click.option("--cpu-blocks", type=click.IntRange(min=0), default=0, show_default=True,
+              help="CPU offload blocks per engine.")
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=16), default=None,
+              help="Default: what the GPU cache holds, at most 131,072.")
+@click.option("--scheduling-policy", type=click.Choice(["priority", "fcfs"]), default="priority", show_default=True,
+              help="The engines' vLLM --scheduling-policy (priority: the router sends vLLM priorities).")
+@click.option("--policy", "policies", multiple=True, type=click.Choice([*POLICIES, "all"]),
+              help="Routing policy (repeatable; 'all': every one). Default: all.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Also run a custom scheduling config YAML (its first profile).")
+@click.option("--flow-control", "flow_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Flow-control YAML (default: the shipped bands without interactive per-tenant limits).")
+@click.option("--processor-concurrency", type=click.IntRange(min=2), default=64, show_default=True,
+              help="The processor's requests in flight at most (its --concurrency; 8 / 4 kept for interactive / async).")
+@click.option("--tenant-limit", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The processor's in flight per tenant (0: no tenant gate).")
+@click.option("--kv-event-delay-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="From a step's end to its KV events reaching the index.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on long runs.")
+def simulate_command(trace_path: Path | None, trace_format: str, start_min: float, minutes: float | None,
+                     speed: float, max_output_tokens: int | None, synthetic_requests: int | None, rate: float | None,
+                     tenants: int, system_pieces: tuple[int, int], workload_names: tuple[str, ...],
+                     conversations: int, duration_s: float, write_trace: Path | None, batch_files: tuple[Path, ...],
+                     engines: int, gpu_blocks: int, cpu_blocks: int, block_size: int, max_num_seqs: int,
+                     max_num_batched_tokens: int, max_model_len: int | None, scheduling_policy: str,
+                     policies: tuple[str, ...], config_path: Path | None, flow_path: Path | None,
+                     processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, seed: int, json_path: Path | None, progress: bool) -> None:
+    """Run the fleet in virtual time with the production router, flow control and processor code."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    out = Console()
+    if write_trace is not None:
+        records = wl.long_context_records(seed, conversations=conversations, duration_s=duration_s)
+        wl.write_mooncake(records, write_trace)
+        console.print(f"wrote {write_trace}: {len(records):,} records over {duration_s:g} s, "
+                      f"{wl.reusable_share(records):.3f} of prompt tokens reusable within 5 min")
+        return
+    if not (trace_path or synthetic_requests or workload_names or batch_files):
+        raise click.UsageError("give a workload: --trace, --synthetic-requests, --workload or --batch")
+    if system_pieces[0] < 1 or system_pieces[1] < system_pieces[0]:
+        raise click.BadParameter("MIN must be >= 1 and MAX >= MIN", param_hint="--system-pieces")
+    try:
+        flow = FlowControlConfig.from_file(flow_path) if flow_path else None
+    except (ValueError, OSError, pydantic.ValidationError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--flow-control") from exc
+    config = SimConfig(engines=engines, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, block_size=block_size,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       max_model_len=max_model_len, scheduling_policy=scheduling_policy, seed=seed,
+                       kv_event_delay_s=kv_event_delay_ms / 1000, processor_concurrency=processor_concurrency,
+                       processor_tenant_limit=tenant_limit)
+    if processor_concurrency <= 12:
+        config.processor_reserved = {}
+    if flow is not None:
+        config.flow_control = flow
+    try:
+        config.engine_settings()
+    except pydantic.ValidationError as exc:
+        raise click.BadParameter(str(exc.errors()[0].get("msg", exc)), param_hint="--gpu-blocks / --max-model-len") from exc
+    model_len = config.model_len()
+
+    sources: list[Callable[[], Iterator[SimRequest]]] = []
+    total = 0
+    if trace_path is not None:
+        try:
+            records = wl.read_mooncake(trace_path)
+        except (ValueError, OSError, UnicodeDecodeError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--trace") from exc
+        window = list(mooncake_requests(records, start_min, minutes, speed, model_len, max_output_tokens))
+        if not window:
+            raise click.BadParameter(f"{trace_path}: no record in the window (--start-min {start_min}, "
+                                     f"--minutes {minutes})", param_hint="--trace")
+        total += len(window)
+        console.print(f"{trace_path}: {len(records):,} records, {len(window):,} in the window, "
+                      f"{wl.reusable_share(records):.3f} of prompt tokens reusable within 5 min")
+        sources.append(lambda: mooncake_requests(records, start_min, minutes, speed, model_len, max_output_tokens))
+    if synthetic_requests:
+        syn_rate = rate or 6.0 * engines
+        n = synthetic_requests
+        sources.append(lambda: synthetic_requests_iter(n, seed, syn_rate, tenants, system_pieces))
+        total += n
+    for name in workload_names:
+        gen, count = _generator(name, seed, conversations, duration_s, model_len)
+        total += count
+        sources.append(gen)
+    for batch_path in batch_files:
+        try:
+            backlog = list(batch_file_requests(batch_path, block_size=block_size))
+        except (ValueError, OSError, UnicodeDecodeError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--batch") from exc
+        total += len(backlog)
+        sources.append(_replayer(backlog))
+
+    names = list(POLICIES) if not policies or "all" in policies else list(dict.fromkeys(policies))
+    runs: list[tuple[str, Path | None]] = [(name, None) for name in names]
+    if config_path is not None:
+        runs.append((f"config:{config_path.stem}", config_path))
+    results: list[dict[str, Any]] = []
+    for name, path in runs:
+        arrivals = merge_arrivals(*(make() for make in sources))
+        try:
+            sim = Simulation(config, name, arrivals, config_path=path)
+        except (ConfigError, KeyError, OSError, ValueError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--config") from exc
+        figures = _run(sim, name, total, progress and total >= 5000, console)
+        results.append(figures)
+        console.print(f"{name}: {figures['completed']:,} answered in {figures['wall_s']:.1f} s wall "
+                      f"({figures['virtual_s']:.1f} s virtual)")
+    baseline = next((r for r in results if r["policy"] == "round-robin"), None)
+    for r in results:
+        if baseline is not None and baseline["ttft_p50_s"] and r["ttft_p50_s"] is not None:
+            r["ttft_p50_vs_round_robin"] = r["ttft_p50_s"] / baseline["ttft_p50_s"]
+
+    table = Table(title=f"simulate: {engines} engines x {gpu_blocks} GPU + {cpu_blocks} CPU blocks, {total:,} requests")
+    for col in ("policy", "answered", "captured reuse", "TTFT p50 s", "TTFT p99 s", "ITL p99 s", "req/s",
+                "vs RR p50", "decision p50 ms", "index MiB", "wall s", "virtual s"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in results:
+        table.add_row(r["policy"], _fmt(r["completed"]), _fmt(r["captured_reuse"]), _fmt(r["ttft_p50_s"]),
+                      _fmt(r["ttft_p99_s"]), _fmt(r["itl_p99_s"]), _fmt(r["throughput_rps"], 1),
+                      _fmt(r.get("ttft_p50_vs_round_robin")), _fmt(r["decision_p50_ms"], 4),
+                      _fmt(r["index_bytes"] / 2**20, 1), _fmt(r["wall_s"], 1), _fmt(r["virtual_s"], 1))
+    out.print(table)
+    lanes = Table(title="TTFT by lane / tenant (p50 / p99 s)")
+    lanes.add_column("lane/tenant")
+    for r in results:
+        lanes.add_column(r["policy"], justify="right")
+    keys = sorted({k for r in results for k in r["by_lane_tenant"]})
+    for key in keys:
+        cells = []
+        for r in results:
+            g = r["by_lane_tenant"].get(key)
+            cells.append("-" if g is None else f"{_fmt(g['ttft_p50_s'])} / {_fmt(g['ttft_p99_s'])} ({g['requests']:,})")
+        lanes.add_row(key, *cells)
+    out.print(lanes)
+    if json_path is not None:
+        payload = {"engines": engines, "gpu_blocks": gpu_blocks, "cpu_blocks": cpu_blocks, "seed": seed,
+                   "requests": total, "runs": results}
+        json_path.write_text(json.dumps(payload, indent=2))
+        console.print(f"wrote {json_path}")
+
+
+def synthetic_requests_iter(n: int, seed: int, rate: float, tenants: int,
+                            system_pieces: tuple[int, int]) -> Iterator[SimRequest]:
+    """The synthetic mix of the CLI's options."""
+    return synthetic_requests(n, seed, rate_per_s=rate, tenants=tenants, system_pieces=system_pieces)
+
+
+def _replayer(backlog: list[SimRequest]) -> Callable[[], Iterator[SimRequest]]:
+    """A maker of fresh copies of a batch backlog, one per run."""
+    from dataclasses import replace
+
+    return lambda: iter([replace(r) for r in backlog])
+
+
+def _run(sim: Simulation, name: str, total: int, show: bool, console: Any) -> dict[str, Any]:
+    if not show:
+        return sim.run()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(f"{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task(name, total=total)
+        return sim.run(lambda n: bar.update(task, completed=n))
