@@ -2,15 +2,23 @@
 
 Workloads (one or more, merged by arrival): ``--trace PATH`` (Mooncake JSONL), ``--synthetic-requests
 N`` (a mix of tenants, shared prefixes, multi-turn sessions and the processor's async / batch
-lanes), ``--workload NAME`` (the benchmark generators of :mod:`backfill.bench.workloads`),
-``--batch FILE`` (an OpenAI batch input file as a backlog on the batch lane). Every policy runs the
-same workload on a fresh fleet; the table and ``--json`` hold the figures of each.
+lanes), ``--workload NAME`` (the benchmark generators of :mod:`backfill.bench.workloads`, and
+``pd-mix``: ``backfill bench pd``'s long-prompt + chat mix), ``--batch FILE`` (an OpenAI batch input
+file as a backlog on the batch lane). Every policy runs the same workload on a fresh fleet; the
+table and ``--json`` hold the figures of each.
+
+Fleets: ``--engines N`` engines of role ``both``; ``--prefill-engines P --decode-engines D`` a
+prefill/decode fleet (policy ``pd``: the shipped ``pd-config.yaml``, or ``--config``); ``--layout``
+(repeatable: ``N`` or ``P:D``) runs several fleets on the same workload, with a table of the P/D
+ratios against the aggregated run (ITL p99 aggregated ÷ P/D, TTFT p50 and throughput P/D ÷
+aggregated, as ``backfill bench pd`` reports them).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +26,58 @@ import click
 import pydantic
 
 from backfill.bench import workloads as wl
-from backfill.simulate.sim import POLICIES, SimConfig, Simulation
+from backfill.simulate.sim import PD_POLICY, POLICIES, SimConfig, Simulation
 from backfill.simulate.workload import (
     SimRequest,
     batch_file_requests,
     merge_arrivals,
     mooncake_requests,
+    pd_mix_requests,
     synthetic_requests,
     text_requests,
 )
 from router.flow_control import FlowControlConfig
 from router.scheduling.errors import ConfigError
 
-WORKLOADS = ("agentic", "shared-prefix", "tool-agent", "long-context")
-"""``--workload`` names: the generators of ``backfill bench prefix``'s shapes."""
+WORKLOADS = ("agentic", "shared-prefix", "tool-agent", "long-context", "pd-mix")
+"""``--workload`` names: the generators of ``backfill bench prefix``'s shapes, and ``bench pd``'s mix."""
+
+
+def parse_layout(spec: str) -> tuple[int, int, int]:
+    """``N`` (N engines of role both) or ``P:D`` (prefill and decode engines) → (both, prefill,
+    decode). Raises ``click.BadParameter`` for anything else, a P/D split with an empty side, or no
+    engine."""
+    try:
+        if ":" in spec:
+            p, d = (int(x) for x in spec.split(":"))
+            if p < 1 or d < 1:
+                raise ValueError
+            return 0, p, d
+        n = int(spec)
+        if n < 1:
+            raise ValueError
+        return n, 0, 0
+    except ValueError:
+        raise click.BadParameter(f"{spec!r}: a layout is N (engines of role both) or P:D (prefill and decode "
+                                 "engines, both at least 1)", param_hint="--layout") from None
+
+
+def layout_name(both: int, prefill: int, decode: int) -> str:
+    """``aggregated`` for a fleet without prefill engines, else ``P:D`` (``+N both`` when mixed)."""
+    if not prefill:
+        return "aggregated"
+    return f"{prefill}:{decode}" + (f"+{both}" if both else "")
 
 
 def _generator(name: str, seed: int, conversations: int, duration_s: float,
-               max_model_len: int) -> tuple[Callable[[], Iterator[SimRequest]], int]:
-    """A maker of the workload's arrivals and its request count (turns included)."""
+               max_model_len: int, engines: int = 4) -> tuple[Callable[[], Iterator[SimRequest]], int]:
+    """A maker of the workload's arrivals and its request count (turns included); ``pd-mix`` is
+    sized for ``engines`` (its rates and sessions are per engine) over ``duration_s``."""
+    if name == "pd-mix":
+        from backfill.bench.pd import PdOptions, pd_trace
+
+        opts = PdOptions(engines=engines, duration_s=duration_s, seed=seed, max_model_len=max_model_len)
+        return (lambda: pd_mix_requests(opts)), len(pd_trace(opts))
     if name == "long-context":
         records = wl.long_context_records(seed, conversations=conversations, duration_s=duration_s)
         return (lambda: mooncake_requests(records, max_model_len=max_model_len, space="long-context")), len(records)
@@ -83,13 +124,23 @@ def _fmt(value: Any, digits: int = 3) -> str:
 @click.option("--conversations", type=click.IntRange(min=1), default=64, show_default=True,
               help="--workload long-context: conversations.")
 @click.option("--duration-s", type=click.FloatRange(min=0, min_open=True), default=24.0, show_default=True,
-              help="--workload long-context: seconds the conversations start over.")
+              help="--workload long-context: seconds the conversations start over; pd-mix: the trace's seconds.")
 @click.option("--write-trace", type=click.Path(dir_okay=False, path_type=Path),
               help="Only write the long-context workload's records (--conversations, --duration-s, --seed) here as "
                    "Mooncake JSONL, for --trace here and in bench prefix, and exit.")
 @click.option("--batch", "batch_files", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Add an OpenAI batch input file as a backlog on the batch lane, via the processor (repeatable).")
-@click.option("--engines", type=click.IntRange(min=1), default=4, show_default=True, help="Simulated engines.")
+@click.option("--engines", type=click.IntRange(min=0), default=None,
+              help="Simulated engines of role both (default 4; 0 when --prefill-engines is given).")
+@click.option("--prefill-engines", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Engines of role prefill (P/D disaggregation, policy pd; needs --decode-engines).")
+@click.option("--decode-engines", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Engines of role decode.")
+@click.option("--layout", "layout_specs", multiple=True,
+              help="Run this fleet too: N (engines of role both) or P:D (repeatable; replaces --engines / "
+                   "--prefill-engines / --decode-engines). P/D ratios against the aggregated run are printed.")
+@click.option("--kv-transfer-bandwidth", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="P/D: the KV link's GB/s (default: the engine twin's, 50).")
 @click.option("--gpu-blocks", type=click.IntRange(min=1), default=8192, show_default=True,
               help="GPU KV blocks per engine (the twin's default).")
 @click.option("--cpu-blocks", type=click.IntRange(min=0), default=0, show_default=True,
@@ -101,8 +152,9 @@ def _fmt(value: Any, digits: int = 3) -> str:
               help="Default: what the GPU cache holds, at most 131,072.")
 @click.option("--scheduling-policy", type=click.Choice(["priority", "fcfs"]), default="priority", show_default=True,
               help="The engines' vLLM --scheduling-policy (priority: the router sends vLLM priorities).")
-@click.option("--policy", "policies", multiple=True, type=click.Choice([*POLICIES, "all"]),
-              help="Routing policy (repeatable; 'all': every one). Default: all.")
+@click.option("--policy", "policies", multiple=True, type=click.Choice([*POLICIES, PD_POLICY, "all"]),
+              help="Routing policy of aggregated fleets (repeatable; 'all': every one; default: all). A fleet "
+                   "with prefill engines runs 'pd' (the shipped pd-config.yaml).")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Also run a custom scheduling config YAML (its first profile).")
 @click.option("--flow-control", "flow_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -120,7 +172,9 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
                      speed: float, max_output_tokens: int | None, synthetic_requests: int | None, rate: float | None,
                      tenants: int, system_pieces: tuple[int, int], workload_names: tuple[str, ...],
                      conversations: int, duration_s: float, write_trace: Path | None, batch_files: tuple[Path, ...],
-                     engines: int, gpu_blocks: int, cpu_blocks: int, block_size: int, max_num_seqs: int,
+                     engines: int | None, prefill_engines: int, decode_engines: int, layout_specs: tuple[str, ...],
+                     kv_transfer_bandwidth: float | None, gpu_blocks: int, cpu_blocks: int, block_size: int,
+                     max_num_seqs: int,
                      max_num_batched_tokens: int, max_model_len: int | None, scheduling_policy: str,
                      policies: tuple[str, ...], config_path: Path | None, flow_path: Path | None,
                      processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, seed: int, json_path: Path | None, progress: bool) -> None:
@@ -138,13 +192,27 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
         return
     if not (trace_path or synthetic_requests or workload_names or batch_files):
         raise click.UsageError("give a workload: --trace, --synthetic-requests, --workload or --batch")
+    if layout_specs:
+        layouts = [parse_layout(spec) for spec in layout_specs]
+    else:
+        if prefill_engines and not decode_engines:
+            raise click.UsageError("--prefill-engines needs --decode-engines (the engines that decode)")
+        both = engines if engines is not None else (0 if prefill_engines or decode_engines else 4)
+        if both + prefill_engines + decode_engines < 1:
+            raise click.UsageError("the fleet needs at least one engine")
+        layouts = [(both, prefill_engines, decode_engines)]
+    if "pd" in policies and not any(p for _, p, _ in layouts):
+        raise click.UsageError("--policy pd needs prefill engines (--prefill-engines or a --layout P:D)")
+    fleet_engines = sum(layouts[0])
     if system_pieces[0] < 1 or system_pieces[1] < system_pieces[0]:
         raise click.BadParameter("MIN must be >= 1 and MAX >= MIN", param_hint="--system-pieces")
     try:
         flow = FlowControlConfig.from_file(flow_path) if flow_path else None
     except (ValueError, OSError, pydantic.ValidationError) as exc:
         raise click.BadParameter(str(exc), param_hint="--flow-control") from exc
-    config = SimConfig(engines=engines, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, block_size=block_size,
+    config = SimConfig(engines=layouts[0][0], prefill_engines=layouts[0][1], decode_engines=layouts[0][2],
+                       kv_transfer_bandwidth_gb_s=kv_transfer_bandwidth, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
+                       block_size=block_size,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len, scheduling_policy=scheduling_policy, seed=seed,
                        kv_event_delay_s=kv_event_delay_ms / 1000, processor_concurrency=processor_concurrency,
@@ -175,12 +243,12 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
                       f"{wl.reusable_share(records):.3f} of prompt tokens reusable within 5 min")
         sources.append(lambda: mooncake_requests(records, start_min, minutes, speed, model_len, max_output_tokens))
     if synthetic_requests:
-        syn_rate = rate or 6.0 * engines
+        syn_rate = rate or 6.0 * fleet_engines
         n = synthetic_requests
         sources.append(lambda: synthetic_requests_iter(n, seed, syn_rate, tenants, system_pieces))
         total += n
     for name in workload_names:
-        gen, count = _generator(name, seed, conversations, duration_s, model_len)
+        gen, count = _generator(name, seed, conversations, duration_s, model_len, fleet_engines)
         total += count
         sources.append(gen)
     for batch_path in batch_files:
@@ -191,32 +259,40 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
         total += len(backlog)
         sources.append(_replayer(backlog))
 
-    names = list(POLICIES) if not policies or "all" in policies else list(dict.fromkeys(policies))
-    runs: list[tuple[str, Path | None]] = [(name, None) for name in names]
-    if config_path is not None:
-        runs.append((f"config:{config_path.stem}", config_path))
+    names = list(POLICIES) if not policies or "all" in policies else \
+        [p for p in dict.fromkeys(policies) if p != PD_POLICY] or ["approximate"]
     results: list[dict[str, Any]] = []
-    for name, path in runs:
-        arrivals = merge_arrivals(*(make() for make in sources))
-        try:
-            sim = Simulation(config, name, arrivals, config_path=path)
-        except (ConfigError, KeyError, OSError, ValueError) as exc:
-            raise click.BadParameter(str(exc), param_hint="--config") from exc
-        figures = _run(sim, name, total, progress and total >= 5000, console)
-        results.append(figures)
-        console.print(f"{name}: {figures['completed']:,} answered in {figures['wall_s']:.1f} s wall "
-                      f"({figures['virtual_s']:.1f} s virtual)")
+    for both, prefill, decode in layouts:
+        fleet = replace(config, engines=both, prefill_engines=prefill, decode_engines=decode)
+        runs: list[tuple[str, Path | None]] = [(PD_POLICY, None)] if prefill else [(name, None) for name in names]
+        if config_path is not None:
+            runs.append((f"config:{config_path.stem}", config_path))
+        lname = layout_name(both, prefill, decode)
+        for name, path in runs:
+            arrivals = merge_arrivals(*(make() for make in sources))
+            label = name if len(layouts) == 1 else f"{lname} {name}"
+            try:
+                sim = Simulation(fleet, name, arrivals, config_path=path)
+            except (ConfigError, KeyError, OSError, ValueError) as exc:
+                raise click.BadParameter(str(exc), param_hint="--config") from exc
+            figures = _run(sim, label, total, progress and total >= 5000, console)
+            figures["layout_name"] = lname
+            figures["run"] = label
+            results.append(figures)
+            console.print(f"{label}: {figures['completed']:,} answered in {figures['wall_s']:.1f} s wall "
+                          f"({figures['virtual_s']:.1f} s virtual)")
     baseline = next((r for r in results if r["policy"] == "round-robin"), None)
     for r in results:
         if baseline is not None and baseline["ttft_p50_s"] and r["ttft_p50_s"] is not None:
             r["ttft_p50_vs_round_robin"] = r["ttft_p50_s"] / baseline["ttft_p50_s"]
 
-    table = Table(title=f"simulate: {engines} engines x {gpu_blocks} GPU + {cpu_blocks} CPU blocks, {total:,} requests")
+    table = Table(title=f"simulate: {' / '.join(layout_name(*lay) + f' ({sum(lay)})' for lay in layouts)} engines x "
+                        f"{gpu_blocks} GPU + {cpu_blocks} CPU blocks, {total:,} requests")
     for col in ("policy", "answered", "captured reuse", "TTFT p50 s", "TTFT p99 s", "ITL p99 s", "req/s",
                 "vs RR p50", "decision p50 ms", "index MiB", "wall s", "virtual s"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in results:
-        table.add_row(r["policy"], _fmt(r["completed"]), _fmt(r["captured_reuse"]), _fmt(r["ttft_p50_s"]),
+        table.add_row(r["run"], _fmt(r["completed"]), _fmt(r["captured_reuse"]), _fmt(r["ttft_p50_s"]),
                       _fmt(r["ttft_p99_s"]), _fmt(r["itl_p99_s"]), _fmt(r["throughput_rps"], 1),
                       _fmt(r.get("ttft_p50_vs_round_robin")), _fmt(r["decision_p50_ms"], 4),
                       _fmt(r["index_bytes"] / 2**20, 1), _fmt(r["wall_s"], 1), _fmt(r["virtual_s"], 1))
@@ -224,7 +300,7 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
     lanes = Table(title="TTFT by lane / tenant (p50 / p99 s)")
     lanes.add_column("lane/tenant")
     for r in results:
-        lanes.add_column(r["policy"], justify="right")
+        lanes.add_column(r["run"], justify="right")
     keys = sorted({k for r in results for k in r["by_lane_tenant"]})
     for key in keys:
         cells = []
@@ -233,11 +309,69 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
             cells.append("-" if g is None else f"{_fmt(g['ttft_p50_s'])} / {_fmt(g['ttft_p99_s'])} ({g['requests']:,})")
         lanes.add_row(key, *cells)
     out.print(lanes)
+    comparison = pd_comparison(results)
+    if any(r["pd"] for r in results):
+        out.print(_pd_table(results, comparison))
     if json_path is not None:
-        payload = {"engines": engines, "gpu_blocks": gpu_blocks, "cpu_blocks": cpu_blocks, "seed": seed,
-                   "requests": total, "runs": results}
+        payload = {"engines": fleet_engines, "layouts": [layout_name(*lay) for lay in layouts],
+                   "gpu_blocks": gpu_blocks, "cpu_blocks": cpu_blocks, "seed": seed,
+                   "requests": total, "runs": results, "pd_comparison": comparison}
         json_path.write_text(json.dumps(payload, indent=2))
         console.print(f"wrote {json_path}")
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def pd_comparison(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each P/D run against the aggregated run (the first run without prefill engines under
+    ``approximate``, the router's default config, else the first without prefill engines):
+    ``itl_p99_agg_over_pd``, ``ttft_p50_pd_over_agg``, ``throughput_pd_over_agg`` (output tokens
+    per virtual second), chat and long-prompt TTFT p50 of both; empty without either."""
+    aggregated = [r for r in results if not r["pd"]]
+    base = next((r for r in aggregated if r["policy"] == "approximate"), aggregated[0] if aggregated else None)
+    if base is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for r in results:
+        if not r["pd"]:
+            continue
+        row: dict[str, Any] = {
+            "against": base["run"],
+            "itl_p99_agg_over_pd": _ratio(base["itl_p99_s"], r["itl_p99_s"]),
+            "ttft_p50_pd_over_agg": _ratio(r["ttft_p50_s"], base["ttft_p50_s"]),
+            "throughput_pd_over_agg": _ratio(r["output_tokens_per_s"], base["output_tokens_per_s"]),
+        }
+        for workload in sorted(set(r["by_workload"]) | set(base["by_workload"])):
+            mine, theirs = r["by_workload"].get(workload, {}), base["by_workload"].get(workload, {})
+            row[f"{workload}_ttft_p50_s"] = mine.get("ttft_p50_s")
+            row[f"{workload}_ttft_p50_agg_s"] = theirs.get("ttft_p50_s")
+            row[f"{workload}_itl_p99_agg_over_pd"] = _ratio(theirs.get("itl_p99_s"), mine.get("itl_p99_s"))
+        out[r["run"]] = row
+    return out
+
+
+def _pd_table(results: list[dict[str, Any]], comparison: dict[str, dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="prefill/decode disaggregation")
+    for col in ("run", "disagg share", "fallbacks", "transfers", "GiB moved", "transfer p50 ms",
+                "prefill tok/req", "util P / D / both", "ITL p99 agg/PD", "TTFT p50 PD/agg", "tput PD/agg"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r in results:
+        pd = r["pd"]
+        if not pd:
+            continue
+        util = r["utilisation_by_role"]
+        ratios = comparison.get(r["run"], {})
+        table.add_row(r["run"], _fmt(pd["disaggregated_share"]), _fmt(pd["fallbacks"]), _fmt(pd["kv_transfers"]),
+                      _fmt(pd["kv_transfer_bytes"] / 2**30, 1), _fmt((pd["kv_transfer_s_p50"] or 0) * 1000, 2),
+                      _fmt(pd["prefill_tokens_per_request"], 2),
+                      " / ".join(_fmt(util[k], 2) for k in ("prefill", "decode", "both")),
+                      _fmt(ratios.get("itl_p99_agg_over_pd"), 2), _fmt(ratios.get("ttft_p50_pd_over_agg"), 2),
+                      _fmt(ratios.get("throughput_pd_over_agg"), 2))
+    return table
 
 
 def synthetic_requests_iter(n: int, seed: int, rate: float, tenants: int,
@@ -248,8 +382,6 @@ def synthetic_requests_iter(n: int, seed: int, rate: float, tenants: int,
 
 def _replayer(backlog: list[SimRequest]) -> Callable[[], Iterator[SimRequest]]:
     """A maker of fresh copies of a batch backlog, one per run."""
-    from dataclasses import replace
-
     return lambda: iter([replace(r) for r in backlog])
 
 

@@ -3,8 +3,10 @@
 Each :class:`SimEngine` is the twin's pure :class:`~engine_twin.core.EngineCore` over its own
 :class:`~engine_twin.kv_cache.TieredPrefixCache` (the classes the ``engine-sim`` server drives in
 real time), plus the pool's :class:`~router.pool.EndpointState` the router schedules on. Its
-``role`` (``both`` today; ``prefill`` / ``decode`` for disaggregation) says which stage of a
-request it may take: the simulation's per-request flow (:mod:`backfill.simulate.sim`) reads it.
+``role`` (``both``, or ``prefill`` / ``decode`` for disaggregation) is its endpoint's
+:attr:`~router.scheduling.types.Endpoint.role`, which the P/D config's ``prefill-filter`` /
+``decode-filter`` read; the simulation's two-stage flow (:mod:`backfill.simulate.sim`) follows the
+scheduler's picks.
 
 KV events go from the twin's cache sink to the router's :class:`~router.kv_index.index.KVBlockIndex`
 in process: each twin event becomes the router's event type with exactly the fields the wire
@@ -61,6 +63,8 @@ class SimEngine:
     pending: list[twin.KVEvent] = field(default_factory=list)
     steps: int = 0
     busy_s: float = 0.0
+    generated: int = 0
+    """Output tokens sampled here (a prefill engine's: one per prefill leg)."""
 
     @classmethod
     def build(cls, name: str, settings: EngineSimSettings, model: str, role: Role = "both",
@@ -69,7 +73,7 @@ class SimEngine:
         pending: list[twin.KVEvent] = []
         cache = TieredPrefixCache(settings.num_gpu_blocks, settings.block_size, settings.cpu_offload_blocks,
                                   settings.disk_offload_blocks, sink=pending.extend if collect_events else None)
-        state = EndpointState(Endpoint(name), healthy=True, models=[model])
+        state = EndpointState(Endpoint(name, role=role), healthy=True, models=[model])
         return cls(name, EngineCore(settings, cache), cache, state, role, pending=pending)
 
     def step(self, now: float) -> StepOutcome:
@@ -78,6 +82,7 @@ class SimEngine:
         if outcome.duration:
             self.steps += 1
             self.busy_s += outcome.duration
+            self.generated += len(outcome.sampled)
         return outcome
 
     def take_events(self) -> list[twin.KVEvent]:

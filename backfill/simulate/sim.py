@@ -27,9 +27,27 @@ What runs (the same classes as production, never copies):
 
 The per-request flow is in one place: :meth:`Simulation._arrive` → (processor) →
 :meth:`Simulation._admit` (flow control) → :meth:`Simulation._forward` (schedule, pool, engine) →
-:meth:`Simulation._end_step` (tokens) → :meth:`Simulation._finish` (hooks, release, next turn). A
-two-stage prefill/decode flow goes into :meth:`Simulation._forward` and :meth:`Simulation._finish`
-(engine roles: :attr:`SimEngine.role`).
+:meth:`Simulation._end_step` (tokens) → :meth:`Simulation._finish` (hooks, release, next turn).
+
+**Prefill/decode disaggregation** (``prefill_engines`` > 0: the shipped ``pd-config.yaml`` unless
+a config is given, as ``router/settings.py`` picks it; engines of role ``prefill`` / ``decode``
+beside ``engines`` of role ``both``), as :meth:`router.director.Director.forward` runs it with a
+P/D transport: :meth:`Director.decide <router.director.Director.decide>` (``Scheduler.decide``,
+``pre_request`` for both picks); the decode pick's pool share starts at the decision with no
+prefill tokens; the prefill leg (its own pool share of the prefill pick's uncached tokens) runs
+on the prefill engine as vLLM's NixlConnector prefill does: ``max_tokens`` 1 and
+``remote_decode`` (``do_remote_decode``), so its blocks stay in ``EngineCore.held`` after its one
+token (:meth:`Simulation._prefill_done`: the leg's share ends, ``response_complete`` with the
+prefill engine's cached tokens); then the decode engine gets the request by
+``EngineCore.add_remote``; each :class:`~engine_twin.core.KVLoad` of its steps arrives the
+modelled transfer time after the step's start (:meth:`Simulation._kv_arrived`:
+``kv_arrived`` on the decode engine, ``release_held`` on the prefill engine: the notification);
+the decode engine then computes the last prompt token and streams every output token, so TTFT is
+arrival → the decode engine's first token and ITL its gaps. The client's ``cached_tokens`` is the
+prefill leg's (:class:`router.disagg.ClientUsage`), the decode pick's ``response_complete`` gets
+the decode engine's. A prefill leg the prefill engine refuses (too long for it) is tried once on
+another prefill pick (``Scheduler.schedule_prefill``), then the decode engine runs the request
+whole (``EndpointPool.add_prefill``; reason ``prefill_failed``), as the director falls back.
 
 Nothing here sleeps or reads ``time.monotonic``: the only real clock read is ``perf_counter``
 around each decision (the director's own timing, reported as ``decision_p50_ms``) and the run's
@@ -56,10 +74,10 @@ from async_processor.gates import AllGates, ConcurrencyGate, Gate, SaturationGat
 from async_processor.lanes import LaneBuffer, Work
 from async_processor.router_client import Answer
 from backfill.simulate.clock import EventQueue, VirtualClock
-from backfill.simulate.fleet import SimEngine, VirtualPool, to_router_events
+from backfill.simulate.fleet import Role, SimEngine, VirtualPool, to_router_events
 from backfill.simulate.workload import PieceTokens, PromptMemo, SimRequest
 from common.contracts.queue import LANE_PRIORITIES, RequestMessage
-from engine_twin.core import CoreRequest, StepOutcome
+from engine_twin.core import CoreRequest, KVLoad, StepOutcome
 from engine_twin.kv_cache import DEFAULT_RETENTION, LOWEST_RETENTION, none_hash
 from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, FLEET_RETENTION_PRIORITY_THRESHOLD
 from engine_twin.settings import EngineSimSettings, build_settings
@@ -68,9 +86,10 @@ from router.director import Director, _uncached_tokens
 from router.flow_control import FlowControlConfig, FlowControlCore, FlowItem, RequestDropped, Ticket
 from router.kv_index.index import KVBlockIndex
 from router.parsing import engine_priority
-from router.scheduling import DEFAULT_CONFIG_PATH
+from router.scheduling import DEFAULT_CONFIG_PATH, PD_CONFIG_PATH
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
+from router.scheduling.plugins.disagg import PDReason
 from router.scheduling.plugins.session import working_set_of
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import LLMRequest, SchedulingResult
@@ -85,6 +104,14 @@ POLICIES: dict[str, tuple[Path, str | None]] = {
     "approximate": (DEFAULT_CONFIG_PATH, "default"),
     "precise": (PRECISE_CONFIG_PATH, "default"),
 }
+
+PD_POLICY = "pd"
+"""The policy of a fleet with prefill engines: the shipped ``pd-config.yaml`` (its P/D profile
+handler; what the router runs when given ``--prefill-engine`` and no ``--config``)."""
+
+#: The P/D flow's NIXL connector on every engine (what ``backfill up`` / ``bench pd`` launch:
+#: ``engine_twin/launch.py``; ``recompute`` so a failed KV read recomputes on the decode engine).
+PD_KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 MODEL = "sim-model"
 
@@ -118,6 +145,11 @@ class SimConfig:
     """
 
     engines: int = 4
+    """Engines of role ``both`` (prefill and decode, as without disaggregation)."""
+    prefill_engines: int = 0
+    """Engines of role ``prefill`` (disaggregation: the P/D config; needs ``decode_engines``)."""
+    decode_engines: int = 0
+    """Engines of role ``decode``."""
     gpu_blocks: int = 8192
     cpu_blocks: int = 0
     block_size: int = 16
@@ -128,8 +160,10 @@ class SimConfig:
     seed: int = 0
     scrape_interval_s: float = 0.05
     kv_event_delay_s: float = 0.0
+    kv_transfer_bandwidth_gb_s: float | None = None
+    """The P/D link's GB/s (None: the twin's ``--kv-transfer-bandwidth`` default, 50)."""
     flow_control: FlowControlConfig | None = None
-    """None: :func:`bench_flow_control` for ``engines``."""
+    """None: :func:`bench_flow_control` for :attr:`total_engines`."""
     processor_concurrency: int = 64
     processor_reserved: dict[str, int] = field(default_factory=lambda: {"interactive": 8, "async": 4})
     processor_tenant_limit: int = 0
@@ -137,10 +171,23 @@ class SimConfig:
     processor_buffer: int = 1024
     retry_after_s: float = 1.0
 
+    @property
+    def total_engines(self) -> int:
+        """Engines of every role."""
+        return self.engines + self.prefill_engines + self.decode_engines
+
+    @property
+    def disaggregated(self) -> bool:
+        """The fleet has prefill engines (prefill/decode disaggregation)."""
+        return self.prefill_engines > 0
+
     def engine_settings(self) -> EngineSimSettings:
-        """The twin's settings of every engine (raises ``pydantic.ValidationError`` for bad sizes)."""
+        """The twin's settings of every engine (raises ``pydantic.ValidationError`` for bad sizes);
+        with prefill engines, every engine runs :data:`PD_KV_TRANSFER_CONFIG`."""
         priority = self.scheduling_policy == "priority"
         return build_settings(
+            kv_transfer_config=dict(PD_KV_TRANSFER_CONFIG) if self.disaggregated else None,
+            kv_transfer_bandwidth_gb_s=self.kv_transfer_bandwidth_gb_s,
             num_gpu_blocks=self.gpu_blocks, cpu_offload_blocks=self.cpu_blocks, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.model_len(), scheduling_policy=self.scheduling_policy, hash_seed=str(self.seed),
@@ -170,6 +217,13 @@ class _Live:
     engine: SimEngine | None = None
     first_token: float | None = None
     last_token: float = 0.0
+    itl: Any = None
+    # the prefill leg of a disaggregated request (P/D)
+    prefill: SchedulingResult | None = None
+    prefill_share: Any = None
+    prefill_core: CoreRequest | None = None
+    prefill_engine: SimEngine | None = None
+    client_cached: int | None = None
 
 
 class _Observer:
@@ -258,12 +312,16 @@ class Simulation:
 
     Args:
         config: the fleet and knobs.
-        policy: a key of :data:`POLICIES`, or any name with ``config_path`` given.
+        policy: a key of :data:`POLICIES`, :data:`PD_POLICY` (the fleet must have prefill engines),
+            or any name with ``config_path`` given.
         arrivals: requests in arrival order (an iterator is consumed lazily).
-        config_path, profile: a scheduling config YAML and its profile (None: the first).
+        config_path, profile: a scheduling config YAML and its profile (None: the first; with a
+            P/D profile handler in the config and no profile, its P/D decision).
 
     Raises:
         KeyError: an unknown policy without ``config_path``.
+        ValueError: prefill engines without decode-capable ones, no engine at all, or a fleet
+            with prefill engines under a shipped policy other than :data:`PD_POLICY`.
         router.scheduling.errors.ConfigError, OSError: a bad or unreadable config.
     """
 
@@ -271,8 +329,20 @@ class Simulation:
                  config_path: Path | None = None, profile: str | None = None) -> None:
         self.config = config
         self.policy = policy
+        if config.total_engines < 1:
+            raise ValueError("the fleet needs at least one engine")
+        if config.prefill_engines and not (config.engines or config.decode_engines):
+            raise ValueError("prefill engines need decode engines (or engines of role both) to decode")
         if config_path is None:
-            config_path, profile = POLICIES[policy]
+            if policy == PD_POLICY:
+                if not config.disaggregated:
+                    raise ValueError(f"policy {PD_POLICY!r} needs prefill engines")
+                config_path, profile = PD_CONFIG_PATH, None
+            else:
+                config_path, profile = POLICIES[policy]
+                if config.disaggregated:
+                    raise ValueError(f"a fleet with prefill engines runs policy {PD_POLICY!r} (the P/D config) "
+                                     "or a config of its own")
         self.clock = VirtualClock()
         self.events = EventQueue(self.clock)
         settings = config.engine_settings()
@@ -293,24 +363,30 @@ class Simulation:
         if profile is not None and profile not in self.scheduler.profiles:
             raise KeyError(f"profile {profile!r} is not in {config_path} (profiles: {', '.join(self.scheduler.profiles)})")
         self.profile = profile or self.scheduler.default_profile
+        #: the P/D decision (the config's profile handler, no profile named), as the router runs it
+        self.pd = self.scheduler.profile_handler is not None and profile is None
         self.runtime.scheduler = self.scheduler
         plugins = self.plugins()
         self.runtime.working_set = working_set_of(plugins)
         self.key_shapes = sorted({(p.block_size_tokens, p.max_blocks) for p in plugins
                                   if hasattr(p, "block_size_tokens") and hasattr(p, "max_blocks")})
-        fc = config.flow_control or bench_flow_control(config.engines)
+        fc = config.flow_control or bench_flow_control(config.total_engines)
         self.flow = FlowControlCore(fc)
         self.runtime.flow = self.flow  # type: ignore[assignment]  # reads in_flight_requests only
         self.objective_priority = {band.objective: band.priority for band in fc.bands}
         sheddable = frozenset(band.objective for band in fc.bands if band.sheddable)
         self.observer = _Observer()
-        self.director = Director(pool=self.pool, scheduler=self.scheduler, profile=self.profile, flow=None,
+        self.director = Director(pool=self.pool, scheduler=self.scheduler, profile=None if self.pd else self.profile,
+                                 flow=None,
                                  observer=self.observer, objective_priority=self.objective_priority,
                                  default_objective=fc.default_objective, sheddable_objectives=sheddable)
         self.director.decisions.clock = self.clock
         self.engines: list[SimEngine] = []
-        for i in range(config.engines):
-            engine = SimEngine.build(f"http://sim-{i}:8000", settings, MODEL, collect_events=precise)
+        layout: list[tuple[str, Role]] = [(f"http://sim-{i}:8000", "both") for i in range(config.engines)]
+        layout += [(f"http://sim-p{i}:8000", "prefill") for i in range(config.prefill_engines)]
+        layout += [(f"http://sim-d{i}:8000", "decode") for i in range(config.decode_engines)]
+        for name, role in layout:
+            engine = SimEngine.build(name, settings, MODEL, role=role, collect_events=precise)
             self.engines.append(engine)
             self.pool.add_engine(engine.state)
         self.by_name = {e.name: e for e in self.engines}
@@ -343,6 +419,20 @@ class Simulation:
         self.groups: list[tuple[str, str]] = []
         self.group_of = array("H")
         self.itl = _Histogram()
+        self.itl_by_workload: dict[str, _Histogram] = {}
+        self.ttft_by_workload: dict[str, array[float]] = {}
+        # P/D
+        self.pd_reasons: Counter[str] = Counter()
+        self.prefill_legs = 0
+        self.prefill_generated = 0
+        self.prefill_retries = 0
+        self.pd_fallbacks = 0
+        self.kv_transfers = 0
+        self.kv_transfer_bytes = 0
+        self.kv_transfer_blocks = 0
+        self.kv_transfer_s = array("d")
+        self.held_released = 0
+        self.held_expired = 0
         self.dropped: Counter[str] = Counter()
         self.retries = 0
         self.arrived = 0
@@ -443,20 +533,15 @@ class Simulation:
                          sheddable=req.objective in self.director.sheddable_objectives)
         for shape in self.key_shapes:  # the memo hashes each shared block once for the whole run
             llm.block_key_cache[shape] = self.memo.router_keys(req, *shape)
+        if self.pd:
+            self._forward_pd(live, llm)
+            return
         result = self.director.schedule(llm, set())
         if result is None:
             self._refused(live, "no_healthy_endpoints", self.config.retry_after_s)
             return
         engine = self.by_name[result.endpoint.name]
-        retention = DEFAULT_RETENTION
-        vllm_priority = 0
-        if self.priority_policy:
-            vllm_priority = engine_priority(priority)
-            threshold = self.settings.retention_priority_threshold
-            if threshold is not None and vllm_priority >= threshold:
-                retention = LOWEST_RETENTION
-        core = CoreRequest(live.rid, tokens, req.max_tokens, self.memo.engine_hashes(req),  # type: ignore[arg-type]
-                           vllm_priority, retention)
+        core = self._core_request(live, req.max_tokens)
         try:
             engine.core.add(core, self.clock.now)
         except ValueError:
@@ -468,9 +553,146 @@ class Simulation:
         if not engine.busy:
             self._start_step(engine)
 
+    def _core_request(self, live: _Live, max_tokens: int) -> CoreRequest:
+        """The engine's request for ``live`` (vLLM priority and retention from its band)."""
+        req = live.req
+        retention = DEFAULT_RETENTION
+        vllm_priority = 0
+        if self.priority_policy:
+            vllm_priority = engine_priority(self.objective_priority.get(req.objective, 0))
+            threshold = self.settings.retention_priority_threshold
+            if threshold is not None and vllm_priority >= threshold:
+                retention = LOWEST_RETENTION
+        return CoreRequest(live.rid, self.memo.lazy_tokens(req), max_tokens,  # type: ignore[arg-type]
+                           self.memo.engine_hashes(req), vllm_priority, retention)
+
+    # ---- prefill/decode disaggregation (module docstring) ------------------------------------
+    def _forward_pd(self, live: _Live, llm: LLMRequest) -> None:
+        """The director's P/D forward: decide, the decode pick's share (no prefill tokens when a
+        prefill engine computes the prompt), then the prefill leg or the decode engine alone."""
+        decision = self.director.decide(llm, set())
+        if decision is None:
+            self._refused(live, "no_healthy_endpoints", self.config.retry_after_s)
+            return
+        self.pd_reasons[decision.reason] += 1
+        result = decision.decode
+        live.llm, live.result, live.engine = llm, result, self.by_name[result.endpoint.name]
+        tokens = 0 if decision.prefill is not None else decision.uncached_tokens
+        live.share = self.pool.started(result.endpoint, tokens, sheddable=llm.sheddable)
+        prefill = decision.prefill
+        excluded = [result.endpoint.name]
+        for number in range(2):  # the director tries the prefill leg once more on another prefill pick
+            if prefill is None:
+                break
+            if self._start_prefill(live, prefill):
+                return
+            excluded.append(prefill.endpoint.name)
+            if number > 0:
+                break
+            prefill = self.scheduler.schedule_prefill(llm, self.pool.candidates_for(llm.model), excluded)
+            if prefill is not None:
+                self.prefill_retries += 1
+                self.scheduler.pre_request(llm, prefill)
+        if decision.prefill is not None:  # aggregated after all: the decode engine computes the prompt
+            self.pd_fallbacks += 1
+            self.pool.add_prefill(live.share, decision.uncached_tokens)
+        self._start_decode(live, remote=False)
+
+    def _start_prefill(self, live: _Live, prefill: SchedulingResult) -> bool:
+        """The prefill leg on ``prefill``'s engine: ``max_tokens`` 1, blocks held for the decode
+        engine (``remote_decode``), counted in that endpoint's pool share until its answer. False
+        (its hooks run, nothing stays counted) when the engine refuses it."""
+        assert live.llm is not None
+        llm = live.llm
+        engine = self.by_name[prefill.endpoint.name]
+        share = self.pool.started(prefill.endpoint, _uncached_tokens(prefill, llm), sheddable=llm.sheddable)
+        core = self._core_request(live, 1)
+        core.remote_decode = True  # kv_transfer_params.do_remote_decode, length-capped at 1 token
+        try:
+            engine.core.add(core, self.clock.now)
+        except ValueError:
+            self.pool.finished(share, completed=False)
+            self.scheduler.response_complete(llm, prefill, None)
+            return False
+        self.prefill_legs += 1
+        live.prefill, live.prefill_share, live.prefill_core, live.prefill_engine = prefill, share, core, engine
+        if not engine.busy:
+            self._start_step(engine)
+        return True
+
+    def _start_decode(self, live: _Live, remote: bool) -> None:
+        """The decode engine's request: its prompt's KV read from the prefill engine (``remote``:
+        ``add_remote``) or computed there (the whole request on one engine)."""
+        assert live.llm is not None and live.result is not None and live.engine is not None
+        engine = live.engine
+        core = self._core_request(live, live.req.max_tokens)
+        try:
+            if remote:
+                engine.core.add_remote(core, self.clock.now)
+            else:
+                engine.core.add(core, self.clock.now)
+        except ValueError:
+            self.pool.finished(live.share, completed=False)
+            self.scheduler.response_complete(live.llm, live.result, None)
+            self._release_held(live)
+            self._end(live, "too_long")
+            return
+        live.core = core
+        if not engine.busy:
+            self._start_step(engine)
+
+    def _prefill_done(self, live: _Live) -> None:
+        """The prefill answer (its one token): the leg's share and hooks end, the client's cached
+        tokens are the prefill engine's, and the decode engine gets the request to read the KV."""
+        assert live.llm is not None and live.prefill is not None and live.prefill_core is not None
+        self.pool.finished(live.prefill_share, completed=True)
+        cached = max(live.prefill_core.num_cached_tokens, 0)
+        self.scheduler.response_complete(live.llm, live.prefill, cached)
+        live.client_cached = cached
+        engine = live.prefill_engine
+        assert engine is not None
+        deadline = engine.core.next_expiry()
+        if deadline is not None:
+            self.events.at(deadline, self._expire_held, engine, background=True)
+        self._start_decode(live, remote=True)
+
+    def _kv_arrived(self, engine: SimEngine, load: KVLoad) -> None:
+        """The decode engine read the KV of ``load`` (its modelled transfer time after the step's
+        start): it decodes next; the prefill engine frees the held blocks (NIXL's notification)."""
+        if not engine.core.kv_arrived(load.request_id, self.clock.now):
+            return
+        self.kv_transfers += 1
+        self.kv_transfer_bytes += load.bytes
+        self.kv_transfer_blocks += load.blocks
+        self.kv_transfer_s.append(load.seconds)
+        live = self.live.get(load.request_id)
+        if live is not None:
+            self._release_held(live)
+        if not engine.busy:
+            self._start_step(engine)
+
+    def _release_held(self, live: _Live) -> None:
+        engine = live.prefill_engine
+        if engine is None or live.prefill_core is None:
+            return
+        live.prefill_core = None
+        if engine.core.release_held(live.rid):
+            self.held_released += 1
+            if not engine.busy and engine.core.has_work():  # the freed blocks may let a prefill in
+                self._start_step(engine)
+
+    def _expire_held(self, engine: SimEngine) -> None:
+        """``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` passed for blocks no decode engine read."""
+        gone = engine.core.expire_held(self.clock.now)
+        self.held_expired += len(gone)
+        if gone and not engine.busy and engine.core.has_work():
+            self._start_step(engine)
+
     def _start_step(self, engine: SimEngine) -> None:
         now = self.clock.now
         outcome = engine.step(now)
+        for load in outcome.kv_loads:
+            self.events.at(now + load.seconds, self._kv_arrived, engine, load)
         if not outcome.scheduled:
             engine.busy = False
             engine.take_events()
@@ -491,20 +713,33 @@ class Simulation:
         steady = 0
         itl = self.itl
         started = now - outcome.duration - 1e-12  # a token of the previous step ended at this step's start
+        by_workload: Counter[Any] = Counter()
         for rid in outcome.sampled:
             live = live_of[rid]
+            if live.prefill_engine is engine and live.core is None:  # the prefill leg's one token
+                self.prefill_generated += 1
+                continue
             if live.first_token is None:
                 live.first_token = now
                 self.pool.first_chunk(live.share)
+                live.itl = self._itl_of(live.req.workload)
             elif live.last_token >= started:
                 steady += 1
+                by_workload[live.itl] += 1
             else:
                 itl.add(now - live.last_token)
+                live.itl.add(now - live.last_token)
             live.last_token = now
         if steady:
             itl.add_many(outcome.duration, steady)
+            for hist, n in by_workload.items():
+                hist.add_many(outcome.duration, n)
         for rid in outcome.finished:
-            self._finish(live_of[rid])
+            live = live_of[rid]
+            if live.prefill_engine is engine and live.core is None:
+                self._prefill_done(live)
+            else:
+                self._finish(live)
         if engine.core.has_work():
             self._start_step(engine)
         else:
@@ -520,8 +755,11 @@ class Simulation:
         processor's slots, the figures, and the session's next turn."""
         assert live.llm is not None and live.result is not None and live.core is not None
         self.pool.finished(live.share, completed=True)
-        cached = max(live.core.num_cached_tokens, 0)
-        self.scheduler.response_complete(live.llm, live.result, cached)
+        engine_cached = max(live.core.num_cached_tokens, 0)
+        self.scheduler.response_complete(live.llm, live.result, engine_cached)
+        self._release_held(live)  # no-op unless its KV never arrived
+        # the client's cached tokens: the prefill leg's when disaggregated (router.disagg.ClientUsage)
+        cached = engine_cached if live.client_cached is None else live.client_cached
         if live.ticket is not None:
             self.flow.release(live.ticket, self.clock.now)
         if live.work is not None:
@@ -529,6 +767,7 @@ class Simulation:
             self._schedule_pump(self.clock.now)
         assert live.first_token is not None
         self.ttft.append(live.first_token - live.arrival)
+        self.ttft_by_workload.setdefault(live.req.workload, array("d")).append(live.first_token - live.arrival)
         self.cached.append(cached)
         self.oracle.append(live.oracle)
         self.prompt_tokens.append(live.req.input_tokens)
@@ -619,6 +858,12 @@ class Simulation:
         self.events.at(self.clock.now + self.config.scrape_interval_s, self._scrape, background=True)
 
     # ---- figures -----------------------------------------------------------------------------
+    def _itl_of(self, workload: str) -> _Histogram:
+        hist = self.itl_by_workload.get(workload)
+        if hist is None:
+            hist = self.itl_by_workload[workload] = _Histogram()
+        return hist
+
     def _group(self, req: SimRequest) -> int:
         key = (req.objective, req.tenant)
         try:
@@ -669,6 +914,8 @@ class Simulation:
             "ttft_p99_s": percentile(self.ttft, 99),
             "itl_p99_s": self.itl.percentile(99),
             "throughput_rps": n / virtual if virtual > 0 else None,
+            "output_tokens_per_s": sum(e.generated for e in self.engines if e.role != "prefill") / virtual
+            if virtual > 0 else None,
             "decision_p50_ms": percentile(ms, 50),
             "decision_p99_ms": percentile(ms, 99),
             "index_bytes": self.index_bytes(),
@@ -680,4 +927,47 @@ class Simulation:
             "steps": sum(e.steps for e in self.engines),
             "preemptions": sum(e.core.num_preemptions for e in self.engines),
             "by_lane_tenant": by_group,
+            "by_workload": {w: {"requests": len(v), "ttft_p50_s": percentile(v, 50), "ttft_p99_s": percentile(v, 99),
+                                "itl_p99_s": self.itl_by_workload[w].percentile(99)
+                                if w in self.itl_by_workload else None}
+                            for w, v in sorted(self.ttft_by_workload.items())},
+            "layout": {role: sum(e.role == role for e in self.engines) for role in ("both", "prefill", "decode")},
+            "utilisation_by_role": self.utilisation(virtual),
+            "generated_tokens_by_role": {role: sum(e.generated for e in self.engines if e.role == role)
+                                         for role in ("both", "prefill", "decode")},
+            "pd": self.pd_figures() if self.pd else None,
+        }
+
+    def utilisation(self, virtual_s: float) -> dict[str, float | None]:
+        """Per role: the share of the run's virtual seconds its engines spent in steps (busy ÷
+        engines × virtual), None for a role without engines."""
+        out: dict[str, float | None] = {}
+        for role in ("both", "prefill", "decode"):
+            engines = [e for e in self.engines if e.role == role]
+            out[role] = (sum(e.busy_s for e in engines) / (len(engines) * virtual_s)
+                         if engines and virtual_s > 0 else None)
+        return out
+
+    def pd_figures(self) -> dict[str, Any]:
+        """The P/D flow's figures: decisions by reason, disaggregated share, prefill legs and the
+        tokens they generated per leg (vLLM's NIXL flow: ≤ 1), fallbacks, KV transfers (count,
+        bytes, blocks, model seconds p50 / p99 / total), held blocks released by notification /
+        expired / still held at the end."""
+        decided = sum(self.pd_reasons.values())
+        return {
+            "decisions": dict(self.pd_reasons),
+            "disaggregated": self.prefill_legs,
+            "disaggregated_share": self.pd_reasons.get(PDReason.DISAGGREGATED.value, 0) / decided if decided else None,
+            "prefill_retries": self.prefill_retries,
+            "fallbacks": self.pd_fallbacks,
+            "prefill_tokens_per_request": self.prefill_generated / self.prefill_legs if self.prefill_legs else None,
+            "kv_transfers": self.kv_transfers,
+            "kv_transfer_bytes": self.kv_transfer_bytes,
+            "kv_transfer_blocks": self.kv_transfer_blocks,
+            "kv_transfer_s_p50": percentile(self.kv_transfer_s, 50),
+            "kv_transfer_s_p99": percentile(self.kv_transfer_s, 99),
+            "kv_transfer_s_total": sum(self.kv_transfer_s),
+            "held_released": self.held_released,
+            "held_expired": self.held_expired,
+            "held_blocks_at_end": sum(e.core.held_blocks for e in self.engines),
         }

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -43,6 +43,9 @@ from backfill.bench.workloads import (
 )
 from engine_twin.kv_cache import block_hashes
 from router.scheduling.hashing import chain_seed, chained_keys, tokens_to_bytes
+
+if TYPE_CHECKING:
+    from backfill.bench.pd import PdOptions
 
 #: Token ids of a piece are 16-bit (0 … 65,535), drawn from a seeded generator per piece id.
 _TOKEN_TYPECODE = "H"
@@ -353,10 +356,12 @@ def mooncake_requests(records: Iterable[MooncakeRecord], start_min: float = 0.0,
 
 
 def text_requests(trace: Sequence[TimedRequest], tenant: str = "", objective: str = "interactive",
-                  block_size: int = 16) -> Iterator[SimRequest]:
+                  block_size: int = 16,
+                  tenant_of: Callable[[TimedRequest], str] | None = None) -> Iterator[SimRequest]:
     """Requests of a :mod:`backfill.bench.workloads` text trace: token ids of each chat body
     (:func:`chat_tokens`), oracle-reusable tokens from :func:`oracle_reusable_tokens` (trace order),
-    sessions closed loop (a later turn is sent ``pause_s`` after the previous one ends)."""
+    sessions closed loop (a later turn is sent ``pause_s`` after the previous one ends). The
+    tenant of each request is ``tenant_of(request)`` when given, else ``tenant``."""
     oracle = oracle_reusable_tokens(trace, block_size=block_size).reusable_tokens
     by_session: dict[str, list[tuple[TimedRequest, int]]] = {}
     for r, reusable in zip(trace, oracle):
@@ -373,10 +378,23 @@ def text_requests(trace: Sequence[TimedRequest], tenant: str = "", objective: st
         nxt = (lambda prev: build(turns, i + 1, 0.0)) if i + 1 < len(turns) else None
         return SimRequest(arrival, len(toks), r.max_tokens, tokens=toks, session_id=r.session_id, turn=r.turn,
                           pause_s=turns[i + 1][0].pause_s if i + 1 < len(turns) else 0.0, objective=objective,
-                          tenant=tenant, workload=r.workload, oracle_tokens=reusable, follow=nxt)
+                          tenant=tenant if tenant_of is None else tenant_of(r), workload=r.workload,
+                          oracle_tokens=reusable, follow=nxt)
 
     for turns in firsts:
         yield build(turns, 0, turns[0][0].arrival_s)
+
+
+def pd_mix_requests(opts: PdOptions) -> Iterator[SimRequest]:
+    """``backfill bench pd``'s long-prompt + chat mix (:func:`backfill.bench.pd.pd_trace` of
+    ``opts``, the same generator and seed, so the same requests), its three tenants
+    (:func:`backfill.bench.pd.tenant_of`: ``docs`` the documents, ``chat-1`` / ``chat-2`` the
+    sessions), workloads ``long-prompt`` and ``chat``; chat sessions closed loop as the bench's
+    client runs them. Raises ``ValueError`` as :func:`~backfill.bench.pd.pd_trace`."""
+    from backfill.bench.pd import pd_trace, tenant_of
+
+    trace = pd_trace(opts)
+    return text_requests(trace, block_size=opts.block_size, tenant_of=lambda r: tenant_of(r, opts.tenants))
 
 
 def batch_file_requests(path: str | Path, tenant: str = "batch", arrival_s: float = 0.0,
