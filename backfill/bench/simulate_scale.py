@@ -192,7 +192,8 @@ def print_tables(payload: dict[str, Any]) -> None:
     runs = payload["runs"]
     opts = payload["options"]
     table = Table(title=f"simulate-scale: {opts['requests_per_engine']} requests per engine, "
-                        f"{opts['tenants']} tenants, seed {opts['seed']}")
+                        f"{opts['tenants']} tenants, system prompts of {opts['system_pieces'][0]}-"
+                        f"{opts['system_pieces'][1]} x 512 tokens, seed {opts['seed']}")
     for col in ("engines", "policy", "requests", "decision p50 / p99 ms", "index MiB", "captured reuse",
                 "TTFT p50 / p99 s", "p50 ÷ RR", "wall s", "µs / req"):
         table.add_column(col, justify="left" if col == "policy" else "right")
@@ -312,20 +313,26 @@ def _engine_list(value: str) -> tuple[int, ...]:
 @click.option("--processor-per-engine", type=click.IntRange(min=1), default=16, show_default=True,
               help="The processor's in-flight bound per engine (16: its default 64 at 4 engines).")
 @click.option("--tenants", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--system-pieces", type=(int, int), default=(2, 8), show_default=True,
+              help="Shared system prompts: MIN MAX pieces of 512 tokens (15 15: 8k-token prompts).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quick", is_flag=True, help="2 and 4 engines, 30 requests per engine (a smoke run).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write simulate-scale.png (six panels) into this folder (e.g. docs/plots).")
 def simulate_scale_command(engines_csv: str, requests_per_engine: int, policies: tuple[str, ...],
-                           processor_per_engine: int, tenants: int, seed: int, quick: bool,
+                           processor_per_engine: int, tenants: int, system_pieces: tuple[int, int], seed: int,
+                           quick: bool,
                            json_path: Path | None, plots_dir: Path | None) -> None:
     """The virtual-time fleet from 4 to 256 engines: decision cost, index memory, reuse, TTFT, isolation."""
+    if system_pieces[0] < 1 or system_pieces[1] < system_pieces[0]:
+        raise click.BadParameter("MIN must be >= 1 and MAX >= MIN", param_hint="--system-pieces")
     if quick:
         opts = ScaleOptions.quick(seed)
     else:
         opts = ScaleOptions(engines=_engine_list(engines_csv), requests_per_engine=requests_per_engine,
-                            processor_per_engine=processor_per_engine, tenants=tenants, seed=seed)
+                            processor_per_engine=processor_per_engine, tenants=tenants,
+                            system_pieces=system_pieces, seed=seed)
     if policies:
         opts.policies = tuple(dict.fromkeys(policies))
     total = sum(opts.engines) * opts.requests_per_engine * len(opts.policies)

@@ -54,6 +54,8 @@ def test_bad_options_are_clear_errors():
     assert result.exit_code == 2 and "comma-separated" in result.output
     result = CliRunner().invoke(simulate_scale_command, ["--engines", "0"])
     assert result.exit_code == 2 and "positive" in result.output
+    result = CliRunner().invoke(simulate_scale_command, ["--system-pieces", "4", "2"])
+    assert result.exit_code == 2 and "MAX >= MIN" in result.output
 
 
 def test_one_size_is_deterministic_for_a_seed():
