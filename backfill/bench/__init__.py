@@ -18,6 +18,7 @@
 | ``responses`` | ``backfill bench responses``: agent sessions via ``previous_response_id`` vs resending the history |
 | ``router_ha`` | ``backfill bench router-ha``: several precise routers on one fleet (index agreement, reuse) |
 | ``pd`` | ``backfill bench pd``: prefill/decode disaggregation vs aggregated at equal engine count (ITL, TTFT, throughput, every P:D split) |
+| ``simulate_scale`` | ``backfill bench simulate-scale``: the virtual-time fleet (``backfill simulate``) from 4 to 256 engines: decision cost, index memory, reuse, TTFT vs round-robin, lane isolation, plots |
 | ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups, tool agents, a shared-prefix batch, long-context conversations), Mooncake-format traces, the oracle-reusable tokens |
 | ``replay`` | async replayer: sessions closed-loop, arrivals open-loop, TTFT, cached tokens, captured reuse |
 | ``launch`` | subprocess fleet of simulated engines and the routers (ours, ``vllm-router``, ``sglang-router``) |
@@ -62,6 +63,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                   "Several precise routers on one fleet: index agreement, captured reuse with 1, 2, 4 routers."),
     "pd": ("backfill.bench.pd:pd_command",
            "Prefill/decode disaggregation vs aggregated, equal engine count: ITL p99, TTFT, throughput per P:D split."),
+    "simulate-scale": ("backfill.bench.simulate_scale:simulate_scale_command",
+                       "The virtual-time fleet from 4 to 256 engines: decision cost, index memory, reuse, TTFT, isolation."),
 }
 
 
