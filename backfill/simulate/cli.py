@@ -199,7 +199,7 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
             raise click.UsageError("--prefill-engines needs --decode-engines (the engines that decode)")
         both = engines if engines is not None else (0 if prefill_engines or decode_engines else 4)
         if both + prefill_engines + decode_engines < 1:
-            raise click.UsageError("the fleet needs at least one engine")
+            raise click.UsageError("the fleet needs at least one engine: --engines N (engines doing both), or --prefill-engines P with --decode-engines D")
         layouts = [(both, prefill_engines, decode_engines)]
     if "pd" in policies and not any(p for _, p, _ in layouts):
         raise click.UsageError("--policy pd needs prefill engines (--prefill-engines or a --layout P:D)")
