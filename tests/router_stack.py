@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,36 @@ schedulingProfiles:
 
 #: The trusted token a :class:`RouterStack`'s router runs with unless told otherwise.
 ROUTER_STACK_TOKEN = "router-stack-token"
+
+
+def wait_candidates(router_url: str, n: int, timeout: float = 15.0) -> dict:
+    """Wait until exactly ``n`` endpoints of the router at ``router_url`` are healthy with fresh
+    metrics (its ``/admin/state``); returns the state. Raises ``TimeoutError`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = httpx.get(f"{router_url}/admin/state", timeout=5).json()
+        healthy = [e for e in state["endpoints"] if e["healthy"] and e["metrics_age_s"] is not None]
+        if len(healthy) == n:
+            return state
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(healthy)} healthy endpoints, wanted {n}: {state['endpoints']}")
+        time.sleep(0.05)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen | None]) -> None:
+    """Stop every process group of ``procs`` (started with ``start_new_session``): SIGTERM to all
+    still running, then wait up to 10 s for each and SIGKILL one that is still there. None: skipped."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        if proc is None:
+            continue
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 class RouterStack:
@@ -107,16 +138,8 @@ class RouterStack:
         return httpx.get(f"{self.url}/admin/state", timeout=5).json()
 
     def wait_candidates(self, n: int, timeout: float = 15.0) -> dict:
-        """Wait until exactly ``n`` endpoints are healthy with fresh metrics; returns the state."""
-        deadline = time.monotonic() + timeout
-        while True:
-            state = self.state()
-            healthy = [e for e in state["endpoints"] if e["healthy"] and e["metrics_age_s"] is not None]
-            if len(healthy) == n:
-                return state
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(healthy)} healthy endpoints, wanted {n}: {state['endpoints']}")
-            time.sleep(0.05)
+        """:func:`wait_candidates` of this stack's router."""
+        return wait_candidates(self.url, n, timeout)
 
     def wait_kv_events(self, timeout: float = 15.0) -> None:
         """Wait until every engine's KV events reach the router's index, then clear the engines.
@@ -163,14 +186,4 @@ class RouterStack:
 
     def stop(self) -> None:
         """Stop the router and every engine (SIGTERM, then SIGKILL)."""
-        for proc in [self.router, *self.engines]:
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in [self.router, *self.engines]:
-            if proc is None:
-                continue
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_processes([self.router, *self.engines])

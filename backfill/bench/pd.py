@@ -57,7 +57,6 @@ import random
 import secrets
 import statistics
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,7 +70,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backfill.bench.engine_sim import free_port
 from backfill.bench.launch import HOST, ProcessGroup, bench_flow_control, process_group
-from backfill.bench.replay import percentile
+from backfill.bench.replay import closed_loop, percentile, stream_chat, wall_span
 from backfill.bench.workloads import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeRecord,
@@ -213,73 +212,48 @@ class Call:
 
 async def _stream(session: aiohttp.ClientSession, url: str, request: TimedRequest, call: Call,
                   headers: dict[str, str]) -> None:
-    body = {**request.body, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    call.sent_at = start
-    try:
-        async with session.post(url, data=orjson.dumps(body), headers=headers) as resp:
-            if resp.status != 200:
-                call.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = orjson.loads(data)
-                now = time.perf_counter() - start
-                if "error" in chunk:
-                    call.error = f"stream error: {str(chunk['error'])[:200]}"
-                    return
-                for choice in chunk.get("choices") or []:
-                    if call.ttft_s is None:
-                        call.ttft_s = now
-                    if (choice.get("delta") or {}).get("content"):
-                        call.token_times.append(now)
-                    call.finish_reason = choice.get("finish_reason") or call.finish_reason
-                usage = chunk.get("usage")
-                if usage:
-                    call.completion_tokens = usage.get("completion_tokens") or 0
-                    call.prompt_tokens = usage.get("prompt_tokens") or 0
-        call.end_s = time.perf_counter() - start
-        if call.completion_tokens != call.max_tokens or len(call.token_times) != call.max_tokens:
-            call.error = (f"incomplete: {call.completion_tokens} tokens in usage, {len(call.token_times)} "
-                          f"content chunks, {call.max_tokens} asked")
-    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-        call.error = f"{type(exc).__name__}: {exc}"[:200]
+    def on_chunk(chunk: dict[str, Any], now: float) -> str | None:
+        if "error" in chunk:
+            return f"stream error: {str(chunk['error'])[:200]}"
+        for choice in chunk.get("choices") or []:
+            if call.ttft_s is None:
+                call.ttft_s = now
+            if (choice.get("delta") or {}).get("content"):
+                call.token_times.append(now)
+            call.finish_reason = choice.get("finish_reason") or call.finish_reason
+        usage = chunk.get("usage")
+        if usage:
+            call.completion_tokens = usage.get("completion_tokens") or 0
+            call.prompt_tokens = usage.get("prompt_tokens") or 0
+        return None
+
+    streamed = await stream_chat(session, url, request.body, headers, on_chunk)
+    call.sent_at, call.end_s, call.error = streamed.sent_at, streamed.end_s, streamed.error
+    if call.error is None and (call.completion_tokens != call.max_tokens or len(call.token_times) != call.max_tokens):
+        call.error = (f"incomplete: {call.completion_tokens} tokens in usage, {len(call.token_times)} "
+                      f"content chunks, {call.max_tokens} asked")
 
 
 async def run_trace(trace: Sequence[TimedRequest], base_url: str, tenants: int, token: str,
                     time_scale: float = 1.0, timeout_s: float = 600.0) -> tuple[list[Call], float]:
     """Replay ``trace`` against ``base_url`` as :func:`backfill.bench.replay.replay_async` does
-    (a session's first call at its ``arrival_s`` × ``time_scale``, later turns ``pause_s`` after the
-    previous answer), every call from its tenant (:func:`tenant_of`) with the trusted ``token``.
-    Returns the calls (trace order) and the wall seconds from the first send to the last answer.
-    A failed call is recorded with its ``error``; never raises for one."""
+    (:func:`~backfill.bench.replay.closed_loop`: a session's first call at its ``arrival_s`` ×
+    ``time_scale``, later turns ``pause_s`` after the previous answer), every call from its tenant
+    (:func:`tenant_of`) with the trusted ``token``. Returns the calls (trace order) and the wall
+    seconds from the first send to the last answer. A failed call is recorded with its ``error``;
+    never raises for one."""
     url = f"{base_url.rstrip('/')}/v1/chat/completions"
     calls = [Call(i, r.workload, tenant_of(r, tenants), r.max_tokens) for i, r in enumerate(trace)]
-    sessions: dict[str, list[int]] = {}
-    for i, r in enumerate(trace):
-        sessions.setdefault(r.session_id, []).append(i)
     connector = aiohttp.TCPConnector(limit=2048)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        t0 = time.perf_counter()
 
-        async def run(indexes: list[int]) -> None:
-            turns = sorted(indexes, key=lambda i: trace[i].turn)
-            await asyncio.sleep(max(0.0, t0 + trace[turns[0]].arrival_s * time_scale - time.perf_counter()))
-            for k, i in enumerate(turns):
-                if k and trace[i].pause_s > 0:
-                    await asyncio.sleep(trace[i].pause_s * time_scale)
-                headers = {"content-type": "application/json", TRUSTED_TOKEN_HEADER: token,
-                           FAIRNESS_HEADER: calls[i].tenant}
-                await _stream(session, url, trace[i], calls[i], headers)
+        async def send(i: int) -> None:
+            headers = {"content-type": "application/json", TRUSTED_TOKEN_HEADER: token,
+                       FAIRNESS_HEADER: calls[i].tenant}
+            await _stream(session, url, trace[i], calls[i], headers)
 
-        await asyncio.gather(*(run(ix) for ix in sessions.values()))
-    ends = [c.sent_at + c.end_s for c in calls if c.end_s is not None]
-    starts = [c.sent_at for c in calls if c.sent_at]
-    return calls, (max(ends) - min(starts)) if ends and starts else 0.0
+        await closed_loop(trace, time_scale, send)
+    return calls, wall_span((c.sent_at, c.end_s) for c in calls)
 
 
 # ---- the fleet --------------------------------------------------------------------------------

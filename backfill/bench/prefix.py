@@ -22,6 +22,7 @@ from typing import Any
 import click
 import httpx
 
+from backfill.bench.cli_common import mooncake_trace_options
 from backfill.bench.launch import POLICIES, EngineOptions, LaunchError, Policy, fleet_with_router, our_policy
 from backfill.bench.replay import replay, summarize
 from backfill.bench.workloads import (
@@ -312,16 +313,7 @@ def _print_summary(console: Any, shapes: dict[str, dict[str, Any]]) -> None:
 @click.option("--quick", is_flag=True, help="Tiny traces on 2 engines at time scale 0.1 (seconds, for tests).")
 @click.option("--shape", type=click.Choice([*SHAPES, "all"]), default="agentic", show_default=True,
               help="Workload shape; `all` runs every shape against every policy.")
-@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Replay this trace file instead of a generated shape (fleet of the long-context shape).")
-@click.option("--trace-format", type=click.Choice(["mooncake"]), default="mooncake", show_default=True,
-              help="Format of --trace: Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids).")
-@click.option("--start-min", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="--trace: skip the first M minutes.")
-@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="--trace: replay N minutes (default: to the end).")
-@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="--trace: arrivals S times as fast as the timestamps.")
+@mooncake_trace_options("Replay this trace file instead of a generated shape (fleet of the long-context shape).")
 @click.option("--write-trace", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the long-context shape's generated trace here as Mooncake JSONL.")
 @click.option("--policy", "policies", multiple=True, type=click.Choice(list(POLICIES)),

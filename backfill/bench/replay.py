@@ -17,8 +17,9 @@ import asyncio
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import orjson
@@ -95,39 +96,104 @@ def summarize(replay: ReplayResult, reusable_tokens: Sequence[int], indexes: Seq
     }
 
 
-async def _call(session: aiohttp.ClientSession, url: str, request: TimedRequest, out: RequestResult,
-                session_header: str | None = None) -> None:
-    body = {**request.body, "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"content-type": "application/json"}
-    if session_header:
-        headers[session_header] = request.session_id
+ChunkHandler = Callable[[dict[str, Any], float], str | None]
+"""Called with each parsed ``data:`` chunk of a stream and the wall seconds since the send;
+returns None to go on, or an error text that ends the call as failed."""
+
+
+@dataclass
+class Streamed:
+    """How one streamed call ended: ``sent_at`` (``perf_counter`` at the send), ``end_s`` (wall
+    seconds from the send to the stream's end; None when it failed) and ``error`` (None on success,
+    else the HTTP status and body, the exception text, or the chunk handler's error)."""
+
+    sent_at: float
+    end_s: float | None = None
+    error: str | None = None
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],
+                      on_chunk: ChunkHandler) -> Streamed:
+    """POST ``body`` to ``url`` with ``stream: true`` and ``stream_options.include_usage`` and read
+    its server-sent events: every ``data:`` line up to ``[DONE]`` is parsed and given to
+    ``on_chunk`` (see :data:`ChunkHandler`). A non-200 answer, a timeout, a client error or a
+    chunk that is not JSON ends it with ``error`` set (texts cut to 200 characters); never raises
+    for those."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    out.sent_at = start
+    out = Streamed(start)
     try:
         async with session.post(url, data=orjson.dumps(body), headers=headers) as resp:
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return
+                return out
             async for line in resp.content:
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     break
-                chunk = orjson.loads(data)
-                if out.ttft_s is None and chunk.get("choices"):
-                    out.ttft_s = time.perf_counter() - start
-                usage = chunk.get("usage")
-                if usage:
-                    out.prompt_tokens = usage.get("prompt_tokens") or 0
-                    out.completion_tokens = usage.get("completion_tokens") or 0
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = details.get("cached_tokens") or 0
-        out.latency_s = time.perf_counter() - start
-        if out.ttft_s is None:
-            out.error = "stream ended without a choice"
+                error = on_chunk(orjson.loads(data), time.perf_counter() - start)
+                if error is not None:
+                    out.error = error
+                    return out
+        out.end_s = time.perf_counter() - start
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+def wall_span(calls: Iterable[tuple[float, float | None]]) -> float:
+    """Wall seconds from the first send to the last end over ``(sent_at, end_s)`` pairs (``sent_at``
+    0: never sent; ``end_s`` None: failed, counted for its send only); 0.0 without an ended call."""
+    pairs = list(calls)
+    ends = [sent + end for sent, end in pairs if end is not None]
+    starts = [sent for sent, _ in pairs if sent]
+    return (max(ends) - min(starts)) if ends and starts else 0.0
+
+
+async def closed_loop(trace: Sequence[TimedRequest], time_scale: float,
+                      send: Callable[[int], Awaitable[None]]) -> None:
+    """Run ``trace``'s sessions closed loop (module docstring): ``send(i)`` makes the call at trace
+    position ``i`` and returns when its answer ended; a session's first call at its ``arrival_s`` ×
+    ``time_scale`` wall seconds from now, each later turn (by ``turn``) ``pause_s`` × ``time_scale``
+    after the previous one returned."""
+    sessions: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(trace):
+        sessions[r.session_id].append(i)
+    t0 = time.perf_counter()
+
+    async def run(indexes: list[int]) -> None:
+        turns = sorted(indexes, key=lambda i: trace[i].turn)
+        await asyncio.sleep(max(0.0, t0 + trace[turns[0]].arrival_s * time_scale - time.perf_counter()))
+        for k, i in enumerate(turns):
+            if k and trace[i].pause_s > 0:
+                await asyncio.sleep(trace[i].pause_s * time_scale)
+            await send(i)
+
+    await asyncio.gather(*(run(ix) for ix in sessions.values()))
+
+
+async def _call(session: aiohttp.ClientSession, url: str, request: TimedRequest, out: RequestResult,
+                session_header: str | None = None) -> None:
+    headers = {"content-type": "application/json"}
+    if session_header:
+        headers[session_header] = request.session_id
+
+    def on_chunk(chunk: dict[str, Any], now: float) -> None:
+        if out.ttft_s is None and chunk.get("choices"):
+            out.ttft_s = now
+        usage = chunk.get("usage")
+        if usage:
+            out.prompt_tokens = usage.get("prompt_tokens") or 0
+            out.completion_tokens = usage.get("completion_tokens") or 0
+            details = usage.get("prompt_tokens_details") or {}
+            out.cached_tokens = details.get("cached_tokens") or 0
+
+    streamed = await stream_chat(session, url, request.body, headers, on_chunk)
+    out.sent_at, out.latency_s, out.error = streamed.sent_at, streamed.end_s, streamed.error
+    if out.error is None and out.ttft_s is None:
+        out.error = "stream ended without a choice"
 
 
 async def replay_async(trace: Sequence[TimedRequest], base_url: str, time_scale: float = 1.0,
@@ -142,28 +208,11 @@ async def replay_async(trace: Sequence[TimedRequest], base_url: str, time_scale:
     """
     url = f"{base_url.rstrip('/')}/v1/chat/completions"
     results = [RequestResult(i, r.session_id, r.workload, 0.0) for i, r in enumerate(trace)]
-    sessions: dict[str, list[int]] = defaultdict(list)
-    for i, r in enumerate(trace):
-        sessions[r.session_id].append(i)
     connector = aiohttp.TCPConnector(limit=connections, force_close=False)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        t0 = time.perf_counter()
-
-        async def run(indexes: list[int]) -> None:
-            turns = sorted(indexes, key=lambda i: trace[i].turn)
-            first = trace[turns[0]]
-            await asyncio.sleep(max(0.0, t0 + first.arrival_s * time_scale - time.perf_counter()))
-            for k, i in enumerate(turns):
-                if k and trace[i].pause_s > 0:
-                    await asyncio.sleep(trace[i].pause_s * time_scale)
-                await _call(session, url, trace[i], results[i], session_header)
-
-        await asyncio.gather(*(run(ix) for ix in sessions.values()))
-        ends = [r.sent_at + r.latency_s for r in results if r.latency_s is not None]
-        starts = [r.sent_at for r in results if r.sent_at]
-        wall = (max(ends) - min(starts)) if ends and starts else 0.0
-    return ReplayResult(results, wall)
+        await closed_loop(trace, time_scale, lambda i: _call(session, url, trace[i], results[i], session_header))
+    return ReplayResult(results, wall_span((r.sent_at, r.latency_s) for r in results))
 
 
 def replay(trace: Sequence[TimedRequest], base_url: str, time_scale: float = 1.0,

@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ from backfill.bench.launch import (
     process_group,
 )
 from backfill.bench.prefix import SHAPES, shape_trace
-from backfill.bench.replay import ReplayResult, RequestResult, _call, summarize
+from backfill.bench.replay import ReplayResult, RequestResult, _call, closed_loop, summarize, wall_span
 from backfill.bench.workloads import TimedRequest, oracle_reusable_tokens
 from engine_twin.launch import sim_engine_argv
 from router.cli import router_argv
@@ -151,25 +150,10 @@ async def replay_spread(trace: Sequence[TimedRequest], routers: Sequence[str], t
     ``i mod len(routers)`` (sessions closed loop as there)."""
     urls = [f"{r.rstrip('/')}/v1/chat/completions" for r in routers]
     results = [RequestResult(i, r.session_id, r.workload, 0.0) for i, r in enumerate(trace)]
-    sessions: dict[str, list[int]] = defaultdict(list)
-    for i, r in enumerate(trace):
-        sessions[r.session_id].append(i)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024),
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        t0 = time.perf_counter()
-
-        async def run(indexes: list[int]) -> None:
-            turns = sorted(indexes, key=lambda i: trace[i].turn)
-            await asyncio.sleep(max(0.0, t0 + trace[turns[0]].arrival_s * time_scale - time.perf_counter()))
-            for k, i in enumerate(turns):
-                if k and trace[i].pause_s > 0:
-                    await asyncio.sleep(trace[i].pause_s * time_scale)
-                await _call(session, urls[i % len(urls)], trace[i], results[i])
-
-        await asyncio.gather(*(run(ix) for ix in sessions.values()))
-    ends = [r.sent_at + r.latency_s for r in results if r.latency_s is not None]
-    starts = [r.sent_at for r in results if r.sent_at]
-    return ReplayResult(results, (max(ends) - min(starts)) if ends and starts else 0.0)
+        await closed_loop(trace, time_scale, lambda i: _call(session, urls[i % len(urls)], trace[i], results[i]))
+    return ReplayResult(results, wall_span((r.sent_at, r.latency_s) for r in results))
 
 
 def probe(router: str, request: TimedRequest, n: int) -> tuple[int, int]:

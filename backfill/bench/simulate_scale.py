@@ -40,6 +40,7 @@ from typing import Any
 
 import click
 
+from backfill.bench.cli_common import fmt_cell as _fmt
 from backfill.simulate.sim import POLICIES, SimConfig, Simulation, percentile
 from backfill.simulate.workload import synthetic_requests
 
@@ -173,14 +174,6 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "wall_us_per_request": [lo["wall_us_per_request"], hi["wall_us_per_request"]],
         }
     return out
-
-
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def print_tables(payload: dict[str, Any]) -> None:

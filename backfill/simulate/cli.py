@@ -26,6 +26,8 @@ import click
 import pydantic
 
 from backfill.bench import workloads as wl
+from backfill.bench.cli_common import fmt_cell as _fmt
+from backfill.bench.cli_common import mooncake_trace_options
 from backfill.simulate.sim import PD_POLICY, POLICIES, SimConfig, Simulation
 from backfill.simulate.workload import (
     SimRequest,
@@ -90,25 +92,8 @@ def _generator(name: str, seed: int, conversations: int, duration_s: float,
     return (lambda: text_requests(trace)), len(trace)
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
-
-
 @click.command("simulate")
-@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Replay this trace file (Mooncake JSONL).")
-@click.option("--trace-format", type=click.Choice(["mooncake"]), default="mooncake", show_default=True,
-              help="Format of --trace: Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids).")
-@click.option("--start-min", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="--trace: skip the first M minutes.")
-@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="--trace: replay N minutes (default: to the end).")
-@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="--trace: arrivals S times as fast as the timestamps.")
+@mooncake_trace_options("Replay this trace file (Mooncake JSONL).")
 @click.option("--max-output-tokens", type=click.IntRange(min=1), default=None,
               help="--trace: cap every output_length (bench prefix caps long-context answers at 64).")
 @click.option("--synthetic-requests", type=click.IntRange(min=1), default=None,

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import xxhash
 
@@ -46,6 +46,8 @@ from router.scheduling.hashing import chain_seed, chained_keys, tokens_to_bytes
 
 if TYPE_CHECKING:
     from backfill.bench.pd import PdOptions
+
+K = TypeVar("K")
 
 #: Token ids of a piece are 16-bit (0 … 65,535), drawn from a seeded generator per piece id.
 _TOKEN_TYPECODE = "H"
@@ -215,26 +217,12 @@ class PromptMemo:
         if req.pieces is None:
             assert req.tokens is not None
             return block_hashes(req.tokens, self.block_size, self.root_hash)
-        out: list[bytes] = []
-        parent = self.root_hash
-        memo = self._engine
         bs = self.block_size
-        for p, path in zip(req.pieces, self.paths(req.pieces)):
-            hit = memo.get(path)
-            if hit is None:
-                toks = self.source.tokens(p.space, p.piece_id, p.tokens).tolist()
-                hashes = _chain_hashes(toks, bs, parent)
-                hit = (hashes, hashes[-1] if hashes else parent)
-                memo[path] = hit
-                if len(memo) > self.max_paths:
-                    memo.popitem(last=False)
-            else:
-                memo.move_to_end(path)
-            out.extend(hit[0])
-            parent = hit[1]
-            if p.tokens % bs:
-                break  # a partial block ends the hashable prompt
-        return out
+
+        def chain(p: Piece, parent: bytes) -> list[bytes]:
+            return _chain_hashes(self.source.tokens(p.space, p.piece_id, p.tokens).tolist(), bs, parent)
+
+        return self._chained(req.pieces, self._engine, self.root_hash, bs, chain)
 
     def router_keys(self, req: SimRequest, block_tokens: int, max_blocks: int) -> list[int]:
         """The router's block keys of the prompt (:func:`router.scheduling.hashing.request_block_keys`
@@ -242,25 +230,38 @@ class PromptMemo:
         if req.pieces is None:
             assert req.tokens is not None
             return chained_keys(tokens_to_bytes(req.tokens), 4 * block_tokens, self._seed, max_blocks)
+
+        def chain(p: Piece, seed: int) -> list[int]:
+            data = tokens_to_bytes(array("I", self.source.tokens(p.space, p.piece_id, p.tokens)))
+            return chained_keys(data, 4 * block_tokens, seed)
+
         memo = self._router.setdefault(block_tokens, OrderedDict())
-        out: list[int] = []
-        seed = self._seed
-        for p, path in zip(req.pieces, self.paths(req.pieces)):
+        out = self._chained(req.pieces, memo, self._seed, block_tokens, chain, max_blocks)
+        return out[:max_blocks] if max_blocks else out
+
+    def _chained(self, pieces: Sequence[Piece], memo: OrderedDict[int, tuple[list[K], K]], root: K,
+                 block_tokens: int, chain: Callable[[Piece, K], list[K]], max_blocks: int = 0) -> list[K]:
+        """The chained keys of ``pieces`` (each piece's keys from ``chain(piece, parent)``, the
+        parent the last key so far, ``root`` at first), memoised per piece path in the LRU ``memo``
+        (at most ``max_paths``). Stops after a piece that ends in a partial block of
+        ``block_tokens`` (the rest is not hashable) or once ``max_blocks`` keys are out (0: no cap)."""
+        out: list[K] = []
+        parent = root
+        for p, path in zip(pieces, self.paths(pieces)):
             hit = memo.get(path)
             if hit is None:
-                data = tokens_to_bytes(array("I", self.source.tokens(p.space, p.piece_id, p.tokens)))
-                keys = chained_keys(data, 4 * block_tokens, seed)
-                hit = (keys, keys[-1] if keys else seed)
+                keys = chain(p, parent)
+                hit = (keys, keys[-1] if keys else parent)
                 memo[path] = hit
                 if len(memo) > self.max_paths:
                     memo.popitem(last=False)
             else:
                 memo.move_to_end(path)
             out.extend(hit[0])
-            seed = hit[1]
+            parent = hit[1]
             if p.tokens % block_tokens or (max_blocks and len(out) >= max_blocks):
                 break
-        return out[:max_blocks] if max_blocks else out
+        return out
 
     def oracle(self, req: SimRequest) -> int:
         """Oracle-reusable tokens of ``req`` given every request seen before (shared/PERFORMANCE.md;

@@ -15,10 +15,8 @@ import asyncio
 import itertools
 import json
 import os
-import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ from engine_twin.launch import wait_ready
 from router.cli import router_argv
 from router.disagg import PREFILL_KV_TRANSFER_PARAMS
 from tests.integration.engine_twin.conftest import free_port
+from tests.router_stack import stop_processes, wait_candidates
 
 MODEL = "sim-model"
 _counter = itertools.count()
@@ -176,24 +175,14 @@ class Fleet:
                                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
             wait_ready(self.url, timeout=30, process=self.router)
-            deadline = time.monotonic() + 15
-            while sum(e["healthy"] and e["metrics_age_s"] is not None for e in self.state()["endpoints"]) \
-                    < len(self.engines):
-                assert time.monotonic() < deadline, self.state()
-                time.sleep(0.05)
+            wait_candidates(self.url, len(self.engines))
         except BaseException:
             self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.router is not None and self.router.poll() is None:
-            os.killpg(self.router.pid, signal.SIGTERM)
-            try:
-                self.router.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.router.pid, signal.SIGKILL)
-                self.router.wait(10)
+        stop_processes([self.router])
         for runner in self._runners:
             asyncio.run_coroutine_threadsafe(runner.cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)

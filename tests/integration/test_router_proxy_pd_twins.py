@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 from engine_twin.launch import pd_engine_env, sim_engine_argv, wait_ready
 from router.cli import router_argv
 from tests.integration.engine_twin.conftest import free_port
+from tests.router_stack import stop_processes, wait_candidates
 
 MODEL = "sim-model"
 
@@ -57,26 +56,14 @@ class TwinFleet:
             router = self._spawn(router_argv(int(self.url.rsplit(":", 1)[1]), [], prefill_engines=[self.prefill],
                                              decode_engines=[self.decode]), "router")
             wait_ready(self.url, timeout=30, process=router)
-            deadline = time.monotonic() + 15
-            while sum(e["healthy"] and e["metrics_age_s"] is not None
-                      for e in httpx.get(f"{self.url}/admin/state", timeout=5).json()["endpoints"]) < 2:
-                assert time.monotonic() < deadline, "the twins never became candidates"
-                time.sleep(0.05)
+            wait_candidates(self.url, 2)
         except BaseException:
             self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_processes(self.procs)
 
 
 @pytest.fixture(scope="module")

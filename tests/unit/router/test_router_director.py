@@ -6,6 +6,7 @@ import asyncio
 
 import aiohttp
 import orjson
+from director_fakes import Recorder
 
 from common.contracts.errors import error_json
 from router.director import NO_ENDPOINT, Admitted, Director, Rejected
@@ -16,14 +17,6 @@ from router.scheduling import DEFAULT_CONFIG_PATH
 from router.scheduling.config import build_scheduler, load_config
 
 CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[object, ...]]] = []
-
-    def __getattr__(self, name: str):
-        return lambda *args: self.calls.append((name, args))
 
 
 def test_the_pool_owns_in_flight_counters_and_forgets_shares_from_before_a_reset() -> None:

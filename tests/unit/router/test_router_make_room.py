@@ -6,25 +6,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
+from director_fakes import Hold, Recorder
 
-from router.director import EVICTED, Admitted, Attempt, Director, Interruption, Rejected
+from router.director import EVICTED, Admitted, Director
 from router.flow_control import FlowControlConfig, FlowController, FlowItem
 from router.pool import EndpointPool
 from router.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 A, B = "http://a:8000", "http://b:8000"
 PRIORITY = {"interactive": 100, "async": 10, "batch": -10}
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[object, ...]]] = []
-
-    def __getattr__(self, name: str):
-        return lambda *args: self.calls.append((name, args))
 
 
 class Pick:
@@ -43,23 +36,6 @@ class Pick:
 
     def response_complete(self, request: LLMRequest, result: SchedulingResult, cached: int | None) -> None:
         pass
-
-
-@dataclass
-class Hold:
-    """A transport whose requests run until ``done`` is set (or the router interrupts them)."""
-
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def send(self, attempt: Attempt, retry: bool) -> object:
-        await self.done.wait()
-        return "answered"
-
-    async def interrupted(self, attempt: Attempt, interruption: Interruption) -> object:
-        return interruption
-
-    def rejected(self, rejected: Rejected) -> object:
-        return rejected
 
 
 @dataclass

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from director_fakes import Hold, Recorder
 
-from router.director import EVICTED, Admitted, Attempt, Director, Interruption, PrefillAnswer, Rejected
+from router.director import EVICTED, Admitted, Attempt, Director, PrefillAnswer
 from router.flow_control import FlowControlConfig, FlowController, FlowItem
 from router.pool import EndpointPool
 from router.scheduling import PD_CONFIG_PATH
@@ -23,21 +24,10 @@ P1, P2, D = "http://p1", "http://p2", "http://d"
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "x"}
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[object, ...]]] = []
-
-    def __getattr__(self, name: str):
-        return lambda *args: self.calls.append((name, args))
-
-    def of(self, name: str) -> list[tuple[object, ...]]:
-        return [args for n, args in self.calls if n == name]
-
-
 @dataclass
-class Legs:
+class Legs(Hold):
     """A PDForwarder whose prefill answers come from ``answers`` (per endpoint; a callable may
-    wait), and whose decode leg records what it was told and waits for ``done``."""
+    wait), and whose decode leg records what it was told and waits for ``done`` (:class:`Hold`)."""
 
     answers: dict[str, Callable[[], Awaitable[PrefillAnswer]]] = field(default_factory=dict)
     disaggregable: bool = True
@@ -45,7 +35,6 @@ class Legs:
     prefilled: list[str] = field(default_factory=list)
     decoded: list[tuple[str, dict[str, Any] | None]] = field(default_factory=list)
     params: dict[str, Any] | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
     in_prefill: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def prefill(self, attempt: Attempt) -> PrefillAnswer:
@@ -58,14 +47,7 @@ class Legs:
 
     async def send(self, attempt: Attempt, retry: bool) -> object:
         self.decoded.append((attempt.endpoint.name, self.params))
-        await self.done.wait()
-        return "answered"
-
-    async def interrupted(self, attempt: Attempt, interruption: Interruption) -> object:
-        return interruption
-
-    def rejected(self, rejected: Rejected) -> object:
-        return rejected
+        return await super().send(attempt, retry)
 
 
 def ok() -> Callable[[], Awaitable[PrefillAnswer]]:
