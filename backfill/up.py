@@ -57,14 +57,22 @@ class Stack:
     """Environment of the children (``DATABASE_URL``, ``REDIS_URL``, ``BACKFILL_DATA_DIR``, …)."""
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     engine_urls: list[str] = field(default_factory=list)
+    """Every engine's base URL (prefill, decode and both)."""
+    engine_roles: dict[str, str] = field(default_factory=dict)
+    """Base URL → ``prefill`` | ``decode`` for the engines started in a role (absent: both)."""
     router_url: str | None = None
     argv: dict[str, list[str]] = field(default_factory=dict)
+    child_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Environment of the children started with their own (the P/D engines' NIXL side channels)."""
     restarts: dict[str, list[float]] = field(default_factory=dict)
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        """Start child ``name`` (output to ``logs/NAME.log``), remembering how, to restart it."""
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start child ``name`` (output to ``logs/NAME.log``) with ``env`` (default: the stack's),
+        remembering how, to restart it."""
         self.argv[name] = argv
-        self.children[name] = _spawn(argv, self.env, self.data_dir / "logs", name)
+        if env is not None:
+            self.child_env[name] = env
+        self.children[name] = _spawn(argv, self.child_env.get(name, self.env), self.data_dir / "logs", name)
         return self.children[name]
 
     def metrics_urls(self) -> str:
@@ -111,6 +119,7 @@ class Stack:
             "gateway_url": self.gateway_url,
             "admin_url": f"{base}/admin" if self.env.get("BACKFILL_ADMIN_KEY") else None,
             "api_key": self.api_key, "router_url": self.router_url, "engine_urls": self.engine_urls,
+            "engine_roles": self.engine_roles,
             "redis_url": self.env["REDIS_URL"], "celery_broker_url": self.broker_url,
             "database_url": database_url, "metrics": self.metrics(), "health": self.health_urls(),
             "data_dir": str(self.data_dir), "logs": str(self.data_dir / "logs"),
@@ -135,7 +144,7 @@ class Stack:
                 return name
             self.restarts[name] = recent + [now]
             click.echo(f"backfill: {name} exited with status {proc.returncode}; restarting it", err=True)
-            self.start(name, self.argv[name])
+            self.start(name, self.argv[name], self.child_env.get(name))
         return None
 
     def stop(self, grace: float = GRACE_SECONDS) -> None:
@@ -258,35 +267,48 @@ SIM_MAX_NUM_SEQS = 256
 
 def start_engines(stack: Stack, count: int, served_model_names: list[str],
                   engine_urls: list[str], *, background_prefill: bool = True,
-                  max_background_prefill_tokens: int | None = None) -> None:
+                  max_background_prefill_tokens: int | None = None, prefill: int = 0, decode: int = 0) -> None:
     """Use ``engine_urls`` (real vLLM servers) when given; otherwise start ``count`` simulated
-    engines serving ``served_model_names`` on free ports and wait until each answers ``/health``.
-    ``background_prefill``: the simulated engines bound batch and async prefills per step
-    (``--background-priority-threshold``, ``engine_twin/core.py``; ``max_background_prefill_tokens``
-    None: the twin's default)."""
-    from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, sim_engine_argv, wait_ready
+    engines (children ``engine-N``) plus ``prefill`` prefill and ``decode`` decode engines in their
+    prefill/decode roles (``prefill-N``, ``decode-N``: :func:`engine_twin.launch.sim_engine_argv`
+    with ``pd_role``, vLLM's NixlConnector between them), all serving ``served_model_names`` on free
+    ports (a P/D engine's NIXL side channel on one more free port, :func:`engine_twin.launch.pd_engine_env`),
+    and wait until each answers ``/health``. ``background_prefill``: the simulated engines
+    bound batch and async prefills per step (``--background-priority-threshold``,
+    ``engine_twin/core.py``; ``max_background_prefill_tokens`` None: the twin's default).
+    Raises ``click.ClickException`` when an engine does not start."""
+    from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, pd_engine_env, sim_engine_argv, wait_ready
 
     if engine_urls:
         stack.engine_urls = [url.rstrip("/") for url in engine_urls]
         return
-    for index in range(count):
+    names = [(f"engine-{i}", None) for i in range(count)] + [(f"prefill-{i}", "prefill") for i in range(prefill)] \
+        + [(f"decode-{i}", "decode") for i in range(decode)]
+    started: list[tuple[str, str]] = []
+    for name, role in names:
         engine_port = free_port()
-        name = f"engine-{index}"
         stack.start(name, sim_engine_argv(
             engine_port, served_model_names,
             background_priority_threshold=BACKGROUND_PRIORITY_THRESHOLD if background_prefill else None,
-            max_background_prefill_tokens=max_background_prefill_tokens))
-        stack.engine_urls.append(f"http://127.0.0.1:{engine_port}")
-    for index, url in enumerate(stack.engine_urls):
+            max_background_prefill_tokens=max_background_prefill_tokens, pd_role=role),
+            env=pd_engine_env(free_port(), base=stack.env) if role else None)
+        url = f"http://127.0.0.1:{engine_port}"
+        stack.engine_urls.append(url)
+        if role:
+            stack.engine_roles[url] = role
+        started.append((name, url))
+    for name, url in started:
         try:
-            wait_ready(url, timeout=READY_TIMEOUT_SECONDS, process=stack.children[f"engine-{index}"])
+            wait_ready(url, timeout=READY_TIMEOUT_SECONDS, process=stack.children[name])
         except (RuntimeError, TimeoutError) as exc:
-            raise click.ClickException(f"engine-{index}: {exc}; see {stack.data_dir / 'logs'}") from None
+            raise click.ClickException(f"{name}: {exc}; see {stack.data_dir / 'logs'}") from None
 
 
 def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
-    """Start ``backfill router`` on a free port in front of ``stack.engine_urls`` and wait until it
-    has a healthy engine. Simulated engines run vLLM's priority policy, so the router sends them
+    """Start ``backfill router`` on a free port in front of ``stack.engine_urls`` (those in
+    ``stack.engine_roles`` as ``--prefill-engine`` / ``--decode-engine``, so the router runs its
+    shipped P/D scheduling config; the rest as ``--engine``) and wait until it has a healthy
+    engine. Simulated engines run vLLM's priority policy, so the router sends them
     vLLM's ``priority`` field; real engines given by URL may not, so it does not.
 
     The router honours fairness ids and objectives only from callers with its trusted token
@@ -306,7 +328,11 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     # simulated engines have the twin's 256 slots; learning them from scrapes would read the twin's
     # deferred background prefills (waiting beside free slots) as full slots
     slots = ["--max-num-seqs", str(SIM_MAX_NUM_SEQS)] if simulated else []
-    stack.start("router", router_argv(port, stack.engine_urls, host=host, engine_priority=simulated,
+    by_role = {role: [u for u in stack.engine_urls if stack.engine_roles.get(u) == role]
+               for role in ("prefill", "decode")}
+    both = [u for u in stack.engine_urls if u not in stack.engine_roles]
+    stack.start("router", router_argv(port, both, host=host, engine_priority=simulated,
+                                      prefill_engines=by_role["prefill"], decode_engines=by_role["decode"],
                                       extra=["--log-level", "INFO", *slots]))
     _wait_ready(f"{stack.router_url}/health", stack, owner="router")
 
@@ -377,13 +403,18 @@ def _register_key(database_url: str, api_key: str) -> None:
 @contextlib.contextmanager
 def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engines: int = 2,
               served_model_names: list[str] | None = None,
-              engine_urls: list[str] | None = None, admin_key: str | None = None) -> Iterator[Stack]:
+              engine_urls: list[str] | None = None, admin_key: str | None = None,
+              prefill_engines: int = 0, decode_engines: int = 0) -> Iterator[Stack]:
     """Start the stack, yield it once the gateway and the engines answer, and stop everything on
     exit. ``engines`` simulated engines serve ``served_model_names`` unless ``engine_urls`` name
-    real ones. ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one)."""
+    real ones; ``prefill_engines`` / ``decode_engines`` simulated engines more in those roles
+    (prefill/decode disaggregation; :func:`check_pd_counts` says which combinations are valid).
+    ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one).
+    Raises ``click.UsageError`` for an invalid combination, before anything starts."""
     from backfill.stack_file import remove_stack, write_stack
     from migrations.config import upgrade
 
+    check_pd_counts(prefill_engines, decode_engines, bool(engine_urls))
     _check_port_free(host, port)  # before anything is written: a refused start leaves no data dir
     data_dir = data_dir.resolve()
     logs = data_dir / "logs"
@@ -404,7 +435,8 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
             env["BACKFILL_ADMIN_KEY"] = admin_key
         stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)
         try:
-            start_engines(stack, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [])
+            start_engines(stack, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [],
+                          prefill=prefill_engines, decode=decode_engines)
             if stack.engine_urls:
                 start_router(stack, host, simulated=not engine_urls)
                 assert stack.router_url is not None  # start_router set it
@@ -421,6 +453,36 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         finally:
             remove_stack(data_dir)
             stack.stop()
+
+
+def check_pd_counts(prefill: int, decode: int, engine_urls: bool) -> None:
+    """Refuse prefill/decode counts that cannot make a fleet: prefill engines without a decode
+    engine (nothing would generate the answers), decode engines without a prefill engine (that is
+    the aggregated fleet: use ``--engines``), negative counts, or either with ``--engine-url``
+    (the roles are flags of the simulated engines ``up`` starts; run real engines with vLLM's
+    ``--kv-transfer-config`` and ``backfill router --prefill-engine/--decode-engine`` yourself).
+    Raises ``click.UsageError``."""
+    if prefill < 0 or decode < 0:
+        raise click.UsageError("--prefill-engines and --decode-engines must be 0 or more")
+    if (prefill or decode) and engine_urls:
+        raise click.UsageError("--prefill-engines/--decode-engines start simulated engines in those roles; they "
+                               "cannot be combined with --engine-url")
+    if prefill and not decode:
+        raise click.UsageError(f"--prefill-engines {prefill} needs --decode-engines (at least 1): prefill engines "
+                               "only compute prompts, decode engines generate the answers")
+    if decode and not prefill:
+        raise click.UsageError(f"--decode-engines {decode} needs --prefill-engines (at least 1); for engines that "
+                               "do both, use --engines")
+
+
+def _role_fields(stack: Stack) -> str:
+    """``prefill_engines=URL,… decode_engines=URL,… `` of the ready line (empty without roles)."""
+    out = ""
+    for role in ("prefill", "decode"):
+        urls = [u for u in stack.engine_urls if stack.engine_roles.get(u) == role]
+        if urls:
+            out += f"{role}_engines={','.join(urls)} "
+    return out
 
 
 class Stop(Exception):
@@ -454,18 +516,31 @@ def stop_on_signals() -> None:
                    "Default: sim-model.")
 @click.option("--engine-url", "engine_urls", multiple=True,
               help="URL of a running (real vLLM) engine to use instead of simulated ones (repeat).")
-def up_command(data_dir: Path, host: str, port: int, api_key: str | None, admin_key: str | None, engines: int,
-               served_model_names: tuple[str, ...], engine_urls: tuple[str, ...]) -> None:
+@click.option("--prefill-engines", default=0, show_default=True, type=click.IntRange(0, 64),
+              help="Simulated prefill engines (prefill/decode disaggregation; needs --decode-engines). "
+                   "With them, --engines counts only engines doing both and defaults to 0.")
+@click.option("--decode-engines", default=0, show_default=True, type=click.IntRange(0, 64),
+              help="Simulated decode engines (needs --prefill-engines).")
+@click.pass_context
+def up_command(ctx: click.Context, data_dir: Path, host: str, port: int, api_key: str | None,
+               admin_key: str | None, engines: int, served_model_names: tuple[str, ...],
+               engine_urls: tuple[str, ...], prefill_engines: int, decode_engines: int) -> None:
     """Run the whole stack on this machine until SIGINT/SIGTERM."""
     names = [name.strip() for value in served_model_names for name in value.split(",") if name.strip()]
+    check_pd_counts(prefill_engines, decode_engines, bool(engine_urls))
+    if (prefill_engines or decode_engines) and \
+            ctx.get_parameter_source("engines") is not click.core.ParameterSource.COMMANDLINE:
+        engines = 0  # a P/D fleet: engines doing both only when asked for
     stop_on_signals()
     code = 0
     try:
         with run_stack(data_dir, host, port, api_key, engines=engines, served_model_names=names,
-                       engine_urls=list(engine_urls), admin_key=admin_key) as stack:
+                       engine_urls=list(engine_urls), admin_key=admin_key, prefill_engines=prefill_engines,
+                       decode_engines=decode_engines) as stack:
             admin = stack.gateway_url.removesuffix("/v1") + "/admin" if admin_key else "-"  # closed without a key
             click.echo(f"backfill ready gateway={stack.gateway_url} admin={admin} api_key={stack.api_key} "
                        f"router={stack.router_url or '-'} engines={','.join(stack.engine_urls) or '-'} "
+                       f"{_role_fields(stack)}"
                        f"redis={stack.env['REDIS_URL']} broker={stack.broker_url} data_dir={stack.data_dir} logs={stack.data_dir / 'logs'} "
                        f"metrics={stack.metrics_urls()} stack_file={stack.data_dir / 'stack.json'}", err=False)
             sys.stdout.flush()

@@ -68,8 +68,13 @@ def sim_parser() -> argparse.ArgumentParser:
     add("--max-long-partial-prefills", type=int, help="long prompts (over the threshold) among those prefills")
     add("--long-prefill-token-threshold", type=int, help="most tokens one request gets per step (0 = no cap; "
         "4%% of --max-model-len when --max-num-partial-prefills is above 1)")
-    add("--kv-transfer-config", metavar="JSON", help="vLLM KV transfer JSON (kv_connector, kv_role, ...): "
-        "accepted and stored, no behaviour yet")
+    add("--kv-transfer-config", metavar="JSON", help="vLLM KV transfer JSON for prefill/decode disaggregation, "
+        'e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\' (roles kv_producer, kv_consumer, '
+        "kv_both; kv_load_failure_policy fail|recompute; NixlConnector only). Side channel: the environment "
+        "variables VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT, as vLLM")
+    add("--kv-transfer-bandwidth", type=float, dest="kv_transfer_bandwidth_gb_s", metavar="GBPS",
+        help="GB/s of the link between prefill and decode engines, for the KV transfer time (a twin extension; "
+        "default: a 400 Gb/s RDMA NIC)")
     add("--retention-priority-threshold", type=int, help="requests with a vLLM priority at least this keep their "
         "own KV blocks at the lowest retention (default: off; a body field kv_retention_priority sets it too)")
     add("--background-priority-threshold", type=int, help="requests with a vLLM priority at least this are "

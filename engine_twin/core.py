@@ -48,6 +48,24 @@ One step, as vLLM V1's ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py
    prefill beside an interactive request's prefill, and an interactive request that arrives during
    a step waits at most one step of ``fixed + share × 32 µs`` (default step model) for its own.
 
+5. **Prefill/decode disaggregation** (vLLM's NixlConnector, ``vllm/distributed/kv_transfer/
+   kv_connector/v1/nixl/scheduler.py`` and the scheduler's ``WAITING_FOR_REMOTE_KVS`` handling). A
+   request added by :meth:`~EngineCore.add_remote` (``do_remote_prefill``), on reaching the head of
+   the waiting pass, takes its local GPU prefix hits and blocks for the rest of the prompt (or stops
+   the pass when they do not fit), enters ``WAITING_FOR_REMOTE_KVS`` (not scheduled, not counted
+   against ``max_num_seqs``, counted as waiting) and is reported as a :class:`KVLoad` (blocks to
+   read, bytes = blocks × block size × KV bytes per token, model seconds over
+   ``--kv-transfer-bandwidth``). :meth:`~EngineCore.kv_arrived` makes every prompt token but the
+   last computed and the full blocks cached (``BlockStored``), and puts it back at the head of the
+   queue; its next schedule computes the last prompt token and samples its first output token, so
+   ``num_cached_tokens`` is prompt − 1. :meth:`~EngineCore.kv_load_failed` frees its blocks and
+   requeues it for a local prefill (``kv_load_failure_policy: recompute``) or fails it (``fail``,
+   vLLM's default). A request with ``remote_decode`` (``do_remote_decode``, ended length-capped)
+   keeps its blocks after finishing in :attr:`~EngineCore.held` until
+   :meth:`~EngineCore.release_held` (the decode engine's notification) or
+   :meth:`~EngineCore.expire_held` past ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``; the time of every call
+   is the caller's clock (wall for the HTTP server, virtual for a simulation).
+
 After the schedule, every scheduled request's computed tokens advance; one that has computed all its
 tokens samples one (its first token when it had none); one with ``max_tokens`` tokens finishes and
 frees its blocks. Full blocks of prompt tokens are cached as they are computed (``BlockStored``);
@@ -67,7 +85,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine_twin.kv_cache import DEFAULT_RETENTION, Block, TieredPrefixCache
+from engine_twin.kv_cache import DEFAULT_RETENTION, Block, Hits, TieredPrefixCache
 from engine_twin.settings import EngineSimSettings
 from engine_twin.step_model import StepModel, StepWork
 
@@ -76,8 +94,12 @@ class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    """vLLM's state of a decode-side request whose prompt KV is being read from a prefill engine."""
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"
+    """The KV load failed under ``kv_load_failure_policy: fail`` (vLLM's ``FINISHED_ERROR``)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -105,6 +127,14 @@ class CoreRequest:
     blocks: list[Block] = field(default_factory=list)
     committed: int = 0  # leading blocks of ``blocks`` that are cached
     seq: int = 0
+    remote_prefill: bool = False
+    """Decode side of P/D: the prompt's KV comes from a prefill engine (:meth:`EngineCore.add_remote`)."""
+    remote_decode: bool = False
+    """Prefill side of P/D: once finished, the blocks stay held for a decode engine to read."""
+    held_until: float | None = None
+    """Prefill side: when the held blocks are freed unread (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``)."""
+    block_ids: list[int] = field(default_factory=list)
+    """Prefill side: the ids of the held blocks (``remote_block_ids``; the twin numbers blocks itself)."""
 
     @property
     def num_tokens(self) -> int:
@@ -113,7 +143,24 @@ class CoreRequest:
 
     @property
     def finished(self) -> bool:
-        return self.status in (Status.FINISHED, Status.ABORTED)
+        return self.status in (Status.FINISHED, Status.ABORTED, Status.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """A decode-side request that started reading its prompt's KV from a prefill engine this step.
+
+    ``tokens``: prompt tokens it did not have cached locally (vLLM's ``num_external_computed_tokens``);
+    ``blocks``: the blocks read for them (whole blocks, as NIXL reads); ``bytes`` = blocks × block
+    size × KV bytes per token; ``seconds``: model seconds over ``--kv-transfer-bandwidth``. The driver
+    calls :meth:`EngineCore.kv_arrived` that long after the step's start (or
+    :meth:`EngineCore.kv_load_failed`)."""
+
+    request_id: str
+    tokens: int
+    blocks: int
+    bytes: int
+    seconds: float
 
 
 @dataclass(slots=True)
@@ -130,6 +177,8 @@ class StepOutcome:
     finished: list[str]
     preempted: list[str]
     work: StepWork
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    """Decode-side requests that began waiting for remote KV this step (P/D, :class:`KVLoad`)."""
 
 
 class _WaitingQueue:
@@ -195,6 +244,13 @@ class EngineCore:
         self.num_preemptions = 0
         self.steps = 0
         self._seq = itertools.count()
+        self.transferring: dict[str, CoreRequest] = {}
+        """Decode side: requests in ``WAITING_FOR_REMOTE_KVS`` (blocks allocated, not scheduled)."""
+        self.held: dict[str, CoreRequest] = {}
+        """Prefill side: finished requests whose blocks wait for a decode engine's read."""
+        self._block_ids = itertools.count()
+        cfg = settings.kv_transfer_config
+        self._recompute_failed_loads = cfg is not None and cfg.kv_load_failure_policy == "recompute"
         threshold = settings.long_prefill_token_threshold
         self._threshold = threshold
         self._limit_partials = settings.max_num_partial_prefills > 1
@@ -209,8 +265,14 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        """vLLM's ``num_requests_waiting``: requests queued (new or preempted)."""
-        return len(self.waiting)
+        """vLLM's ``num_requests_waiting``: requests queued (new, preempted or waiting for remote KV,
+        which vLLM keeps in its waiting queue)."""
+        return len(self.waiting) + len(self.transferring)
+
+    @property
+    def held_blocks(self) -> int:
+        """Prefill side: blocks held for decode engines to read."""
+        return sum(len(r.blocks) for r in self.held.values())
 
     def has_work(self) -> bool:
         """True while a step would schedule something (or could, once blocks free up)."""
@@ -233,16 +295,94 @@ class EngineCore:
         self.requests[req.request_id] = req
         self.waiting.add(req)
 
+    def add_remote(self, req: CoreRequest, now: float) -> None:
+        """Queue a decode-side P/D request (vLLM NixlConnector's ``do_remote_prefill``): when the
+        scheduler reaches it, it allocates blocks for the whole prompt (local prefix hits on the GPU
+        first), enters ``WAITING_FOR_REMOTE_KVS`` (not scheduled, counted as waiting) and is reported
+        in :attr:`StepOutcome.kv_loads`; :meth:`kv_arrived` then makes the blocks computed and cached.
+        Raises ValueError as :meth:`add`."""
+        req.remote_prefill = True
+        self.add(req, now)
+
+    def kv_arrived(self, request_id: str, now: float) -> bool:
+        """The remote KV of ``request_id`` has been read: as vLLM's ``_update_waiting_for_remote_kv``
+        its blocks count as computed (every prompt token but the last, which the next step computes
+        to sample the first token), the full ones are cached (``BlockStored`` with the next step's
+        events) and the request waits at the head of the queue. False when it is not loading."""
+        req = self.transferring.pop(request_id, None)
+        if req is None:
+            return False
+        bs = self.block_size
+        total = req.num_tokens
+        computed = min(len(req.blocks) * bs, total)
+        if computed == total:
+            computed -= 1
+        full = min(computed // bs, len(req.hashes))
+        if full > req.committed:
+            self.cache.commit(req.blocks, req.committed, full, req.hashes, req.prompt, req.retention)
+            req.committed = full
+        req.num_computed_tokens = computed
+        req.remote_prefill = False  # one transfer per request, as vLLM
+        req.status = Status.WAITING
+        self.waiting.prepend(req)
+        return True
+
+    def kv_load_failed(self, request_id: str, now: float) -> Status | None:
+        """The remote KV of ``request_id`` could not be read (prefill engine unreachable, handshake
+        refused). Under ``kv_load_failure_policy: recompute`` its blocks are freed and it queues again
+        at the head to compute the prompt locally (returns ``Status.WAITING``); under ``fail`` (vLLM's
+        default) it leaves the engine (returns ``Status.FAILED``). None when it is not loading."""
+        req = self.transferring.pop(request_id, None)
+        if req is None:
+            return None
+        self.cache.free(req.blocks)
+        req.committed = 0
+        req.num_computed_tokens = 0
+        req.remote_prefill = False
+        if self._recompute_failed_loads:
+            req.status = Status.WAITING
+            self.waiting.prepend(req)
+            return Status.WAITING
+        req.status = Status.FAILED
+        self.requests.pop(request_id, None)
+        return Status.FAILED
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill side: a decode engine has read ``request_id``'s blocks (NIXL's notification): free
+        them (cached ones stay evictable). False when they are not held (expired or unknown)."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.cache.free(req.blocks)
+        return True
+
+    def expire_held(self, now: float) -> list[str]:
+        """Prefill side: free the held blocks whose ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` has passed at
+        ``now`` (vLLM: "Releasing expired KV blocks"); returns their request ids."""
+        gone = [rid for rid, r in self.held.items() if r.held_until is not None and r.held_until <= now]
+        for rid in gone:
+            self.release_held(rid)
+        return gone
+
+    def next_expiry(self) -> float | None:
+        """The earliest deadline of the held blocks (None when nothing is held)."""
+        return min((r.held_until for r in self.held.values() if r.held_until is not None), default=None)
+
     def abort(self, request_id: str) -> CoreRequest | None:
-        """Drop a waiting or running request and free its blocks; None when it is not here."""
+        """Drop a waiting, loading or running request and free its blocks; None when it is not here."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         if req.status == Status.RUNNING:
             self.running.remove(req)
             self.cache.free(req.blocks)
+        elif req.status == Status.WAITING_FOR_REMOTE_KVS:
+            del self.transferring[request_id]
+            self.cache.free(req.blocks)
         else:
             self.waiting.discard()
+            if req.blocks:  # its remote KV had arrived
+                self.cache.free(req.blocks)
         req.status = Status.ABORTED
         return req
 
@@ -257,6 +397,7 @@ class EngineCore:
         scheduled: dict[CoreRequest, int] = {}
         preempted: list[CoreRequest] = []
         first: list[str] = []
+        kv_loads: list[KVLoad] = []
         loads_cpu = loads_disk = 0
         stores_before = (cache.stats.cpu_stores, cache.stats.disk_stores)
 
@@ -318,10 +459,35 @@ class EngineCore:
                 if head is None:
                     break
                 req = head
+                if req.remote_prefill:
+                    load = self._start_remote_load(req)
+                    if load is None:
+                        break
+                    kv_loads.append(load)
+                    continue
                 if self._limit_partials and not self._partial_allowed(req, scheduled):
                     skipped.append(self.waiting.pop())
                     continue
                 total = req.num_tokens
+                if req.blocks:  # its remote KV arrived: the blocks are there, computed
+                    cached = req.num_computed_tokens
+                    n = total - cached
+                    if n > budget:
+                        n = budget
+                    need = -(-(cached + n) // bs) - len(req.blocks)
+                    if need > 0 and not cache.grow(req.blocks, need):
+                        break
+                    self.waiting.pop()
+                    req.status = Status.RUNNING
+                    if req.num_cached_tokens < 0:
+                        req.num_cached_tokens = cached
+                    if req.first_scheduled_at is None:
+                        req.first_scheduled_at = now
+                        first.append(req.request_id)
+                    running.append(req)
+                    scheduled[req] = n
+                    budget -= n
+                    continue
                 hits = cache.find_hits(req.hashes, (total - 1) // bs)
                 cached = hits.blocks * bs
                 n = total - cached
@@ -382,9 +548,16 @@ class EngineCore:
                     req.status = Status.FINISHED
                     finished.append(req.request_id)
         if finished:
+            timeout = settings.nixl_abort_request_timeout_s
             for rid in finished:
                 req = self.requests.pop(rid)
-                cache.free(req.blocks)
+                if req.remote_decode and req.blocks:  # NixlConnector.request_finished: delay the free
+                    n = self.cache.num_gpu_blocks
+                    req.block_ids = [next(self._block_ids) % n for _ in req.blocks]
+                    req.held_until = now + timeout
+                    self.held[rid] = req
+                else:
+                    cache.free(req.blocks)
             self.running = [r for r in self.running if r.status == Status.RUNNING]
         cache.flush()
         work = StepWork(tokens, pairs, context, loads_cpu, loads_disk,
@@ -392,9 +565,35 @@ class EngineCore:
         if scheduled:
             self.steps += 1
         return StepOutcome(self.model.seconds(work), {r.request_id: n for r, n in scheduled.items()}, sampled,
-                           first, finished, [r.request_id for r in preempted], work)
+                           first, finished, [r.request_id for r in preempted], work, kv_loads)
 
     # ---- internals -------------------------------------------------------------------------
+    def _start_remote_load(self, req: CoreRequest) -> KVLoad | None:
+        """Allocate the head request's prompt blocks (GPU prefix hits pinned, the rest new) and put it
+        in ``WAITING_FOR_REMOTE_KVS``; None, changing nothing, when the blocks do not fit (the waiting
+        pass stops there, head-of-line, as vLLM's ``allocate_slots`` failing)."""
+        cache, bs = self.cache, self.block_size
+        total = len(req.prompt)
+        hits = cache.find_hits(req.hashes, (total - 1) // bs)
+        local = Hits(gpu=hits.gpu)  # NixlConnector alone: the local prefix cache is the GPU's
+        new_blocks = -(-total // bs) - local.gpu
+        table = cache.admit(req.hashes, local, new_blocks, req.prompt, req.retention)
+        if table is None:
+            return None
+        self.waiting.pop()
+        cached = local.gpu * bs
+        req.blocks = table
+        req.committed = local.gpu
+        req.num_computed_tokens = cached
+        req.status = Status.WAITING_FOR_REMOTE_KVS
+        self.transferring[req.request_id] = req
+        cache.record_query(req.num_tokens, local.gpu, 0)
+        cache.stats.connector_queries_tokens += req.num_tokens - cached
+        cache.stats.connector_hits_tokens += total - cached
+        model = self.model
+        return KVLoad(req.request_id, total - cached, new_blocks,
+                      int(new_blocks * bs * model.kv_bytes_per_token), model.kv_transfer_seconds(new_blocks))
+
     def _preempt(self, req: CoreRequest) -> None:
         """Recompute preemption: free the blocks, restart from 0, back to the front of waiting."""
         self.cache.free(req.blocks)

@@ -9,6 +9,16 @@ starts at the previous one's scheduled end, not at the moment the sleep returned
 does not add up (after a lag over :data:`MAX_LAG_S` the schedule restarts from now). At
 ``time_scale`` 0 it never sleeps and yields to the event loop once per step. With nothing to do it
 waits for the next request. A handler whose client goes away aborts its requests in the core.
+
+Prefill/decode disaggregation (``--kv-transfer-config`` with NixlConnector, :mod:`engine_twin.pd`):
+a request whose ``kv_transfer_params`` say ``do_remote_decode`` keeps its blocks held when it ends
+length-capped, its answer carrying :func:`~engine_twin.pd.prefill_params`; the held blocks go on
+the side channel's notification or after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` (a timer). A request
+with ``do_remote_prefill`` enters the core by :meth:`EngineCore.add_remote`; for each
+:class:`~engine_twin.core.KVLoad` a task does the handshake with the prefill twin, sleeps the
+modeled transfer × ``time_scale``, sends the notification and calls ``kv_arrived`` (or
+``kv_load_failed`` when the prefill twin cannot be reached: the request then recomputes, or fails
+with 500 as vLLM's ``GenerationError``, per ``kv_load_failure_policy``).
 """
 
 from __future__ import annotations
@@ -16,19 +26,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from engine_twin.core import CoreRequest, EngineCore, StepOutcome
-from engine_twin.errors import BadRequestError
+import httpx
+
+from engine_twin.core import CoreRequest, EngineCore, KVLoad, Status, StepOutcome
+from engine_twin.errors import BadRequestError, EngineSimError
 from engine_twin.faults import FaultState
 from engine_twin.kv_cache import DEFAULT_RETENTION, TieredPrefixCache, block_hashes, none_hash
 from engine_twin.kv_events import KVEventPublisher
 from engine_twin.metrics import EngineMetrics
+from engine_twin.pd import (
+    META_PATH,
+    NOTIF_PATH,
+    SIDE_CHANNEL_TIMEOUT_S,
+    RemotePrefill,
+    SideChannel,
+    prefill_params,
+    remote_prefill_of,
+)
 from engine_twin.protocol import GenerationSpec
 from engine_twin.settings import EngineSimSettings
 from engine_twin.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 MAX_LAG_S = 0.25
 """Wall seconds the driver may run behind its step schedule before restarting it from now."""
@@ -41,6 +66,8 @@ class Outcome:
     prompt_tokens: int
     cached_tokens: int
     generated: int
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill side of P/D: what the answer carries for the decode engine (:func:`prefill_params`)."""
 
 
 @dataclass(eq=False)
@@ -57,6 +84,8 @@ class RequestGroup:
     done: int = 0
     want: int = 1
     """Tokens per child the handler waits for; ``changed`` is set once they are all there."""
+    error: EngineSimError | None = None
+    """Set when a child failed (its KV load, under ``kv_load_failure_policy: fail``)."""
 
     @property
     def cached_tokens(self) -> int:
@@ -92,6 +121,13 @@ class SimEngine:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        transfer = settings.kv_transfer_config
+        self.engine_id = transfer.engine_id if transfer is not None and transfer.engine_id else ""
+        self.side_channel = SideChannel(self._side_channel_meta, self._notified) if settings.nixl else None
+        self._remote: dict[str, RemotePrefill] = {}
+        self._agents: dict[str, dict[str, Any]] = {}  # remote engine id -> its handshake answer
+        self._transfers: set[asyncio.Task[None]] = set()
+        self._http: httpx.AsyncClient | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -99,13 +135,28 @@ class SimEngine:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._drive(), name="engine-twin-driver")
 
+    async def start_side_channel(self) -> None:
+        """Serve the NIXL side channel (prefill/decode) when NixlConnector is on; raises RuntimeError
+        when its port is taken."""
+        if self.side_channel is not None:
+            await self.side_channel.start(self.settings.nixl_side_channel_host, self.settings.side_channel_port)
+
     async def aclose(self) -> None:
-        """Stop the driver and the KV event publisher."""
+        """Stop the driver, the KV transfers, the side channel and the KV event publisher."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for task in list(self._transfers):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if self.side_channel is not None:
+            await self.side_channel.aclose()
         self.close()
 
     def close(self) -> None:
@@ -142,11 +193,21 @@ class SimEngine:
         retention = self.retention_of(spec)
         children = [CoreRequest(f"{base}-{k}", prompt, spec.max_tokens, hashes, spec.priority, retention)
                     for k in range(spec.n)]
+        remote = None
+        params = spec.kv_transfer_params
+        if self.settings.nixl and params and spec.n == 1 and len(spec.prompts) == 1:
+            remote = remote_prefill_of(params)
+            # NixlConnector.request_finished: only a length-capped request keeps its blocks for a reader
+            children[0].remote_decode = bool(params.get("do_remote_decode")) and spec.finish_reason == "length"
         now = time.monotonic()
         group = RequestGroup(children, now, delivered=[0] * spec.n)
         for k, child in enumerate(children):
             try:
-                self.core.add(child, now)
+                if remote is not None:
+                    self.core.add_remote(child, now)
+                    self._remote[child.request_id] = remote
+                else:
+                    self.core.add(child, now)
             except ValueError as exc:
                 for added in children[:k]:
                     self.core.abort(added.request_id)
@@ -160,17 +221,29 @@ class SimEngine:
         """Leave the engine: done, or aborted (client disconnect) with every unfinished child removed."""
         complete = group.done == len(group.children)
         for child in group.children:
+            self._remote.pop(child.request_id, None)
             if self._groups.pop(child.request_id, None) is not None:
                 self.core.abort(child.request_id)
         prompt = len(group.children[0].prompt)
         gaps = [b - a for a, b in zip(group.token_times, group.token_times[1:])]
-        self.metrics.finished(prompt, sum(group.delivered), gaps, reason if complete else "abort",
-                              time.monotonic() - group.arrival)
+        reason = "error" if group.error is not None else reason if complete else "abort"
+        self.metrics.finished(prompt, sum(group.delivered), gaps, reason, time.monotonic() - group.arrival)
+
+    def transfer_params(self, group: RequestGroup) -> dict[str, Any] | None:
+        """Prefill side: the ``kv_transfer_params`` of a finished group whose blocks are held."""
+        held = self.core.held.get(group.children[0].request_id)
+        if held is None:
+            return None
+        s = self.settings
+        return prefill_params(self.engine_id, held.request_id, held.block_ids, s.nixl_side_channel_host,
+                              s.side_channel_port)
 
     async def _wait(self, group: RequestGroup, tokens: int) -> None:
         """Return once every child has delivered ``tokens`` tokens."""
         group.want = tokens
         while group.generated < tokens:
+            if group.error is not None:
+                raise group.error
             group.changed.clear()
             await group.changed.wait()
 
@@ -185,7 +258,8 @@ class SimEngine:
         finally:
             for group in groups:
                 self.finish(group, spec.finish_reason)
-        return [Outcome(len(g.children[0].prompt), g.cached_tokens, g.generated) for g in groups]
+        return [Outcome(len(g.children[0].prompt), g.cached_tokens, g.generated, self.transfer_params(g))
+                for g in groups]
 
     async def stream(self, spec: GenerationSpec) -> AsyncIterator[tuple[RequestGroup, int]]:
         """Yield ``(group, tokens so far)`` after the first token and after each later one.
@@ -215,6 +289,8 @@ class SimEngine:
                 start = clock()
                 continue
             outcome = core.step(start)
+            for load in outcome.kv_loads:
+                self._start_transfer(load)
             if not outcome.scheduled:  # nothing can run until a request arrives or leaves
                 self._wake.clear()
                 await self._wake.wait()
@@ -257,3 +333,82 @@ class SimEngine:
             entry = groups.pop(rid, None)
             if entry is not None:
                 entry[0].done += 1
+            if rid in self.core.held:
+                asyncio.get_running_loop().call_later(self.settings.nixl_abort_request_timeout_s, self._expire)
+
+    # ---- prefill/decode (NixlConnector) ----------------------------------------------------------
+    def _expire(self) -> None:
+        """Free the held blocks past their deadline; a timer that fired early (the loop's clock is
+        coarser than ``time.monotonic``) runs again for the rest."""
+        timeout = self.settings.nixl_abort_request_timeout_s
+        now = time.monotonic()
+        for rid in self.core.expire_held(now):
+            logger.warning("Releasing expired KV blocks for request %s which were retrieved by 0 decode worker(s) "
+                           "within %g seconds.", rid, timeout)
+        deadline = self.core.next_expiry()
+        if deadline is not None and deadline - now < timeout:
+            asyncio.get_running_loop().call_later(max(deadline - now, 0.001), self._expire)
+
+    def _side_channel_meta(self) -> dict[str, Any]:
+        s = self.settings
+        return {"engine_id": self.engine_id, "block_size": s.block_size, "num_blocks": s.num_gpu_blocks,
+                "kv_bytes_per_token": self.core.model.kv_bytes_per_token, "tp_size": 1,
+                "num_hidden_layers": s.num_hidden_layers, "num_key_value_heads": s.num_key_value_heads,
+                "head_dim": s.head_dim, "model_dtype_bytes": s.model_dtype_bytes}
+
+    def _notified(self, request_id: str) -> bool:
+        return self.core.release_held(request_id)
+
+    def _start_transfer(self, load: KVLoad) -> None:
+        remote = self._remote.get(load.request_id)
+        if remote is None:  # its handler has gone (aborted) before the read began
+            return
+        task = asyncio.get_running_loop().create_task(self._transfer(load, remote), name=f"kv-read-{load.request_id}")
+        self._transfers.add(task)
+        task.add_done_callback(self._transfers.discard)
+
+    async def _handshake(self, client: httpx.AsyncClient, remote: RemotePrefill) -> None:
+        """NIXL's handshake, once per remote engine: its metadata, checked as vLLM checks it (engine id;
+        the KV layout the compatibility hash covers). Raises RuntimeError or httpx.HTTPError."""
+        if remote.engine_id in self._agents:
+            return
+        meta = (await client.get(remote.url + META_PATH)).raise_for_status().json()
+        if meta.get("engine_id") != remote.engine_id:
+            raise RuntimeError(f"Remote NIXL agent engine ID mismatch. Expected {remote.engine_id},"
+                               f"received {meta.get('engine_id')}.")
+        if meta.get("kv_bytes_per_token") != self.core.model.kv_bytes_per_token:
+            raise RuntimeError("NIXL compatibility hash mismatch: prefill and decode instances have incompatible "
+                               f"KV layouts ({meta.get('kv_bytes_per_token')} vs "
+                               f"{self.core.model.kv_bytes_per_token} bytes per token)")
+        self._agents[remote.engine_id] = meta
+
+    async def _transfer(self, load: KVLoad, remote: RemotePrefill) -> None:
+        """Read one request's KV from its prefill twin (engine docstring); never raises."""
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=SIDE_CHANNEL_TIMEOUT_S)
+        client, clock, nixl = self._http, time.monotonic, self.metrics.nixl
+        started = clock()
+        try:
+            await self._handshake(client, remote)
+            delay = load.seconds * self.settings.time_scale
+            if delay > 0:
+                await asyncio.sleep(delay)
+            # the READ completes with its notification: the prefill twin frees the blocks
+            answer = await client.post(remote.url + NOTIF_PATH, json={"notif_msg": remote.notif_msg})
+            answer.raise_for_status()
+        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+            logger.warning("NIXL transfer failed for request %s from %s (%r). Marking blocks as invalid.",
+                           load.request_id, remote.url, exc)
+            self._agents.pop(remote.engine_id, None)
+            if nixl is not None:
+                nixl.failed_transfers.inc()
+            if self.core.kv_load_failed(load.request_id, clock()) == Status.FAILED:
+                entry = self._groups.get(load.request_id)
+                if entry is not None:
+                    entry[0].error = EngineSimError("Internal server error")
+                    entry[0].changed.set()
+        else:
+            if nixl is not None:
+                nixl.transfer(clock() - started, load.bytes, load.blocks)
+            self.core.kv_arrived(load.request_id, clock())
+        self._wake.set()

@@ -165,6 +165,11 @@ class CacheStats:
     cpu_evictions: int = 0
     cpu_stores: int = 0
     disk_stores: int = 0
+    connector_queries_tokens: int = 0
+    """Tokens a KV connector was asked for (NixlConnector: prompt tokens not cached locally), as vLLM's
+    ``connector_prefix_cache_stats``."""
+    connector_hits_tokens: int = 0
+    """Tokens a KV connector supplied (NixlConnector: the tokens read from the prefill engine)."""
 
 
 @dataclass(slots=True)

@@ -11,6 +11,15 @@ KV events: the endpoint goes into ``--kv-events-config`` with the topic ``kv@<ho
 (:func:`~engine_twin.kv_events.fleet_topic`). With ``tcp://host:port`` the engine connects and the
 router's subscriber binds; with ``tcp://*:port`` the engine binds (every router replica connects),
 and ``kv_events_replay_endpoint`` (``tcp://*:5558``) adds vLLM's replay socket.
+
+Prefill/decode disaggregation: ``pd_role="prefill" | "decode" | "both"`` adds vLLM's
+``--kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role": "kv_producer" | "kv_consumer" |
+"kv_both"}'`` to either line; run the engine with :func:`pd_engine_env` (the side channel's
+``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_PORT``, one free port per engine, e.g.
+:func:`side_channel_port_for` its HTTP port)::
+
+    argv = sim_engine_argv(8001, ["m"], pd_role="prefill")
+    subprocess.Popen(argv, env=pd_engine_env(side_channel_port_for(8001)))
 """
 
 from __future__ import annotations
@@ -40,6 +49,49 @@ interactive, −10 for async and 10 for batch work (``−`` the flow-control ban
 async and batch (and requests sent with no priority, 0) are background (``engine_twin/core.py``)."""
 
 
+PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+"""Engine role in a prefill/decode fleet → vLLM's ``kv_role`` (``vllm/config/kv_transfer.py``)."""
+SIDE_CHANNEL_PORT_OFFSET = 10000
+""":func:`side_channel_port_for`: an engine's side channel listens on its HTTP port + this."""
+
+
+def kv_transfer_config_json(pd_role: str, kv_load_failure_policy: str | None = None) -> str:
+    """vLLM's ``--kv-transfer-config`` JSON for NixlConnector in ``pd_role`` (``prefill``, ``decode``
+    or ``both``); ``kv_load_failure_policy`` (``fail``, vLLM's default when None, or ``recompute``).
+    Raises ValueError for another role."""
+    return json.dumps(_nixl_config(pd_role, kv_load_failure_policy))
+
+
+def _nixl_config(pd_role: str, kv_load_failure_policy: str | None) -> dict[str, Any]:
+    if pd_role not in PD_ROLES:
+        raise ValueError(f"pd_role must be one of {', '.join(PD_ROLES)}, got {pd_role!r}")
+    config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": PD_ROLES[pd_role]}
+    if kv_load_failure_policy is not None:
+        config["kv_load_failure_policy"] = kv_load_failure_policy
+    return config
+
+
+def side_channel_port_for(http_port: int) -> int:
+    """A side-channel port for the engine serving HTTP on ``http_port``: ``http_port`` +
+    :data:`SIDE_CHANNEL_PORT_OFFSET` (so engines on one machine never share one). Raises ValueError
+    past 65535."""
+    port = http_port + SIDE_CHANNEL_PORT_OFFSET
+    if port > 65535:
+        raise ValueError(f"no side-channel port for HTTP port {http_port}: pass one explicitly")
+    return port
+
+
+def pd_engine_env(side_channel_port: int, host: str = "127.0.0.1", base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a prefill/decode engine (simulated or vLLM): ``VLLM_NIXL_SIDE_CHANNEL_HOST`` =
+    ``host`` (the address decode engines reach it at; vLLM's default ``localhost``) and
+    ``VLLM_NIXL_SIDE_CHANNEL_PORT`` = ``side_channel_port`` (vLLM's default 5600), on top of ``base``
+    (default: this process's environment)."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    return env
+
+
 def kv_events_config_json(endpoint: str, host: str, port: int, model: str, replay_endpoint: str | None = None) -> str:
     """vLLM's ``--kv-events-config`` JSON for one engine (ZMQ publisher, fleet topic; with
     ``replay_endpoint``, vLLM's replay socket there)."""
@@ -57,6 +109,8 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                     retention_priority_threshold: int | None = FLEET_RETENTION_PRIORITY_THRESHOLD,
                     background_priority_threshold: int | None = None,
                     max_background_prefill_tokens: int | None = None,
+                    pd_role: str | None = None, kv_transfer_bandwidth_gb_s: float | None = None,
+                    kv_load_failure_policy: str | None = None,
                     extra: Sequence[str] = ()) -> list[str]:
     """argv of one simulated engine (``backfill engine-sim …``), ready for ``subprocess.Popen``.
 
@@ -69,8 +123,11 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
     off; it acts only under ``scheduling_policy="priority"``, as FCFS zeroes ``priority``).
     ``background_priority_threshold`` (the fleet's launchers pass
     :data:`BACKGROUND_PRIORITY_THRESHOLD`; None: off) and ``max_background_prefill_tokens`` bound
-    batch prefills per step (a twin extension, effective under the priority policy only). Raises
-    ``ValueError`` without a model name.
+    batch prefills per step (a twin extension, effective under the priority policy only).
+    ``pd_role`` (``prefill``, ``decode``, ``both``; None: no disaggregation) adds NixlConnector's
+    ``--kv-transfer-config`` (:func:`kv_transfer_config_json`, with ``kv_load_failure_policy``) and,
+    with ``kv_transfer_bandwidth_gb_s``, the link's GB/s; start the process with
+    :func:`pd_engine_env`. Raises ``ValueError`` without a model name or for an unknown role.
     """
     if not served_model_names:
         raise ValueError("served_model_names needs at least one name")
@@ -83,7 +140,8 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                                 "--tokenizer": tokenizer,
                                 "--retention-priority-threshold": retention_priority_threshold,
                                 "--background-priority-threshold": background_priority_threshold,
-                                "--max-background-prefill-tokens": max_background_prefill_tokens}
+                                "--max-background-prefill-tokens": max_background_prefill_tokens,
+                                "--kv-transfer-bandwidth": kv_transfer_bandwidth_gb_s}
     if cpu_offload_blocks:
         optional["--cpu-offload-blocks"] = cpu_offload_blocks
     for flag, value in optional.items():
@@ -92,6 +150,8 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
     if kv_events_endpoint:
         argv += ["--kv-events-config", kv_events_config_json(kv_events_endpoint, host, port, served_model_names[0],
                                                              kv_events_replay_endpoint)]
+    if pd_role is not None:
+        argv += ["--kv-transfer-config", kv_transfer_config_json(pd_role, kv_load_failure_policy)]
     return argv + list(extra)
 
 
@@ -100,6 +160,7 @@ def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
                      python: str | None = None, block_size: int | None = None,
                      cpu_offload_bytes: int = 0, max_num_seqs: int | None = None,
                      max_model_len: int | None = None, kv_events_replay_endpoint: str | None = None,
+                     pd_role: str | None = None, kv_load_failure_policy: str | None = None,
                      extra: Sequence[str] = ()) -> list[str]:
     """argv of one real vLLM engine for the fleet.
 
@@ -108,8 +169,10 @@ def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
     ``--enable-prompt-tokens-details``, ``--scheduling-policy priority``. ``kv_events_endpoint``
     adds ``--kv-events-config`` (topic ``kv@<host>:<port>@<first name>``); ``cpu_offload_bytes`` > 0
     adds the CPU tier: ``--kv-transfer-config`` with vLLM's ``OffloadingConnector`` and
-    ``cpu_bytes_to_use`` (bytes), LRU eviction. Run it with :func:`vllm_engine_env`.
-    Raises ``ValueError`` without a model name.
+    ``cpu_bytes_to_use`` (bytes), LRU eviction. ``pd_role`` (``prefill``, ``decode``, ``both``)
+    adds ``NixlConnector`` in that role (with the CPU tier too: vLLM's ``MultiConnector`` holding
+    both, NIXL first); run it with :func:`pd_engine_env` as the base of :func:`vllm_engine_env`.
+    Raises ``ValueError`` without a model name or for an unknown role.
     """
     if not served_model_names:
         raise ValueError("served_model_names needs at least one name")
@@ -124,11 +187,18 @@ def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
     if kv_events_endpoint:
         argv += ["--kv-events-config", kv_events_config_json(kv_events_endpoint, host, port, served_model_names[0],
                                                              kv_events_replay_endpoint)]
-    if cpu_offload_bytes:
+    offload = {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": int(cpu_offload_bytes), "eviction_policy": "lru"},
+    } if cpu_offload_bytes else None
+    nixl = _nixl_config(pd_role, kv_load_failure_policy) if pd_role is not None else None
+    if nixl is not None and offload is not None:
         argv += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": int(cpu_offload_bytes), "eviction_policy": "lru"},
+            "kv_connector": "MultiConnector", "kv_role": nixl["kv_role"],
+            "kv_connector_extra_config": {"connectors": [nixl, offload]},
         })]
+    elif nixl is not None or offload is not None:
+        argv += ["--kv-transfer-config", json.dumps(nixl or offload)]
     return argv + list(extra)
 
 

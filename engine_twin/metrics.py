@@ -23,6 +23,11 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                20.0, 40.0, 80.0)
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM 0.32's series, in its order
+NIXL_XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+"""``vllm:nixl_xfer_time_seconds`` buckets (``NixlPromMetrics``, vLLM's NIXL connector)."""
+NIXL_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
+"""``vllm:nixl_bytes_transferred`` buckets: 2 KiB to 8 GiB in steps of 4× (``NixlPromMetrics``)."""
+NIXL_DESCRIPTOR_BUCKETS = (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -66,12 +71,13 @@ class _LiveCollector(Collector):
         }, base={"engine": self.labels["engine"]})
         yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", stats.queries_tokens)
         yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", stats.hits_tokens)
+        tiers = stats.queries_tokens if (s.cpu_offload_blocks or s.disk_offload_blocks) else 0
         yield self._counter("vllm:external_prefix_cache_queries",
                             "External prefix cache queries from KV connector, in tokens.",
-                            stats.queries_tokens if (s.cpu_offload_blocks or s.disk_offload_blocks) else 0)
+                            tiers + stats.connector_queries_tokens)
         yield self._counter("vllm:external_prefix_cache_hits",
-                            "External prefix cache hits from KV connector (CPU/disk tiers), in tokens.",
-                            stats.external_hits_tokens)
+                            "External prefix cache hits from KV connector (CPU/disk tiers, NIXL reads), in tokens.",
+                            stats.external_hits_tokens + stats.connector_hits_tokens)
 
 
 class EngineMetrics:
@@ -101,6 +107,8 @@ class EngineMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              labels, buckets=REQUEST_BUCKETS, registry=reg).labels(*self._values)
 
+        self.nixl = _NixlMetrics(settings, labels, self._values, reg) if settings.nixl else None
+
     def attach(self, core: EngineCore) -> None:
         """Register the live collector reading ``core`` (call once, after it exists)."""
         self.registry.register(_LiveCollector(self.settings, core))
@@ -121,3 +129,39 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of the registry."""
         return generate_latest(self.registry)
+
+
+class _NixlMetrics:
+    """vLLM's NIXL connector metrics (``NixlPromMetrics`` in ``nixl_connector.py``), on the decode
+    side, one observation per KV read: ``vllm:nixl_xfer_time_seconds`` (wall seconds from the read's
+    start to its end, the modeled transfer × ``time_scale`` plus the side channel's round trips),
+    ``vllm:nixl_bytes_transferred`` (blocks × block bytes), ``vllm:nixl_num_descriptors`` (one per
+    block per K and V region per layer, as NIXL registers them), and the counters
+    ``vllm:nixl_num_failed_transfers`` (a read whose prefill twin could not be reached) /
+    ``vllm:nixl_num_failed_notifications`` (exported for parity; it stays 0: vLLM counts a failed
+    notification-only message, sent on a full local prefix hit, and a decode twin always reads at
+    least the block holding the last prompt token). vLLM's
+    ``vllm:nixl_post_time_seconds`` (time to post a NIXL request) has no counterpart and is left out."""
+
+    def __init__(self, settings: EngineSimSettings, labels: list[str], values: tuple[str, str], reg) -> None:
+        self.regions = 2 * settings.num_hidden_layers
+        self.xfer_time = Histogram("vllm:nixl_xfer_time_seconds",
+                                   "Histogram of transfer duration for NIXL KV Cache transfers.", labels,
+                                   buckets=NIXL_XFER_BUCKETS, registry=reg).labels(*values)
+        self.bytes = Histogram("vllm:nixl_bytes_transferred",
+                               "Histogram of bytes transferred per NIXL KV Cache transfers.", labels,
+                               buckets=NIXL_BYTES_BUCKETS, registry=reg).labels(*values)
+        self.descriptors = Histogram("vllm:nixl_num_descriptors",
+                                     "Histogram of number of descriptors per NIXL  KV Cache transfers.", labels,
+                                     buckets=NIXL_DESCRIPTOR_BUCKETS, registry=reg).labels(*values)
+        self.failed_transfers = Counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.",
+                                        labels, registry=reg).labels(*values)
+        self.failed_notifications = Counter("vllm:nixl_num_failed_notifications",
+                                            "Number of failed NIXL KV Cache notifications.", labels,
+                                            registry=reg).labels(*values)
+
+    def transfer(self, seconds: float, nbytes: int, blocks: int) -> None:
+        """One finished KV read (wall seconds, bytes, blocks)."""
+        self.xfer_time.observe(seconds)
+        self.bytes.observe(nbytes)
+        self.descriptors.observe(blocks * self.regions)

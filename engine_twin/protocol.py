@@ -18,6 +18,7 @@ from typing import Any
 
 from common.chatml import TEXT_PART_TYPES, render_chat
 from engine_twin.errors import BadRequestError, NotFoundError
+from engine_twin.pd import kv_transfer_params
 from engine_twin.settings import EngineSimSettings
 from engine_twin.tokenizer import Tokenizer
 
@@ -41,6 +42,8 @@ class GenerationSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     retention: int | None = None
     """``kv_retention_priority`` of the body (0 … 100), None when absent (see :func:`kv_retention`)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's ``kv_transfer_params`` (prefill/decode disaggregation, :mod:`engine_twin.pd`)."""
 
 
 def new_id(prefix: str) -> str:
@@ -168,7 +171,7 @@ def parse_chat(settings: EngineSimSettings, tok: Tokenizer, body: dict[str, Any]
     max_tokens, finish, n, priority = _common(settings, body, len(prompt), max_tokens, name)
     stream, usage, cont = _stream_flags(body)
     return GenerationSpec("chat", model, [prompt], max_tokens, finish, n, priority, stream, usage, cont, logprobs,
-                          retention=kv_retention(body))
+                          retention=kv_retention(body), kv_transfer_params=kv_transfer_params(body))
 
 
 def parse_completion(settings: EngineSimSettings, tok: Tokenizer, body: dict[str, Any]) -> GenerationSpec:
@@ -202,7 +205,7 @@ def parse_completion(settings: EngineSimSettings, tok: Tokenizer, body: dict[str
     stream, usage, cont = _stream_flags(body)
     echo = [tok.decode(p) for p in prompts] if body.get("echo") else []
     return GenerationSpec("completion", model, prompts, max_tokens, finish, n, priority, stream, usage, cont,
-                          logprobs, echo, retention=kv_retention(body))
+                          logprobs, echo, retention=kv_retention(body), kv_transfer_params=kv_transfer_params(body))
 
 
 #: Roles of a message input item (OpenAI's ``EasyInputMessage`` / input message).

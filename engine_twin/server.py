@@ -153,6 +153,7 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
         app.state.engine = engine
         engine.start()
         try:
+            await engine.start_side_channel()
             yield
         finally:
             await engine.aclose()
@@ -182,7 +183,7 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
     async def chat(request: Request) -> Response:
         engine, spec = await generation(request, parse_chat)
         if spec.stream:
-            return EngineStream(_chat_stream(engine, spec), media_type="text/event-stream")
+            return EngineStream(_guarded(_chat_stream(engine, spec)), media_type="text/event-stream")
         [out] = await _until_disconnect(request, engine.run(spec), engine)
         pieces = engine.pieces(out.generated)
         text = "".join(pieces)
@@ -198,7 +199,8 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
             "choices": choices, "service_tier": None, "system_fingerprint": None,
             "usage": usage_block(engine.settings, out.prompt_tokens, out.generated * spec.n, out.cached_tokens,
                                  chat=True),
-            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
+            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+            "kv_transfer_params": out.kv_transfer_params,
             "ec_transfer_params": None, "metrics": None,
         })
 
@@ -208,7 +210,7 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
         if spec.stream:
             if len(spec.prompts) > 1:
                 raise BadRequestError("the simulator streams one prompt per request", "prompt")
-            return EngineStream(_completion_stream(engine, spec), media_type="text/event-stream")
+            return EngineStream(_guarded(_completion_stream(engine, spec)), media_type="text/event-stream")
         outs: list[Outcome] = await _until_disconnect(request, engine.run(spec), engine)
         choices = []
         for p, out in enumerate(outs):
@@ -228,7 +230,8 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
             "choices": choices, "service_tier": None, "system_fingerprint": None,
             "usage": usage_block(engine.settings, prompt_tokens, sum(o.generated for o in outs) * spec.n,
                                  sum(o.cached_tokens for o in outs)),
-            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+            "kv_transfer_params": outs[0].kv_transfer_params if len(outs) == 1 else None,
+            "ec_transfer_params": None, "metrics": None,
         })
 
     @app.post("/v1/responses")
@@ -374,9 +377,36 @@ def create_app(settings: EngineSimSettings) -> FastAPI:
             "tiers": engine.cache.sizes(), "fault": engine.faults.mode,
             "kv_event_batches": engine.publisher.sent if engine.publisher else 0,
             "none_hash": engine.root_hash.hex(), "block_size": engine.settings.block_size,
+            "kv_transfer": _kv_transfer_state(engine),
         })
 
     return app
+
+
+def _kv_transfer_state(engine: SimEngine) -> dict[str, Any] | None:
+    """NixlConnector's state for ``/sim/state``: role, engine id, side channel, held and loading requests."""
+    s = engine.settings
+    if s.kv_transfer_config is None or not s.nixl:
+        return None
+    core = engine.core
+    return {"kv_connector": s.kv_transfer_config.kv_connector, "kv_role": s.kv_transfer_config.kv_role,
+            "engine_id": engine.engine_id, "side_channel": f"{s.nixl_side_channel_host}:{s.side_channel_port}",
+            "held_requests": len(core.held), "held_blocks": core.held_blocks, "loading_requests": len(core.transferring)}
+
+
+async def _guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream that ends with vLLM's in-stream error (``data: {"error": …}`` then ``[DONE]``) when the
+    request fails after the 200 has gone out (a failed KV load under ``kv_load_failure_policy: fail``)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except EngineSimError as exc:
+        yield _sse(exc.body())
+        yield b"data: [DONE]\n\n"
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def _die() -> None:

@@ -21,6 +21,8 @@ H100 SXM; :mod:`engine_twin.step_model` states the model and the source of every
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -49,10 +51,28 @@ class KVEventsConfig(BaseModel):
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
+NIXL_CONNECTOR = "NixlConnector"
+"""The one KV connector the twin simulates (vLLM's ``NixlConnector``, prefill/decode disaggregation)."""
+
+
+def _env_number(name: str, default: str, kind: type = float) -> Any:
+    """A number from vLLM's environment variable ``name`` (``vllm/envs.py``), ``default`` when unset."""
+    raw = os.environ.get(name, default)
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
 class KVTransferConfig(BaseModel):
-    """vLLM's ``--kv-transfer-config`` JSON (``vllm/config/kv_transfer.py``): accepted and stored,
-    no behaviour yet (prefill/decode disaggregation comes later). Unknown keys are kept, as newer
-    vLLM versions add some; vLLM's own checks are applied (a connector needs a role)."""
+    """vLLM's ``--kv-transfer-config`` JSON (``vllm/config/kv_transfer.py``), same keys and defaults.
+
+    The twin simulates ``NixlConnector`` only (prefill/decode disaggregation, ``engine_twin/core.py``
+    and ``engine_twin/pd.py``); any other connector is refused at startup with a clear error, as is a
+    connector without a role or a role vLLM does not know. ``engine_id`` defaults to a fresh UUID, as
+    vLLM's ``__post_init__``. ``kv_load_failure_policy``: vLLM's, ``"fail"`` (its default: a request
+    whose KV load failed finishes with an error) or ``"recompute"`` (the request computes its prompt
+    locally). Unknown keys are kept, as newer vLLM versions add some."""
 
     model_config = {"extra": "allow"}
 
@@ -67,13 +87,25 @@ class KVTransferConfig(BaseModel):
     kv_port: int = 14579
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
     kv_connector_module_path: str | None = None
+    enable_permute_local_kv: bool = False
+    kv_load_failure_policy: Literal["recompute", "fail"] = "fail"
 
     @model_validator(mode="after")
     def _role_with_connector(self) -> KVTransferConfig:
         if self.kv_connector is not None and self.kv_role is None:
             raise ValueError("Please specify kv_role when kv_connector is set, supported roles are "
                              "('kv_producer', 'kv_consumer', 'kv_both')")
+        if self.kv_connector is not None and self.kv_connector != NIXL_CONNECTOR:
+            raise ValueError(f"kv_connector {self.kv_connector!r} is not simulated: the engine twin simulates "
+                             f"{NIXL_CONNECTOR!r} only (prefill/decode disaggregation)")
+        if self.engine_id is None:
+            self.engine_id = str(uuid.uuid4())
         return self
+
+    @property
+    def is_nixl(self) -> bool:
+        """True when the NIXL connector is on (any role)."""
+        return self.kv_connector == NIXL_CONNECTOR
 
 
 class EngineSimSettings(BaseSettings):
@@ -131,6 +163,23 @@ class EngineSimSettings(BaseSettings):
     pcie_gb_s: float = Field(25.0, gt=0.0)
     nvme_gb_s: float = Field(5.0, gt=0.0)
 
+    kv_transfer_bandwidth_gb_s: float = Field(50.0, gt=0.0)
+    """Gigabytes/s of the link between a prefill and a decode engine, for the KV transfer time of
+    ``NixlConnector`` (a twin extension; vLLM has no such flag). Default 50 GB/s: one 400 Gb/s RDMA
+    NIC per GPU (NVIDIA ConnectX-7 NDR InfiniBand, eight per DGX H100, NVIDIA DGX H100 datasheet),
+    the path NIXL's UCX backend takes between nodes. Within one node NVLink 4 carries 450 GB/s per
+    direction per H100 (NVIDIA H100 datasheet: 900 GB/s bidirectional)."""
+    nixl_side_channel_host: str = Field(default_factory=lambda: os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST",
+                                                                               "localhost"))
+    """vLLM's ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (default ``localhost``, ``vllm/envs.py``): where the
+    twin's side channel listens and the ``remote_host`` its prefill answers name."""
+    nixl_side_channel_port: int = Field(default_factory=lambda: _env_number("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600",
+                                                                            int), ge=1, le=65535)
+    """vLLM's ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (default 5600; plus ``data_parallel_rank``, as vLLM)."""
+    nixl_abort_request_timeout_s: float = Field(
+        default_factory=lambda: _env_number("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480"), gt=0.0)
+    """vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` (default 480 s, ``vllm/envs.py``): a prefill engine
+    frees the blocks of a finished request no decode engine has read after this long."""
     default_max_tokens: int = Field(16, ge=1)
     embedding_dim: int = Field(1024, ge=1)
     failure_rate: float = Field(0.0, ge=0.0, le=1.0)
@@ -177,6 +226,16 @@ class EngineSimSettings(BaseSettings):
     def model(self) -> str:
         """The first served name: vLLM reports it in ``model_name`` metric labels."""
         return self.served_model_name[0]
+
+    @property
+    def nixl(self) -> bool:
+        """True when ``--kv-transfer-config`` turns vLLM's NixlConnector on (prefill/decode roles)."""
+        return self.kv_transfer_config is not None and self.kv_transfer_config.is_nixl
+
+    @property
+    def side_channel_port(self) -> int:
+        """The side channel's port: ``VLLM_NIXL_SIDE_CHANNEL_PORT`` + ``data_parallel_rank``, as vLLM."""
+        return self.nixl_side_channel_port + self.data_parallel_rank
 
     def seconds(self, ms: float) -> float:
         """Scale a model duration in milliseconds to wall-clock seconds (``time_scale`` applied)."""

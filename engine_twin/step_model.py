@@ -35,6 +35,9 @@ GPU was available when this was written):
   8B model's step on one H100 before it was overlapped; an estimate, not a measured figure.
 * CPU tier 25 GB/s (PCIe host-device copies, Gen4 x16 effective; Gen5 doubles it) and disk tier
   5 GB/s (a local NVMe SSD): the twin's block load times before this model, 0.08 and 0.4 ms per 2 MiB.
+* Prefill/decode KV transfer (NixlConnector) 50 GB/s: one 400 Gb/s RDMA NIC per GPU (ConnectX-7 NDR
+  in the NVIDIA DGX H100 datasheet), so a 2 MiB block takes 42 µs and a 4,096-token prompt 10.7 ms
+  (``--kv-transfer-bandwidth``; NVLink 4 within a node is 450 GB/s per direction).
 
 Sanity checks against published measurements: an idle engine's decode step is 16.06 GB /
 (3.35 TB/s × 0.77) + 2 ms ≈ 8.2 ms (llm-d's inference simulator profile for an 8B model on H100:
@@ -74,6 +77,8 @@ class StepModel:
     cpu_block_s: float
     disk_block_s: float
     kv_bytes_per_token: float
+    kv_transfer_block_s: float = 0.0
+    """Seconds to move one block's KV between engines (NixlConnector), over ``--kv-transfer-bandwidth``."""
 
     @classmethod
     def from_settings(cls, s: EngineSimSettings) -> StepModel:
@@ -89,6 +94,7 @@ class StepModel:
             cpu_block_s=block_bytes / (s.pcie_gb_s * 1e9),
             disk_block_s=block_bytes / (s.nvme_gb_s * 1e9),
             kv_bytes_per_token=kv_bytes,
+            kv_transfer_block_s=block_bytes / (s.kv_transfer_bandwidth_gb_s * 1e9),
         )
 
     def seconds(self, w: StepWork) -> float:
@@ -98,6 +104,11 @@ class StepModel:
         return (self.fixed_s + w.tokens * self.token_s + w.attention_pairs * self.pair_s
                 + w.context_tokens * self.context_token_s
                 + (w.cpu_loads + w.cpu_stores) * self.cpu_block_s + (w.disk_loads + w.disk_stores) * self.disk_block_s)
+
+    def kv_transfer_seconds(self, blocks: int) -> float:
+        """Model seconds to read ``blocks`` KV blocks from a remote engine: blocks × block size × KV
+        bytes per token ÷ the link's bandwidth (NIXL reads whole blocks)."""
+        return blocks * self.kv_transfer_block_s
 
     def prefill_seconds(self, tokens: int) -> float:
         """One step computing a fresh prompt of ``tokens`` alone (used for ``/v1/embeddings``)."""

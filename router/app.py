@@ -48,8 +48,9 @@ from router.scheduling.saturation import (
     SaturationThresholds,
     endpoint_reserve,
     endpoint_saturation,
-    fleet_saturation,
     gate_saturation,
+    pd_fleet_saturation,
+    pd_gate_saturation,
     reserve_in_use,
 )
 from router.scheduling.scheduler import Scheduler
@@ -109,9 +110,24 @@ class RouterRuntime:
         pending = 0
         if self.flow is not None:
             pending = max(0, self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates))
-        values = fleet_saturation(candidates, self.clock(), self.thresholds, pending, reserve=reserve,
-                                  working_set=self.session_working_set() if reserve else None)
+        values = pd_fleet_saturation(candidates, self.clock(), self.thresholds, pending, reserve=reserve,
+                                     working_set=self.session_working_set() if reserve else None)
         return {ep.name: value for ep, value in zip(candidates, values)}
+
+    def _gate(self, saturations: Mapping[str, float]) -> float:
+        """The gate over ``saturations`` (name → value of the healthy endpoints): per pool for a
+        prefill/decode fleet (:func:`router.scheduling.saturation.pd_gate_saturation`)."""
+        assert self.pool is not None
+        candidates = [ep for ep in self.pool.candidates() if ep.name in saturations]
+        return pd_gate_saturation(candidates, [saturations[ep.name] for ep in candidates])
+
+    def pool_gates(self, saturations: Mapping[str, float]) -> dict[str, float]:
+        """Each pool's least saturated value, ``{"prefill": …, "decode": …}`` (prefill-capable:
+        roles prefill and both; decode-capable: decode and both; 1.0 for an empty pool)."""
+        assert self.pool is not None
+        candidates = [ep for ep in self.pool.candidates() if ep.name in saturations]
+        return {"prefill": gate_saturation([saturations[ep.name] for ep in candidates if ep.can_prefill]),
+                "decode": gate_saturation([saturations[ep.name] for ep in candidates if ep.can_decode])}
 
     def saturation(self) -> float:
         """Pool saturation: the mean of :meth:`endpoint_saturations` (1.0 with no healthy
@@ -122,13 +138,14 @@ class RouterRuntime:
     def gate_saturation(self) -> float:
         """The least saturated healthy endpoint's saturation (1.0 when none is healthy): below 1.0
         some engine has room for sheddable work (per-engine spare capacity, not the pool's mean).
-        Flow control dispatches on this value."""
-        return gate_saturation(list(self.endpoint_saturations().values()))
+        Flow control dispatches on this value. For a prefill/decode fleet: per pool, room in both
+        a prefill-capable and a decode-capable engine (:meth:`_gate`)."""
+        return self._gate(self.endpoint_saturations())
 
     def unreserved_gate_saturation(self) -> float:
         """:meth:`gate_saturation` without the slot reserve (which is kept FOR non-sheddable work):
         what flow control gates interactive work on once it is past its band's bypass bound."""
-        return gate_saturation(list(self.endpoint_saturations(reserve=False).values()))
+        return self._gate(self.endpoint_saturations(reserve=False))
 
     def scheduling_saturation(self, endpoint: Endpoint) -> float:
         """One endpoint's saturation with the scrape-lag credit, for the ``spare-capacity-filter``
@@ -175,13 +192,15 @@ def admin_state(rt: RouterRuntime) -> RouterState:
             slot_reserve=endpoint_reserve(ep, now, rt.thresholds), reserve_in_use=reserve_in_use(ep, now, rt.thresholds),
             interactive_rate_per_s=ep.interactive_rate(now), batch_prefill_tokens=ep.in_flight_sheddable_prefill_tokens,
             num_preemptions=ep.num_preemptions, evictions=evictions, evicted_tokens=evicted_tokens,
+            role=ep.role,
         ))
     bands = [BandState(**band) for band in rt.flow.stats()["bands"]] if rt.flow is not None else []
     return RouterState(
         pool_saturation=sum(saturations.values()) / len(saturations) if saturations else 1.0,
-        gate_saturation=gate_saturation(list(saturations.values())), time=time.time(),
+        gate_saturation=rt._gate(saturations), pool_gate_saturation=rt.pool_gates(saturations), time=time.time(),
         decisions_per_s=rt.director.decisions.rate(), profile=rt.director.profile or rt.scheduler.default_profile,
         tokenizer=rt.settings.tokenizer, endpoints=endpoints, bands=bands, index=index_info,
+        disaggregation=rt.metrics.disaggregation_stats() if rt.metrics is not None else {},
     )
 
 
@@ -210,7 +229,8 @@ def _plugins(scheduler: Scheduler | None) -> list[object]:
         return []
     seen: dict[int, object] = {}
     for profile in scheduler.profiles.values():
-        for plugin in (*profile.producers, *profile.filters, *(s for s, _ in profile.scorers), profile.picker):
+        for plugin in (*profile.producers, *profile.filters, *(s for s, _ in profile.scorers), profile.picker,
+                       *profile.pre_request_hooks, *profile.response_hooks):  # hooks: a P/D handler's producer
             seen[id(plugin)] = plugin
     return list(seen.values())
 
@@ -327,6 +347,10 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
         if settings.profile is not None and settings.profile not in scheduler.profiles:
             raise ValueError(f"profile {settings.profile!r} is not in {settings.scheduling_config} "
                              f"(profiles: {', '.join(scheduler.profiles)})")
+        if settings.prefill_engines and scheduler.profile_handler is None:
+            log.warning("prefill engines are given but the scheduling config has no pd-profile-handler: they get "
+                        "whole requests like any engine", extra={"action": "router.pd_without_handler",
+                                                                 "config": str(settings.scheduling_config)})
         rt.working_set = working_set_of(_plugins(scheduler))
         for plugin in _plugins(scheduler):
             forget = getattr(plugin, "forget_endpoint", None)
@@ -374,12 +398,13 @@ async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[No
             rt.subscriber.start()
         if rt.flow is not None:
             await rt.flow.start()
-        pool.set_endpoints(settings.engines)
+        pool.set_endpoints(settings.all_engines, settings.engine_roles)
         if settings.engine_selector:
             subscriber = rt.subscriber if settings.kv_events_port is not None else None
             discovery = KubernetesSource(
                 pool, settings.engine_selector, settings.engine_port, settings.engine_namespace,
-                static=settings.engines, kv_events_port=settings.kv_events_port,
+                static=settings.all_engines, static_roles=settings.engine_roles,
+                kv_events_port=settings.kv_events_port,
                 replay_port_offset=settings.kv_events_replay_port_offset,
                 on_kv_sources=None if subscriber is None else lambda found: subscriber.set_sources([*static_kv, *found]))
             discovery.start()

@@ -15,12 +15,19 @@ from router.settings import build_settings
 @click.command("router")
 @click.option("--host", default=None, help="address to listen on (default 127.0.0.1)")
 @click.option("--port", type=int, default=None, help="port to listen on (default 8100)")
-@click.option("--engine", "engines", multiple=True, help="engine base URL, e.g. http://127.0.0.1:8001 (repeat)")
+@click.option("--engine", "engines", multiple=True,
+              help="engine base URL, e.g. http://127.0.0.1:8001 (repeat); role both (prefill and decode)")
+@click.option("--prefill-engine", "prefill_engines", multiple=True,
+              help="prefill engine base URL (repeat): computes prompts and hands their KV to a decode engine "
+                   "(vLLM --kv-transfer-config NixlConnector); enables prefill/decode disaggregation")
+@click.option("--decode-engine", "decode_engines", multiple=True,
+              help="decode engine base URL (repeat): generates, with the KV a prefill engine computed")
 @click.option("--engine-selector", default=None, help="Kubernetes label selector of engine pods (discovery)")
 @click.option("--engine-namespace", default=None, help="namespace of the engine pods (default: the router's)")
 @click.option("--engine-port", type=int, default=None, help="engine port on discovered pods (default 8000)")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="scheduling YAML (default: router/scheduling/default-config.yaml)")
+              help="scheduling YAML (default: router/scheduling/default-config.yaml, or pd-config.yaml when "
+                   "--prefill-engine is given)")
 @click.option("--profile", default=None, help="scheduling profile to run (default: the config's first)")
 @click.option("--tokenizer", type=click.Choice(["estimate", "hf", "engine"]), default=None,
               help="prompt tokenizer backend (default estimate)")
@@ -65,8 +72,8 @@ from router.settings import build_settings
               help="replay socket = PUB port + this where not named (default 1; 0: engines have none)")
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="router replicas behind one Service: per-tenant limits are divided by it (default 1)")
-def router_command(engines: tuple[str, ...], no_flow_control: bool, kv_events_connect: tuple[str, ...],
-                   **options) -> None:
+def router_command(engines: tuple[str, ...], prefill_engines: tuple[str, ...], decode_engines: tuple[str, ...],
+                   no_flow_control: bool, kv_events_connect: tuple[str, ...], **options) -> None:
     """Serve the prefix-cache-aware router with flow control in front of the engines."""
     import uvloop
     from aiohttp import web
@@ -77,6 +84,10 @@ def router_command(engines: tuple[str, ...], no_flow_control: bool, kv_events_co
     overrides = dict(options)
     if engines:
         overrides["engines"] = list(engines)
+    if prefill_engines:
+        overrides["prefill_engines"] = list(prefill_engines)
+    if decode_engines:
+        overrides["decode_engines"] = list(decode_engines)
     if kv_events_connect:
         overrides["kv_events_connect"] = list(kv_events_connect)
     if no_flow_control:
@@ -85,15 +96,19 @@ def router_command(engines: tuple[str, ...], no_flow_control: bool, kv_events_co
         settings = build_settings(**overrides)
     except ValidationError as exc:
         raise click.UsageError(describe(exc)) from None
-    if not settings.engines and not settings.engine_selector:
-        raise click.UsageError("give at least one --engine URL or an --engine-selector")
+    if not settings.all_engines and not settings.engine_selector:
+        raise click.UsageError("give at least one --engine (or --prefill-engine / --decode-engine) URL or an "
+                               "--engine-selector")
+    if settings.prefill_engines and not settings.engine_selector and not (settings.engines or settings.decode_engines):
+        raise click.UsageError("--prefill-engine needs a --decode-engine or --engine to decode on")
     configure_logging(settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine /tokenize call otherwise
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
     def ready(_banner: str) -> None:  # run_app calls it once the socket listens
-        click.echo(f"router ready on http://{settings.host}:{settings.port} engines={','.join(settings.engines)}",
-                   err=True)
+        roles = settings.engine_roles
+        listed = ",".join(f"{u}({roles[u]})" if u in roles else u for u in settings.all_engines)
+        click.echo(f"router ready on http://{settings.host}:{settings.port} engines={listed}", err=True)
 
     web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=ready,
                 handler_cancellation=True, shutdown_timeout=5.0)
@@ -103,22 +118,26 @@ def router_argv(port: int, engines: list[str], *, host: str = "127.0.0.1", confi
                 profile: str | None = None, tokenizer: str | None = None, kv_events_bind: str | None = None,
                 flow_control: str | None = None, no_flow_control: bool = False, engine_priority: bool = False,
                 kv_events_connect: dict[str, str] | None = None, replicas: int | None = None,
-                extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+                extra: list[str] | tuple[str, ...] = (), prefill_engines: list[str] | tuple[str, ...] = (),
+                decode_engines: list[str] | tuple[str, ...] = ()) -> list[str]:
     """argv of ``backfill router …`` for ``subprocess.Popen`` (``backfill up``, tests, benchmarks).
 
     ``kv_events_connect``: ``{engine URL: "tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]"}``, one
-    ``--kv-events-connect`` each; ``replicas``: ``--replicas``.
+    ``--kv-events-connect`` each; ``replicas``: ``--replicas``; ``prefill_engines`` /
+    ``decode_engines``: one ``--prefill-engine`` / ``--decode-engine`` each (``engines`` are role both).
 
     Raises:
         ValueError: no engine URL.
     """
     from common.executable import backfill_executable
 
-    if not engines:
+    if not engines and not prefill_engines and not decode_engines:
         raise ValueError("router_argv needs at least one engine URL")
     argv = [*backfill_executable(), "router", "--host", host, "--port", str(port)]
-    for url in engines:
-        argv += ["--engine", url]
+    for flag, urls in (("--engine", engines), ("--prefill-engine", prefill_engines),
+                       ("--decode-engine", decode_engines)):
+        for url in urls:
+            argv += [flag, url]
     for flag, value in (("--config", config), ("--profile", profile), ("--tokenizer", tokenizer),
                         ("--kv-events-bind", kv_events_bind), ("--flow-control", flow_control)):
         if value is not None:

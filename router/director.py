@@ -19,6 +19,16 @@ and writes what it decides. For one parsed request:
 4. when a try ends the counters fall and the ``response_complete`` hooks get the cached prompt
    tokens the engine reported (:attr:`Attempt.cached_tokens`).
 
+Prefill/decode disaggregation (a ``pd-profile-handler`` in the scheduling config, a
+:class:`PDForwarder` transport): :meth:`Director.decide` gives the decode endpoint and, for a
+long enough uncached prompt, a prefill endpoint. The decode try holds its endpoint's slot from
+the decision (no prefill tokens); the prefill leg (:meth:`Director._prefill`) runs first, as its
+own task counted on the prefill endpoint until its answer, and is tried once more on another
+prefill endpoint when it fails; with no ``kv_transfer_params`` after that the decode endpoint runs
+the request whole (its uncached tokens join its counters). Eviction, the client going away or the
+decode endpoint going down cancel the request with its prefill leg; the prefill endpoint going
+down cancels the leg alone.
+
 What happens is reported to a :class:`router.observer.RouterObserver`; the admin page's decision
 rate is :attr:`Director.decisions`.
 """
@@ -30,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from common.contracts.errors import ErrorType
 from router.flow_control import Admission, DropReason, FlowController, FlowItem, RequestDropped
@@ -38,9 +48,10 @@ from router.observer import RouterObserver
 from router.parsing import ParsedRequest
 from router.pool import EndpointPool, InFlight
 from router.scheduling.errors import NoCandidatesError
+from router.scheduling.plugins.disagg import PDReason
 from router.scheduling.saturation import effective_waiting, free_slots, unseen_requests
-from router.scheduling.scheduler import Scheduler
-from router.scheduling.types import Endpoint, LLMRequest, PrefixMatchInfo, SchedulingResult
+from router.scheduling.scheduler import SINGLE_PROFILE, Scheduler
+from router.scheduling.types import Endpoint, LLMRequest, PDDecision, PrefixMatchInfo, SchedulingResult
 from router.tokenizers import Prompt, to_llm_request
 
 #: Drop reason header (shared/contracts/queue-and-headers.md).
@@ -122,7 +133,7 @@ class Attempt:
     __slots__ = ("task", "pool", "endpoint", "share", "admission", "priority", "reason", "sent", "cached_tokens",
                  "chunks")
 
-    def __init__(self, task: asyncio.Task[object], pool: EndpointPool, share: InFlight,
+    def __init__(self, task: asyncio.Task[Any], pool: EndpointPool, share: InFlight,
                  admission: Admission | None = None, priority: int = 0) -> None:
         self.task = task
         self.pool = pool
@@ -169,6 +180,52 @@ class Forwarder(Protocol[R_co]):
 
     def rejected(self, rejected: Rejected) -> R_co:
         """Answer a refusal."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAnswer:
+    """What the prefill leg of a disaggregated request got (:meth:`PDForwarder.prefill`).
+
+    Attributes:
+        kv_transfer_params: the prefill engine's ``kv_transfer_params`` (opaque), None when it failed.
+        failure: why it failed (``connect``, ``timeout``, ``status``, ``client_error``,
+            ``no_kv_transfer_params``, ``stream``), None on success; a metric label.
+        cached_tokens: the cached prompt tokens the prefill engine reported, if any.
+    """
+
+    kv_transfer_params: dict[str, Any] | None
+    failure: str | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def retryable(self) -> bool:
+        """Another prefill engine may do better (not a 4xx about the request itself)."""
+        return self.failure != PREFILL_CLIENT_ERROR
+
+
+#: :attr:`PrefillAnswer.failure` of a 4xx answer other than 408 / 429: the request itself is at fault,
+#: so no other prefill engine is tried; the decode engine runs it whole and answers the client.
+PREFILL_CLIENT_ERROR = "client_error"
+#: :attr:`PrefillAnswer.failure` of a prefill engine declared down while it ran the prefill.
+PREFILL_ENDPOINT_DOWN = "endpoint_down"
+
+
+class PDForwarder(Forwarder[R_co], Protocol[R_co]):
+    """A transport that can also run the prefill leg of a disaggregated request.
+
+    Attributes:
+        disaggregable: the request may be disaggregated (a chat or completions generation).
+    """
+
+    disaggregable: bool
+
+    async def prefill(self, attempt: Attempt) -> PrefillAnswer:
+        """Send the prefill leg to ``attempt.endpoint`` and read its answer; never raises for
+        an engine's failure (it is in the answer)."""
+
+    def use_kv_transfer(self, params: dict[str, Any] | None) -> None:
+        """The next :meth:`send` carries ``params`` as ``kv_transfer_params`` (None: the
+        original request, the decode engine computing the prompt too)."""
 
 
 class DecisionRate:
@@ -231,6 +288,7 @@ class Director:
         self.evict_on_wait = evict_on_wait
         self.decisions = DecisionRate()
         self._attempts: dict[str, set[Attempt]] = {}  # endpoint name → tries running there
+        self._prefills: dict[str, set[Attempt]] = {}  # endpoint name → prefill legs running there
 
     # ---- admit ---------------------------------------------------------------------------------------
     def objective(self, parsed: ParsedRequest) -> str:
@@ -293,6 +351,88 @@ class Director:
         self.scheduler.pre_request(llm_request, result)
         return result
 
+    def decide(self, llm_request: LLMRequest, exclude: set[str], disaggregable: bool = True) -> PDDecision | None:
+        """The whole decision (:meth:`Scheduler.decide`: with a P/D profile handler a decode pick
+        and, for a long enough uncached prompt, a prefill pick) among the endpoints serving the
+        model and not in ``exclude``; None when there is no decode candidate. The plugins learn
+        from both picks (``pre_request``: the prefill engine now holds the prompt's prefix, the
+        decode engine receives it). A request that cannot be disaggregated (``disaggregable``
+        False: embeddings, responses) gets the default profile's pick (reason ``not_generation``)."""
+        candidates = self.pool.candidates_for(llm_request.model)
+        if exclude:
+            candidates = [ep for ep in candidates if ep.name not in exclude]
+        # a scheduler without a P/D handler is only asked for schedule() (in-process users may pass
+        # any object with schedule / pre_request / response_complete)
+        handler = getattr(self.scheduler, "profile_handler", None) if self.profile is None else None
+        started = time.perf_counter()
+        try:
+            if handler is not None and disaggregable:
+                decision = self.scheduler.decide(llm_request, candidates)
+            else:
+                result = self.scheduler.schedule(llm_request, candidates, self.profile)
+                reason = SINGLE_PROFILE if handler is None else PDReason.NOT_GENERATION.value
+                decision = PDDecision(result, None, reason, _uncached_tokens(result, llm_request))
+        except NoCandidatesError:
+            return None
+        self.observer.scheduled(time.perf_counter() - started, any(_matched(decision.decode)))
+        self.decisions.record()
+        if handler is not None:
+            self.observer.pd_decision(decision.reason)
+        self.scheduler.pre_request(llm_request, decision.decode)
+        if decision.prefill is not None:
+            self.scheduler.pre_request(llm_request, decision.prefill)
+        return decision
+
+    async def _prefill(self, llm_request: LLMRequest, decision: PDDecision, forwarder: PDForwarder[Any],
+                       task: asyncio.Task[Any]) -> dict[str, Any] | None:
+        """Run the prefill leg, once more on another prefill engine when it fails; the
+        ``kv_transfer_params`` to decode with, or None: fall back to aggregated (counted).
+
+        Each try counts in its prefill endpoint's in-flight counters (its uncached prompt tokens
+        until the answer) and is interrupted, alone, when that endpoint goes down.
+
+        Raises:
+            asyncio.CancelledError: the request itself was cancelled (client gone, evicted, its
+                decode endpoint down).
+        """
+        prefill = decision.prefill
+        excluded = [decision.decode.endpoint.name]
+        failure = "none"
+        for number in range(2):
+            if prefill is None:
+                break
+            name = prefill.endpoint.name
+            share = self.pool.started(prefill.endpoint, _uncached_tokens(prefill, llm_request),
+                                      sheddable=llm_request.sheddable)
+            attempt = Attempt(task, self.pool, share, None, llm_request.priority)
+            leg = asyncio.get_running_loop().create_task(forwarder.prefill(attempt), name=f"prefill {name}")
+            attempt.task = leg  # an interruption (its endpoint down) cancels the leg alone
+            self._prefills.setdefault(name, set()).add(attempt)
+            answer = PrefillAnswer(None, PREFILL_ENDPOINT_DOWN)
+            try:
+                answer = await leg
+            except asyncio.CancelledError:
+                if task.cancelling() or attempt.reason is None:
+                    leg.cancel()
+                    raise  # the request itself was cancelled
+            finally:
+                self.pool.finished(share, completed=answer.kv_transfer_params is not None)
+                self._prefills.get(name, set()).discard(attempt)
+                self.scheduler.response_complete(llm_request, prefill, answer.cached_tokens)
+            if answer.kv_transfer_params is not None:
+                return answer.kv_transfer_params
+            failure = answer.failure or "unknown"
+            self.observer.prefill_failed(name, failure)
+            excluded.append(name)
+            if number > 0 or not answer.retryable:
+                break
+            prefill = self.scheduler.schedule_prefill(llm_request, self.pool.candidates_for(llm_request.model), excluded)
+            if prefill is not None:
+                self.observer.prefill_retried()
+                self.scheduler.pre_request(llm_request, prefill)
+        self.observer.pd_fallback(failure)
+        return None
+
     # ---- forward -------------------------------------------------------------------------------------
     async def forward(self, llm_request: LLMRequest, objective: str, admitted: Admitted,
                       forwarder: Forwarder[R]) -> R:
@@ -314,20 +454,34 @@ class Director:
         if admitted.admission is not None:
             admitted.admission.on_evict(evict)
         made_room = False
+        pd_forwarder: PDForwarder[R] | None = forwarder if getattr(forwarder, "disaggregable", False) else None  # type: ignore[assignment]
         for number in range(2):
-            result = self.schedule(llm_request, tried)
-            if result is None:
+            decision = self.decide(llm_request, tried, pd_forwarder is not None)
+            if decision is None:
                 return forwarder.rejected(NO_ENDPOINT)
+            result = decision.decode
             tried.add(result.endpoint.name)
             if (self.make_room_enabled or self.evict_on_wait) and not llm_request.sheddable and not made_room:
                 made_room = self.make_room(result.endpoint) is not None
-            share = self.pool.started(result.endpoint, _uncached_tokens(result, llm_request),
-                                     sheddable=llm_request.sheddable)
+            if decision.prefill is not None:
+                tokens = 0  # the prefill engine computes the prompt; the decode engine receives its KV
+            elif decision.reason == SINGLE_PROFILE:
+                tokens = _uncached_tokens(result, llm_request)
+            else:
+                tokens = decision.uncached_tokens
+            share = self.pool.started(result.endpoint, tokens, sheddable=llm_request.sheddable)
             attempt = Attempt(task, self.pool, share, admitted.admission, llm_request.priority)
             self._attempts.setdefault(result.endpoint.name, set()).add(attempt)
             retry = number == 0
             completed = False
             try:
+                if pd_forwarder is not None:
+                    params = None
+                    if decision.prefill is not None:
+                        params = await self._prefill(llm_request, decision, pd_forwarder, task)
+                        if params is None:  # aggregated after all: the decode engine computes the prompt
+                            self.pool.add_prefill(share, decision.uncached_tokens)
+                    pd_forwarder.use_kv_transfer(params)
                 response = await forwarder.send(attempt, retry)
                 completed = response is not None
             except asyncio.CancelledError:
@@ -410,8 +564,11 @@ class Director:
 
     def endpoint_down(self, name: str) -> None:
         """Pool hook: ``name`` left the candidate set. Its requests in flight are interrupted
-        (the pool reset its counters, so their shares no longer count)."""
+        (the pool reset its counters, so their shares no longer count); so are the prefill legs
+        running there, each alone (its request retries the prefill elsewhere or falls back)."""
         for attempt in list(self._attempts.pop(name, ())):
+            attempt.interrupt(_ENDPOINT_DOWN)
+        for attempt in list(self._prefills.pop(name, ())):
             attempt.interrupt(_ENDPOINT_DOWN)
 
 

@@ -50,12 +50,38 @@ series                                                 type       labels
                                                                   matched somewhere)
 ``backfill_router_time_to_first_byte_seconds``         histogram  ``band``
 ``backfill_router_upstream_errors_total``              counter    ``kind`` (connect, stream, timeout)
+``backfill_router_pd_decisions_total``                 counter    ``decision`` (``disaggregated``,
+                                                                  ``aggregated``), ``reason``
+                                                                  (``disaggregated``,
+                                                                  ``below_threshold``,
+                                                                  ``no_prefill_endpoint``,
+                                                                  ``not_generation``); with a P/D
+                                                                  profile handler only
+``backfill_router_pd_prefill_failures_total``          counter    ``endpoint``, ``reason`` (prefill
+                                                                  legs that failed: ``connect``,
+                                                                  ``timeout``, ``status``,
+                                                                  ``client_error``,
+                                                                  ``no_kv_transfer_params``,
+                                                                  ``stream``, ``endpoint_down``)
+``backfill_router_pd_prefill_retries_total``           counter    — (prefill legs tried again on
+                                                                  another prefill engine)
+``backfill_router_pd_fallbacks_total``                 counter    ``reason`` (disaggregated requests
+                                                                  run aggregated on their decode
+                                                                  engine: no prefill engine answered)
+``backfill_router_endpoints``                          gauge      ``role`` (``prefill``, ``decode``,
+                                                                  ``both``), ``state`` (``healthy``,
+                                                                  ``known``)
+``backfill_router_endpoint_role``                      gauge      ``endpoint``, ``role`` (1)
+``backfill_router_pool_gate_saturation``               gauge      ``pool`` (``prefill``,
+                                                                  ``decode``: each pool's least
+                                                                  saturated endpoint)
 =====================================================  =========  ===============================
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -123,6 +149,18 @@ class RouterMetrics:
         self.untrusted_headers = Counter("backfill_router_untrusted_headers",
                                          "Identity headers (fairness id, objective) ignored because the caller "
                                          "is not trusted (router/trust.py).", ["header"], registry=reg)
+        self.pd_decisions = Counter("backfill_router_pd_decisions",
+                                    "Prefill/decode decisions of the P/D profile handler, by decision and reason.",
+                                    ["decision", "reason"], registry=reg)
+        self.pd_prefill_failures = Counter("backfill_router_pd_prefill_failures",
+                                           "Prefill legs of disaggregated requests that failed, by endpoint and reason.",
+                                           ["endpoint", "reason"], registry=reg)
+        self.pd_prefill_retries = Counter("backfill_router_pd_prefill_retries",
+                                          "Failed prefill legs tried again on another prefill engine.", registry=reg)
+        self.pd_fallbacks = Counter("backfill_router_pd_fallbacks",
+                                    "Disaggregated requests run aggregated on their decode engine because no "
+                                    "prefill engine answered, by the last failure's reason.", ["reason"], registry=reg)
+        self._pd: dict[str, Any] = {"decisions": {}, "prefill_failures": {}, "prefill_retries": 0, "fallbacks": {}}
         reg.register(_LiveCollector(state))
         self._per_plugin: dict[str, Histogram] = {}
 
@@ -182,6 +220,32 @@ class RouterMetrics:
         """One identity header ignored from an untrusted caller."""
         self.untrusted_headers.labels(header).inc()
 
+    def pd_decision(self, reason: str) -> None:
+        """One decision of the P/D profile handler."""
+        self.pd_decisions.labels("disaggregated" if reason == "disaggregated" else "aggregated", reason).inc()
+        _bump(self._pd["decisions"], reason)
+
+    def prefill_failed(self, endpoint: str, reason: str) -> None:
+        """One failed prefill leg."""
+        self.pd_prefill_failures.labels(endpoint, reason).inc()
+        _bump(self._pd["prefill_failures"], reason)
+
+    def prefill_retried(self) -> None:
+        """One prefill leg tried again elsewhere."""
+        self.pd_prefill_retries.inc()
+        self._pd["prefill_retries"] += 1
+
+    def pd_fallback(self, reason: str) -> None:
+        """One disaggregated request run aggregated after its prefill legs failed."""
+        self.pd_fallbacks.labels(reason).inc()
+        _bump(self._pd["fallbacks"], reason)
+
+    def disaggregation_stats(self) -> dict[str, Any]:
+        """The P/D counters since start, for ``/admin/state``'s ``disaggregation``:
+        ``{"decisions": {reason: n}, "prefill_failures": {reason: n}, "prefill_retries": n,
+        "fallbacks": {reason: n}}``."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self._pd.items()}
+
     # ---- exposition ----------------------------------------------------------------------------
 
     def render(self) -> bytes:
@@ -201,6 +265,18 @@ class _LiveCollector(Collector):
                      "The least saturated healthy endpoint's saturation (< 1.0: sheddable work may dispatch).", {},
                      [((), state.gate_saturation)])
         eps = state.endpoints
+        if state.pool_gate_saturation:
+            yield _gauge("backfill_router_pool_gate_saturation",
+                         "Each pool's least saturated healthy endpoint (prefill: roles prefill and both; "
+                         "decode: decode and both).", ("pool",),
+                         [((pool,), value) for pool, value in sorted(state.pool_gate_saturation.items())])
+        roles = ("prefill", "decode", "both")
+        yield _gauge("backfill_router_endpoints", "Endpoints by role: known to the pool, and healthy.",
+                     ("role", "state"),
+                     [((role, "known"), float(sum(e.role == role for e in eps))) for role in roles]
+                     + [((role, "healthy"), float(sum(e.role == role and e.healthy for e in eps))) for role in roles])
+        yield _gauge("backfill_router_endpoint_role", "1 for the endpoint's role (prefill, decode, both).",
+                     ("endpoint", "role"), [((e.name, e.role), 1.0) for e in eps])
         yield _gauge("backfill_router_endpoint_healthy", "1 when the endpoint is a candidate.", ("endpoint",),
                      [((e.name,), 1.0 if e.healthy else 0.0) for e in eps])
         yield _gauge("backfill_router_endpoint_saturation", "The endpoint's saturation (1.0 = at a threshold).",
@@ -236,7 +312,12 @@ class _LiveCollector(Collector):
             yield family
 
 
-def _gauge(name: str, doc: str, labels: tuple[str, ...] | dict, values: list[tuple[tuple[str, ...], float]]) -> Metric:
+def _bump(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _gauge(name: str, doc: str, labels: tuple[str, ...] | dict,
+           values: Sequence[tuple[tuple[str, ...], float | int]]) -> Metric:
     family = GaugeMetricFamily(name, doc, labels=list(labels))
     for label_values, value in values:
         family.add_metric(list(label_values), value)

@@ -45,3 +45,19 @@ class RouterObserver(Protocol):
 
     def untrusted_header(self, header: str) -> None:
         """A caller without the trusted token sent identity header ``header``; it was ignored."""
+
+    def pd_decision(self, reason: str) -> None:
+        """The P/D profile handler decided (``reason``: ``disaggregated``, ``below_threshold``,
+        ``no_prefill_endpoint``, ``not_generation``)."""
+
+    def prefill_failed(self, endpoint: str, reason: str) -> None:
+        """A disaggregated request's prefill leg on ``endpoint`` failed (``reason``: ``connect``,
+        ``timeout``, ``status``, ``client_error``, ``no_kv_transfer_params``, ``stream``,
+        ``endpoint_down``)."""
+
+    def prefill_retried(self) -> None:
+        """A failed prefill leg is tried once more on another prefill engine."""
+
+    def pd_fallback(self, reason: str) -> None:
+        """No prefill engine answered: the request runs aggregated on its decode engine
+        (``reason``: the last prefill failure's)."""

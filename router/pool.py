@@ -47,14 +47,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.kv_index.subscriber import KVEventSource
-from router.scheduling.types import Endpoint
+from router.scheduling.types import ROLE_BOTH, ROLES, Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -255,23 +255,41 @@ class EndpointPool:
         """Call ``hook(endpoint_name)`` when an endpoint leaves the candidate set or the pool."""
         self._on_down.append(hook)
 
-    def set_endpoints(self, urls: Iterable[str]) -> None:
+    def set_endpoints(self, urls: Iterable[str], roles: Mapping[str, str] | None = None) -> None:
         """Make the pool hold exactly ``urls`` (base URLs): start probing new ones, drop gone ones.
+
+        ``roles``: base URL → ``prefill`` | ``decode`` | ``both`` (:data:`~router.scheduling.types.ROLES`);
+        an endpoint not named is ``both``. A known endpoint whose role changed takes the new one
+        in place (its counters stay).
 
         Must be called from the event loop. New endpoints join the candidate set after their
         first healthy check.
+
+        Raises:
+            ValueError: a role that is not one of the three.
         """
+        role_of = {u.rstrip("/"): r for u, r in (roles or {}).items()}
+        for role in role_of.values():
+            if role not in ROLES:
+                raise ValueError(f"engine role must be one of {', '.join(ROLES)}, got {role!r}")
         wanted = {u.rstrip("/") for u in urls}
         for name in list(self.states):
             if name not in wanted:
                 self._remove(name)
+        changed = False
         for name in wanted:
+            role = role_of.get(name, ROLE_BOTH)
             if name not in self.states:
-                self.states[name] = EndpointState(Endpoint(name, max_num_seqs=self.max_num_seqs))
+                self.states[name] = EndpointState(Endpoint(name, max_num_seqs=self.max_num_seqs, role=role))
                 self._tasks[name] = [
                     asyncio.create_task(self._health_loop(name), name=f"health {name}"),
                     asyncio.create_task(self._scrape_loop(name), name=f"scrape {name}"),
                 ]
+            elif self.states[name].endpoint.role != role:
+                self.states[name].endpoint.role = role
+                changed = True
+        if changed:
+            self._rebuild()
 
     def _remove(self, name: str) -> None:
         state = self.states.pop(name)
@@ -347,6 +365,17 @@ class EndpointPool:
             if self._counts(share):
                 ep = share.endpoint
                 ep.in_flight_sheddable_prefill_tokens = max(0, ep.in_flight_sheddable_prefill_tokens - share.dispatched)
+
+    def add_prefill(self, share: InFlight, tokens: int) -> None:
+        """The request of ``share`` will prefill there after all (a disaggregated request whose
+        prefill leg failed falls back to its decode endpoint): its ``tokens`` uncached prompt
+        tokens join the endpoint's queued prefill work until its first chunk or its end."""
+        if tokens <= 0 or not self._counts(share) or share.tokens:
+            return
+        share.tokens = share.dispatched = tokens
+        share.endpoint.in_flight_uncached_tokens += tokens
+        if share.prefill:  # a sheddable request still counted in the batch prefill share
+            share.endpoint.in_flight_sheddable_prefill_tokens += tokens
 
     def first_chunk(self, share: InFlight) -> None:
         """The request's prefill is over: remove its uncached tokens (idempotent)."""
@@ -534,6 +563,9 @@ class KubernetesSource:
         namespace: namespace to list (default: the service account's namespace, else ``default``).
         interval_s: seconds between lists.
         static: URLs always kept in the pool besides the discovered ones.
+        static_roles: role of each static URL that is not ``both`` (``--prefill-engine``,
+            ``--decode-engine``); discovered pods take theirs from the :data:`ROLE_LABEL` label
+            (:func:`pod_role`).
         on_kv_sources: called after each list with the KV-event sources of the Ready pods
             (:func:`ready_pod_kv_sources`); None: no KV events from discovery.
         kv_events_port: PUB port of pods without the :data:`KV_EVENTS_PORT_ANNOTATION` (None: such
@@ -549,6 +581,7 @@ class KubernetesSource:
 
     def __init__(self, pool: EndpointPool, selector: str, port: int, namespace: str | None = None,
                  interval_s: float = 5.0, static: Iterable[str] = (), *,
+                 static_roles: Mapping[str, str] | None = None,
                  on_kv_sources: Callable[[list[KVEventSource]], None] | None = None,
                  kv_events_port: int | None = None, replay_port_offset: int = 1) -> None:
         self.pool = pool
@@ -557,6 +590,7 @@ class KubernetesSource:
         self.namespace = namespace
         self.interval_s = interval_s
         self.static = list(static)
+        self.static_roles = dict(static_roles or {})
         self.on_kv_sources = on_kv_sources
         self.kv_events_port = kv_events_port
         self.replay_port_offset = replay_port_offset
@@ -600,7 +634,8 @@ class KubernetesSource:
     def apply(self, pods: Iterable) -> None:
         """Make the pool (and the KV-event subscriber) follow one list of pods."""
         pods = list(pods)
-        self.pool.set_endpoints([*self.static, *ready_pod_urls(pods, self.port)])
+        roles = {**self.static_roles, **ready_pod_roles(pods, self.port)}
+        self.pool.set_endpoints([*self.static, *ready_pod_urls(pods, self.port)], roles)
         if self.on_kv_sources is not None:
             self.on_kv_sources(ready_pod_kv_sources(pods, self.port, self.kv_events_port, self.replay_port_offset))
 
@@ -617,9 +652,50 @@ def _host(ip: str) -> str:
     return f"[{ip}]" if ":" in ip else ip
 
 
+#: The pod label naming an engine's role in prefill/decode disaggregation (llm-d's ``RoleLabel``,
+#: ``pkg/plugins/filter/pd_role.go``): ``prefill``, ``decode`` or ``both``; no label: ``both``.
+ROLE_LABEL = "llm-d.ai/role"
+#: Label values read as ``both``: llm-d's newer name for it (``RolePrefillDecode``), which its
+#: prefill and decode filters both accept.
+_BOTH_ALIASES = ("prefill-decode",)
+
+
+def pod_role(pod) -> str | None:
+    """The role of ``pod`` from its :data:`ROLE_LABEL` label: ``prefill``, ``decode``, ``both``
+    (also for llm-d's ``prefill-decode`` and for a pod without the label); None for any other
+    value, which neither llm-d's prefill filter nor its decode filter keeps (the pod is not routed
+    to; :func:`ready_pod_urls` leaves it out and logs it)."""
+    labels = getattr(getattr(pod, "metadata", None), "labels", None) or {}
+    value = labels.get(ROLE_LABEL)
+    if value is None:
+        return ROLE_BOTH
+    value = str(value).strip().lower()
+    if value in ROLES:
+        return value
+    return ROLE_BOTH if value in _BOTH_ALIASES else None
+
+
 def ready_pod_urls(pods: Iterable, port: int) -> list[str]:
-    """``http://<pod IP>:<port>`` of each running pod whose ``Ready`` condition is true."""
-    return [f"http://{_host(ip)}:{port}" for pod in pods if (ip := _ready_ip(pod))]
+    """``http://<pod IP>:<port>`` of each running pod whose ``Ready`` condition is true and whose
+    role label is valid (:func:`pod_role`)."""
+    out = []
+    for pod in pods:
+        ip = _ready_ip(pod)
+        if not ip:
+            continue
+        if pod_role(pod) is None:
+            log.warning("engine pod with an unknown role label left out", extra={
+                "action": "router.pod_role_unknown", "pod_ip": ip,
+                "role": (getattr(getattr(pod, "metadata", None), "labels", None) or {}).get(ROLE_LABEL)})
+            continue
+        out.append(f"http://{_host(ip)}:{port}")
+    return out
+
+
+def ready_pod_roles(pods: Iterable, port: int) -> dict[str, str]:
+    """Base URL → role (:func:`pod_role`) of each Ready pod with a valid role label."""
+    return {f"http://{_host(ip)}:{port}": role for pod in pods
+            if (ip := _ready_ip(pod)) and (role := pod_role(pod)) is not None}
 
 
 def ready_pod_kv_sources(pods: Iterable, port: int, kv_events_port: int | None,

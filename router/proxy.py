@@ -15,6 +15,11 @@ One request:
    connection, which vLLM treats as an abort);
 4. the cached prompt tokens the engine reported (:mod:`router.usage`) go back to the director.
 
+Prefill/decode disaggregation (a P/D profile handler in the scheduling config): for a chat or
+completions request the director decides, the prefill leg runs first (:meth:`_Exchange.prefill`,
+the bodies in :mod:`router.disagg`), then the decode leg is the try above with the prefill
+answer's ``kv_transfer_params`` added; the client sees only the decode engine's answer.
+
 An :class:`ExchangeHook` (``handle(request, hook)``; :mod:`router.responses` for ``/v1/responses``)
 may replace the parsed request after the trust decision and rewrite the engine's answer.
 """
@@ -25,16 +30,27 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
+import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
 from common.contracts.errors import ErrorType, error_json, openai_type_for_status
 from common.contracts.openai_request import requested_output_tokens
-from router.director import DROPPED_REASON, NO_ENDPOINT, Attempt, Director, Interruption, Rejected
+from router.director import (
+    DROPPED_REASON,
+    NO_ENDPOINT,
+    PREFILL_CLIENT_ERROR,
+    Attempt,
+    Director,
+    Interruption,
+    PrefillAnswer,
+    Rejected,
+)
+from router.disagg import decode_body, kv_transfer_params_of, prefill_body
 from router.observer import RouterObserver
 from router.parsing import ParsedRequest, RequestError, engine_priority, parse_request, with_engine_priority
 from router.scheduling.types import LLMRequest
@@ -202,11 +218,20 @@ class Proxy:
         return headers
 
 
-class _Exchange:
-    """The transport of one request across its tries (:class:`router.director.Forwarder`):
-    ``response`` is what the current try has written to the client, if anything."""
+#: Request kinds that may be disaggregated (vLLM's NixlConnector flow serves both generation APIs).
+DISAGGREGABLE_KINDS = ("chat", "completion")
 
-    __slots__ = ("proxy", "request", "parsed", "body", "headers", "objective", "received", "response", "hook")
+
+class _Exchange:
+    """The transport of one request across its tries (:class:`router.director.PDForwarder`):
+    ``response`` is what the current try has written to the client, if anything.
+
+    A disaggregated request (:mod:`router.disagg`): :meth:`prefill` sends the prefill leg and reads
+    its ``kv_transfer_params``; :meth:`use_kv_transfer` makes the next :meth:`send` the decode leg
+    (the original body plus those params), whose answer goes to the client as any other."""
+
+    __slots__ = ("proxy", "request", "parsed", "body", "headers", "objective", "received", "response", "hook",
+                 "disaggregable", "_send_body")
 
     def __init__(self, proxy: Proxy, request: web.Request, parsed: ParsedRequest, body: bytes, objective: str,
                  received: float, hook: ExchangeHook | None = None) -> None:
@@ -219,6 +244,49 @@ class _Exchange:
         self.received = received
         self.response: web.StreamResponse | None = None
         self.hook = hook
+        self.disaggregable = parsed.kind in DISAGGREGABLE_KINDS and hook is None
+        self._send_body = body
+
+    def use_kv_transfer(self, params: dict[str, Any] | None) -> None:
+        """The next :meth:`send` sends ``body`` plus ``kv_transfer_params`` = ``params`` (the
+        decode leg), or ``body`` itself when None."""
+        self._send_body = self.body if params is None else decode_body(orjson.loads(self.body), params)
+
+    async def prefill(self, attempt: Attempt) -> PrefillAnswer:
+        """The prefill leg on ``attempt.endpoint`` (:func:`router.disagg.prefill_body` of the
+        body, non-streamed): its ``kv_transfer_params``, or why there are none. Connection
+        failures are reported to the pool (a health check follows), as for any try."""
+        proxy, observer = self.proxy, self.proxy.observer
+        name = attempt.endpoint.name
+        timeout = aiohttp.ClientTimeout(
+            total=(proxy.request_timeout_s + proxy.request_timeout_per_token_s) if proxy.request_timeout_s else None,
+            sock_connect=proxy.connect_timeout_s)
+        try:
+            async with proxy.session.post(name + self.parsed.path, data=prefill_body(orjson.loads(self.body)),
+                                          headers=self.headers, timeout=timeout) as upstream:
+                data = await upstream.read()
+                status = upstream.status
+        except TimeoutError as exc:
+            if isinstance(exc, aiohttp.ConnectionTimeoutError):
+                attempt.engine_failed(f"{type(exc).__name__}: {exc}")
+                return PrefillAnswer(None, "connect")
+            observer.upstream_error("timeout")
+            return PrefillAnswer(None, "timeout")
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            observer.upstream_error("connect")
+            attempt.engine_failed(f"{type(exc).__name__}: {exc}")
+            return PrefillAnswer(None, "connect")
+        except aiohttp.ClientError as exc:
+            observer.upstream_error("stream")
+            attempt.engine_failed(f"{type(exc).__name__}: {exc}")
+            return PrefillAnswer(None, "stream")
+        if status != 200:
+            client_fault = 400 <= status < 500 and status not in (408, 429)
+            return PrefillAnswer(None, PREFILL_CLIENT_ERROR if client_fault else "status")
+        params = kv_transfer_params_of(data)
+        if params is None:
+            return PrefillAnswer(None, "no_kv_transfer_params")
+        return PrefillAnswer(params, cached_tokens=cached_tokens_from_json(data))
 
     def rejected(self, rejected: Rejected) -> web.StreamResponse:
         """The director's refusal as an error response."""
@@ -230,7 +298,7 @@ class _Exchange:
         self.response = None
         name = attempt.endpoint.name
         try:
-            upstream = await proxy.session.post(name + self.parsed.path, data=self.body, headers=self.headers,
+            upstream = await proxy.session.post(name + self.parsed.path, data=self._send_body, headers=self.headers,
                                                 timeout=proxy.timeout_for(self.parsed))
         except TimeoutError as exc:
             if not isinstance(exc, aiohttp.ConnectionTimeoutError):

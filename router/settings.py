@@ -33,6 +33,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 #: The shipped scheduling config (approximate prefix + load scorers) used when none is given.
 DEFAULT_SCHEDULING_CONFIG = Path(__file__).parent / "scheduling" / "default-config.yaml"
+#: The shipped prefill/decode config, used instead when prefill engines are given and no config is.
+PD_SCHEDULING_CONFIG = Path(__file__).parent / "scheduling" / "pd-config.yaml"
 
 
 class RouterSettings(BaseSettings):
@@ -41,12 +43,16 @@ class RouterSettings(BaseSettings):
     Attributes:
         host, port: where the proxy listens.
         engines: static engine base URLs (``http://10.0.0.7:8000``), the endpoint pool's first source;
-            in ``BACKFILL_ROUTER_ENGINES`` separated by spaces or commas.
+            in ``BACKFILL_ROUTER_ENGINES`` separated by spaces or commas. Role ``both``.
+        prefill_engines, decode_engines: static engines of role ``prefill`` / ``decode`` (prefill/
+            decode disaggregation; ``BACKFILL_ROUTER_PREFILL_ENGINES``, ``…_DECODE_ENGINES``, as
+            ``engines``). A URL in two of the three lists is an error.
         engine_selector: Kubernetes label selector of engine pods (second source; needs the
             ``kubernetes`` package and in-cluster or kubeconfig credentials).
         engine_namespace: namespace watched by the selector (default: the pod's own).
         engine_port: port of the engines found by the selector.
-        config: scheduling YAML (llm-d ``EndpointPickerConfig`` shape); the shipped default if None.
+        config: scheduling YAML (llm-d ``EndpointPickerConfig`` shape); None: the shipped
+            ``pd-config.yaml`` when prefill engines are given, else ``default-config.yaml``.
         profile: scheduling profile to run (default: the config's first).
         tokenizer: ``estimate`` (4 bytes per token), ``hf`` (``tokenizer_path`` tokenizer.json) or
             ``engine`` (an engine's ``/tokenize``).
@@ -102,6 +108,8 @@ class RouterSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
     engines: Annotated[list[str], NoDecode] = Field(default_factory=list)  # "URL URL" or "URL,URL" in the env
+    prefill_engines: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    decode_engines: Annotated[list[str], NoDecode] = Field(default_factory=list)
     engine_selector: str | None = None
     engine_namespace: str | None = None
     engine_port: int = Field(8000, ge=1, le=65535)
@@ -189,22 +197,44 @@ class RouterSettings(BaseSettings):
     def _connected_engines_are_known(self) -> RouterSettings:
         """Without discovery, every ``--kv-events-connect`` names an ``--engine`` (a typo would feed an
         index no endpoint reads)."""
-        if self.engines and not self.engine_selector:
+        if self.all_engines and not self.engine_selector:
             from router.kv_index.subscriber import parse_connect_spec
 
-            unknown = [s.endpoint for s in map(parse_connect_spec, self.kv_events_connect) if s.endpoint not in self.engines]
+            known = set(self.all_engines)
+            unknown = [s.endpoint for s in map(parse_connect_spec, self.kv_events_connect) if s.endpoint not in known]
             if unknown:
                 raise ValueError(f"--kv-events-connect names engines that no --engine gives: {', '.join(unknown)}")
         return self
 
-    @field_validator("engines", mode="before")
+    @model_validator(mode="after")
+    def _one_role_per_engine(self) -> RouterSettings:
+        seen: dict[str, str] = {}
+        for flag, urls in (("--engine", self.engines), ("--prefill-engine", self.prefill_engines),
+                           ("--decode-engine", self.decode_engines)):
+            for url in urls:
+                if url in seen and seen[url] != flag:
+                    raise ValueError(f"engine {url} is given as {seen[url]} and as {flag}: one role per engine")
+                seen[url] = flag
+        return self
+
+    @property
+    def all_engines(self) -> list[str]:
+        """Every static engine URL (``engines``, then prefill, then decode ones), each once."""
+        return list(dict.fromkeys([*self.engines, *self.prefill_engines, *self.decode_engines]))
+
+    @property
+    def engine_roles(self) -> dict[str, str]:
+        """Static engine URL → role, for the engines that are not ``both``."""
+        return {**{u: "prefill" for u in self.prefill_engines}, **{u: "decode" for u in self.decode_engines}}
+
+    @field_validator("engines", "prefill_engines", "decode_engines", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
         if isinstance(value, str):
             value = [v for v in value.replace(",", " ").split() if v]
         return value
 
-    @field_validator("engines")
+    @field_validator("engines", "prefill_engines", "decode_engines")
     @classmethod
     def _urls(cls, value: list[str]) -> list[str]:
         out = []
@@ -216,8 +246,11 @@ class RouterSettings(BaseSettings):
 
     @property
     def scheduling_config(self) -> Path:
-        """The scheduling YAML in force."""
-        return self.config or DEFAULT_SCHEDULING_CONFIG
+        """The scheduling YAML in force: ``config``, else the P/D one when prefill engines are given,
+        else the default."""
+        if self.config is not None:
+            return self.config
+        return PD_SCHEDULING_CONFIG if self.prefill_engines else DEFAULT_SCHEDULING_CONFIG
 
 
 def build_settings(**overrides: Any) -> RouterSettings:

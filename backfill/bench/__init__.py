@@ -17,6 +17,7 @@
 | ``router_overhead`` | ``backfill bench router-overhead``: decision time, added latency, requests/s |
 | ``responses`` | ``backfill bench responses``: agent sessions via ``previous_response_id`` vs resending the history |
 | ``router_ha`` | ``backfill bench router-ha``: several precise routers on one fleet (index agreement, reuse) |
+| ``pd`` | ``backfill bench pd``: prefill/decode disaggregation vs aggregated at equal engine count (ITL, TTFT, throughput, every P:D split) |
 | ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups, tool agents, a shared-prefix batch, long-context conversations), Mooncake-format traces, the oracle-reusable tokens |
 | ``replay`` | async replayer: sessions closed-loop, arrivals open-loop, TTFT, cached tokens, captured reuse |
 | ``launch`` | subprocess fleet of simulated engines and the routers (ours, ``vllm-router``, ``sglang-router``) |
@@ -59,6 +60,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                   "Agent sessions via previous_response_id vs resending the history: bytes, TTFT, reuse."),
     "router-ha": ("backfill.bench.router_ha:router_ha_command",
                   "Several precise routers on one fleet: index agreement, captured reuse with 1, 2, 4 routers."),
+    "pd": ("backfill.bench.pd:pd_command",
+           "Prefill/decode disaggregation vs aggregated, equal engine count: ITL p99, TTFT, throughput per P:D split."),
 }
 
 

@@ -3,9 +3,19 @@ gate and the admin dashboard. Units: requests, tokens, blocks, seconds; fraction
 
     {"pool_saturation": float ≥ 0 (mean over the endpoints; ≥ 1.0: the pool on average at its limits),
      "gate_saturation": float ≥ 0 (the least saturated healthy endpoint's; ≥ 1.0: no endpoint has
-                        room, sheddable work is held), "time": Unix s,
+                        room, sheddable work is held; for a prefill/decode fleet — some endpoint of
+                        role "prefill" — the larger of the two pools' values below: room needs a
+                        prefill-capable AND a decode-capable endpoint with room), "time": Unix s,
+     "pool_gate_saturation": {"prefill": float, "decode": float} (least saturated healthy endpoint
+                        of each pool: prefill-capable = roles prefill and both, decode-capable =
+                        decode and both; 1.0 for an empty pool),
+     "disaggregation": {"decisions": {"disaggregated" | "below_threshold" | "no_prefill_endpoint" |
+                        "not_generation": n}, "prefill_failures": {reason: n}, "prefill_retries": n,
+                        "fallbacks": {reason: n}} (counters since start; no decisions without a
+                        P/D profile handler),
      "decisions_per_s": float, "profile": str, "tokenizer": str,
-     "endpoints": [{"name", "healthy", "models": [str], "num_requests_waiting", "num_requests_running",
+     "endpoints": [{"name", "healthy", "role": "prefill" | "decode" | "both", "models": [str],
+                    "num_requests_waiting", "num_requests_running",
                     "kv_cache_usage_perc", "in_flight_requests", "in_flight_uncached_tokens",
                     "idle_session_tokens" (prompt tokens of sessions idle there within the router's
                                            working-set window; counted as used KV in ``saturation``),
@@ -89,6 +99,8 @@ class EndpointState(_Lenient):
     """Sheddable requests evicted there for non-sheddable ones, by reason, since the router started."""
     evicted_tokens: int = 0
     """The router's estimate of the tokens those evictions wasted."""
+    role: str = "both"
+    """``prefill``, ``decode`` or ``both`` (prefill/decode disaggregation; llm-d's ``llm-d.ai/role``)."""
 
 
 class BandState(_Lenient):
@@ -116,6 +128,8 @@ class RouterState(_Lenient):
     pool_saturation: float
     time: float
     gate_saturation: float = 1.0
+    pool_gate_saturation: dict[str, float] = Field(default_factory=dict)
+    disaggregation: dict[str, Any] = Field(default_factory=dict)
     decisions_per_s: float = 0.0
     profile: str = ""
     tokenizer: str = ""

@@ -17,3 +17,6 @@ from pathlib import Path
 #: The shipped default config (spare-capacity filter, prefix-cache affinity filter, token-load 2,
 #: queue 2, no-hit-lru 1, max-score picker, plus a ``round-robin`` baseline profile).
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default-config.yaml")
+#: The shipped prefill/decode config (``pd-profile-handler`` over a load-aware ``decode`` profile and
+#: a prefix-aware ``prefill`` profile); the router's default when prefill engines are given.
+PD_CONFIG_PATH = Path(__file__).with_name("pd-config.yaml")

@@ -13,7 +13,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from router.scheduling.interfaces import PluginHandle
-from router.scheduling.plugins import affinity_filter, load, no_hit_lru, pickers, prefix, session, spare_capacity
+from router.scheduling.plugins import (
+    affinity_filter,
+    disagg,
+    load,
+    no_hit_lru,
+    pickers,
+    prefix,
+    session,
+    spare_capacity,
+)
 
 PluginFactory = Callable[[str, Mapping[str, Any] | None, PluginHandle], object]
 
@@ -28,6 +37,11 @@ def builtin_factories() -> dict[str, PluginFactory]:
         affinity_filter.AFFINITY_FILTER_TYPE: affinity_filter.build_affinity_filter,
         spare_capacity.SPARE_CAPACITY_FILTER_TYPE: spare_capacity.build_spare_capacity_filter,
         session.SESSION_FILTER_TYPE: session.build_session_filter,
+        disagg.PREFILL_FILTER_TYPE: disagg.build_prefill_filter,
+        disagg.DECODE_FILTER_TYPE: disagg.build_decode_filter,
+        # profile handler (prefill/decode disaggregation) and llm-d's sidecar header plugin
+        disagg.PD_PROFILE_HANDLER_TYPE: disagg.build_pd_profile_handler,
+        disagg.PREFILL_HEADER_HANDLER_TYPE: disagg.build_prefill_header_handler,
         # scorers
         prefix.PREFIX_SCORER_TYPE: prefix.build_prefix_scorer,
         load.QUEUE_SCORER_TYPE: load.build_queue_scorer,

@@ -96,7 +96,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from router.scheduling.types import Endpoint
+from router.scheduling.types import ROLE_PREFILL, Endpoint
 
 #: Saturation at or above which an endpoint takes no sheddable work (the contract's
 #: ``common.contracts.router_state.SATURATION_THRESHOLD``; repeated here because the scheduling
@@ -344,6 +344,53 @@ def fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: Satu
 def gate_saturation(saturations: Sequence[float]) -> float:
     """The least saturated endpoint's value (the per-engine gate); 1.0 when there is none."""
     return min(saturations, default=1.0)
+
+
+def is_disaggregated(endpoints: Sequence[Endpoint]) -> bool:
+    """Some endpoint has the role ``prefill``: the fleet is split into a prefill and a decode pool."""
+    return any(ep.role == ROLE_PREFILL for ep in endpoints)
+
+
+def pd_fleet_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: SaturationThresholds | None = None,
+                        pending: int = 0, *, reserve: bool = True,
+                        working_set: Mapping[str, int] | None = None) -> list[float]:
+    """:func:`fleet_saturation` computed per pool, aligned with ``endpoints``.
+
+    Without a ``prefill`` endpoint it is :func:`fleet_saturation` itself. Otherwise the decode pool
+    (roles ``decode`` and ``both``) and the prefill-only pool (role ``prefill``) are computed
+    apart, each with the ``pending`` requests placed on it (a released request takes a decode
+    slot, and a prefill slot too when it is disaggregated), so each engine's slot reserve and
+    Little's-law reserve count what its own pool runs.
+    """
+    if not is_disaggregated(endpoints):
+        return fleet_saturation(endpoints, now, thresholds, pending, reserve=reserve, working_set=working_set)
+    values = [0.0] * len(endpoints)
+    for prefill_only in (False, True):
+        index = [i for i, ep in enumerate(endpoints) if (ep.role == ROLE_PREFILL) is prefill_only]
+        part = fleet_saturation([endpoints[i] for i in index], now, thresholds, pending, reserve=reserve,
+                                working_set=working_set)
+        for i, value in zip(index, part):
+            values[i] = value
+    return values
+
+
+def pd_gate_saturation(endpoints: Sequence[Endpoint], saturations: Sequence[float]) -> float:
+    """The gate of a fleet that may be split into prefill and decode pools (``saturations``
+    aligned with ``endpoints``, from :func:`pd_fleet_saturation`).
+
+    Without a ``prefill`` endpoint: :func:`gate_saturation` (the least saturated endpoint).
+    With one, sheddable work has room only when a prefill-capable engine (``prefill`` or
+    ``both``) and a decode-capable one (``decode`` or ``both``) both have room: the larger of the
+    two pools' least saturated values (1.0 for an empty pool). A request the P/D handler does not
+    disaggregate needs only the decode pool; the gate does not know the request, so it holds
+    sheddable work while either pool is full (the prefill pool fills only with long prompts,
+    which are the ones disaggregated).
+    """
+    if not is_disaggregated(endpoints):
+        return gate_saturation(saturations)
+    prefill = [v for ep, v in zip(endpoints, saturations) if ep.can_prefill]
+    decode = [v for ep, v in zip(endpoints, saturations) if ep.can_decode]
+    return max(gate_saturation(prefill), gate_saturation(decode))
 
 
 def pool_saturation(endpoints: Sequence[Endpoint], now: float, thresholds: SaturationThresholds | None = None,

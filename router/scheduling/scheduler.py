@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from router.scheduling.errors import NoCandidatesError
 from router.scheduling.interfaces import DataProducer, Filter, Picker, PreRequest, ResponseComplete, Scorer
-from router.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
+from router.scheduling.types import CycleState, Endpoint, LLMRequest, PDDecision, SchedulingResult
+
+if TYPE_CHECKING:
+    from router.scheduling.plugins.disagg import PDProfileHandler
+
+#: :attr:`PDDecision.reason` of a decision made by one profile (no P/D profile handler, or a profile named).
+SINGLE_PROFILE = "single_profile"
 
 __all__ = ["Scheduler", "SchedulerProfile", "SchedulingResult", "clamp_unit"]
 
@@ -116,13 +123,39 @@ class Scheduler:
 
     Args:
         profiles: the profiles, by name, in config order (at least one).
+        profile_handler: a P/D profile handler (``pd-profile-handler``, bound to ``profiles``):
+            :meth:`decide` asks it; its decode profile becomes the default.
     """
 
-    def __init__(self, profiles: dict[str, SchedulerProfile]) -> None:
+    def __init__(self, profiles: dict[str, SchedulerProfile], profile_handler: PDProfileHandler | None = None) -> None:
         if not profiles:
             raise ValueError("a scheduler needs at least one profile")
         self.profiles = profiles
-        self.default_profile = next(iter(profiles))
+        self.profile_handler = profile_handler
+        self.default_profile = profile_handler.decode_profile if profile_handler is not None else next(iter(profiles))
+
+    def decide(self, request: LLMRequest, endpoints: Sequence[Endpoint], profile: str | None = None,
+               exclude_prefill: Sequence[str] = ()) -> PDDecision:
+        """The whole decision for ``request``: with a P/D profile handler and no ``profile`` named,
+        the handler's (decode pick, and a prefill pick when it disaggregates); otherwise one
+        profile's pick as :attr:`PDDecision.decode` with reason :data:`SINGLE_PROFILE`.
+
+        Raises:
+            KeyError: unknown profile name.
+            NoCandidatesError: nothing to route to (no decode candidate).
+        """
+        if self.profile_handler is not None and profile is None:
+            return self.profile_handler.decide(request, endpoints, exclude_prefill)
+        result = self.schedule(request, endpoints, profile)
+        return PDDecision(result, None, SINGLE_PROFILE, request.prompt_tokens)
+
+    def schedule_prefill(self, request: LLMRequest, endpoints: Sequence[Endpoint],
+                         exclude: Sequence[str] = ()) -> SchedulingResult | None:
+        """The P/D handler's prefill profile over ``endpoints`` not in ``exclude`` (a retry after a
+        failed prefill); None without a handler or a candidate."""
+        if self.profile_handler is None:
+            return None
+        return self.profile_handler.prefill(request, endpoints, exclude)
 
     def schedule(self, request: LLMRequest, endpoints: Sequence[Endpoint], profile: str | None = None) -> SchedulingResult:
         """Run ``profile`` (default: the first) for ``request`` over ``endpoints``.

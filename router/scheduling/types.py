@@ -22,6 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+#: Engine roles (llm-d's pod label ``llm-d.ai/role``, ``pkg/plugins/filter/pd_role.go``): a ``prefill``
+#: engine computes prompts and hands their KV to a decode engine; a ``decode`` engine generates (and
+#: computes a prompt itself when the request is not disaggregated); ``both`` does either (an engine
+#: with no role: every engine before prefill/decode disaggregation).
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLE_BOTH = "both"
+ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH)
+
 #: Bytes of prompt text per pseudo-token in the ``estimate`` tokenizer backend (ROUTING.md: "about
 #: 4 bytes per token"; llm-d's estimate backend uses the same figure).
 ESTIMATE_BYTES_PER_TOKEN = 4
@@ -77,6 +86,9 @@ class Endpoint:
         mean_interactive_duration_s: EWMA of the durations of the completed non-sheddable requests
             there (seconds, as ``mean_request_duration_s``); None before the first.
         num_preemptions: ``vllm:num_preemptions_total`` at the last scrape (requests).
+        role: :data:`ROLE_PREFILL`, :data:`ROLE_DECODE` or :data:`ROLE_BOTH` (default): what the
+            ``prefill-filter`` / ``decode-filter`` keep (``--prefill-engine``, ``--decode-engine``,
+            ``--engine``; the pod label ``llm-d.ai/role`` with discovery).
     """
 
     name: str
@@ -99,6 +111,17 @@ class Endpoint:
     interactive_rate_at: float | None = None
     mean_interactive_duration_s: float | None = None
     num_preemptions: int = 0
+    role: str = ROLE_BOTH
+
+    @property
+    def can_prefill(self) -> bool:
+        """The engine may run a disaggregated prefill (role ``prefill`` or ``both``)."""
+        return self.role != ROLE_DECODE
+
+    @property
+    def can_decode(self) -> bool:
+        """The engine may decode, and run whole requests (role ``decode`` or ``both``)."""
+        return self.role != ROLE_PREFILL
 
     def interactive_rate(self, now: float, tau_s: float = 10.0) -> float:
         """The non-sheddable arrival rate at ``now`` (requests/s): :attr:`interactive_rate_per_s`
@@ -243,3 +266,31 @@ class SchedulingResult:
         out = {scorer: dict(zip(names, values)) for scorer, values in self.scores.items()}
         out["total"] = dict(zip(names, self.totals))
         return out
+
+
+@dataclass(slots=True)
+class PDDecision:
+    """Where one request goes with prefill/decode disaggregation
+    (:meth:`router.scheduling.scheduler.Scheduler.decide`).
+
+    Attributes:
+        decode: the decode profile's decision: the endpoint that answers the client (llm-d's
+            primary profile). Without a P/D profile handler: the only decision.
+        prefill: the prefill profile's decision when the request is disaggregated, else None
+            (the decode endpoint computes the prompt too).
+        reason: ``disaggregated`` or why not (``below_threshold``, ``no_prefill_endpoint``, …:
+            :class:`router.scheduling.plugins.disagg.PDReason`); ``single_profile`` when no P/D
+            profile handler decided.
+        uncached_tokens: prompt tokens the decode endpoint would compute itself (prompt minus its
+            prefix match), tokens.
+    """
+
+    decode: SchedulingResult
+    prefill: SchedulingResult | None
+    reason: str
+    uncached_tokens: int
+
+    @property
+    def disaggregated(self) -> bool:
+        """A prefill engine computes the prompt and hands its KV to the decode engine."""
+        return self.prefill is not None

@@ -23,8 +23,9 @@ BUILTIN_GROUPS = {"v1", "apps/v1", "batch/v1", "policy/v1", "rbac.authorization.
 CRD_SCHEMAS = yaml.safe_load((Path(__file__).with_name("crd_schemas.yaml")).read_text())
 #: Secrets the operator creates (deploy/README.md); the dev overlay ships development ones.
 EXTERNAL_SECRETS = {"backfill-stores", "backfill-admin", "backfill-router-token", "backfill-s3", "backfill-hf"}
-#: Containers whose image needs a writable root filesystem (see the comment in base/vllm.yaml).
-WRITABLE_ROOT = {("backfill-vllm", "vllm")}
+#: Containers whose image needs a writable root filesystem (see the comment in base/vllm.yaml; the pd
+#: overlay's prefill pool runs the same image).
+WRITABLE_ROOT = {("backfill-vllm", "vllm"), ("backfill-vllm-prefill", "vllm")}
 #: Services that must keep serving through voluntary disruptions.
 NEEDS_PDB = {"gateway", "router", "processor", "worker", "vllm"}
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import DEPLOY, OVERLAYS, REPO, STORE_FALLBACK, settings_from, settings_under_env
+from derived_configs import DERIVED
 
 from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
@@ -122,12 +123,14 @@ def test_every_router_replica_subscribes_to_every_engines_kv_sockets_and_discove
     assert engine["spec"]["template"]["metadata"]["labels"][key] == value
     engine_ports = {p["containerPort"] for p in engine["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert settings.engine_port in engine_ports
-    # the scheduling config mounted where BACKFILL_ROUTER_CONFIG points is the shipped file of that name
+    # the scheduling config mounted where BACKFILL_ROUTER_CONFIG points is the shipped file of that
+    # name, or one derived from shipped files (derived_configs.py: the pd overlay's)
     mount = next(m for m in router["volumeMounts"] if m["name"] == "scheduling")
     assert str(settings.config.parent) == mount["mountPath"]
     config_map = find(objects, "ConfigMap", "backfill-router-scheduling")
-    shipped = (REPO / "router" / "scheduling" / settings.config.name).read_text()
-    assert config_map["data"][settings.config.name] == shipped
+    name = settings.config.name
+    shipped = DERIVED[name]() if name in DERIVED else (REPO / "router" / "scheduling" / name).read_text()
+    assert config_map["data"][name] == shipped
     # the processors send to the router's Service
     url = env_of(objects, "backfill-processor")["BACKFILL_PROCESSOR_ROUTER_URL"]
     assert url == f"http://backfill-router:{settings.port}"
