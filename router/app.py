@@ -43,7 +43,7 @@ from router.replicas import split_tenant_limits
 from router.responses import ResponsesAPI
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
-from router.scheduling.plugins.session import working_set_of
+from router.scheduling.plugins.session import SessionWorkingSet, working_set_of
 from router.scheduling.saturation import (
     SaturationThresholds,
     endpoint_reserve,
@@ -153,8 +153,14 @@ class RouterRuntime:
         forwarded; pending ones are not placed here)."""
         if self.pool is not None:
             self.pool.expire_prefills()
-        return endpoint_saturation(endpoint, self.clock(), self.thresholds,
-                                   working_set_tokens=self.session_working_set().get(endpoint.name, 0))
+        source = self.working_set
+        if source is None:
+            tokens = 0
+        elif isinstance(source, SessionWorkingSet):
+            tokens = source.tokens(endpoint.name)  # one entry, not the map over every endpoint
+        else:
+            tokens = source().get(endpoint.name, 0)
+        return endpoint_saturation(endpoint, self.clock(), self.thresholds, working_set_tokens=tokens)
 
     def state(self) -> RouterState:
         """The admin state (see :func:`admin_state`)."""

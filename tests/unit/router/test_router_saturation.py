@@ -226,3 +226,32 @@ def test_the_batch_prefill_share_bounds_sheddable_prompt_tokens_in_prefill():
     assert endpoint_saturation(ep, NOW, CREDIT) == 0.0  # off by default
     with pytest.raises(ValueError):
         SaturationThresholds(batch_prefill_share=0.0)
+
+
+def test_scheduling_saturation_reads_the_same_working_set_entry_as_the_whole_map():
+    """RouterRuntime.scheduling_saturation with the session plugin's per-endpoint read equals the
+    value from the whole map (a plain callable source), endpoint by endpoint."""
+    from scheduling_helpers import FakeClock, request
+
+    from router.scheduling.interfaces import PluginHandle
+    from router.scheduling.plugins.session import build_session_filter, working_set_of
+    from router.scheduling.scheduler import SchedulingResult
+    from router.scheduling.types import CycleState
+
+    clock = FakeClock(NOW)
+    eps = [Endpoint(f"http://e{i}", metrics_updated_at=NOW, block_size=16, num_gpu_blocks=100,
+                    kv_cache_usage_perc=0.1 * i, peak_running=4) for i in range(4)]
+    plugin = build_session_filter("session", None, PluginHandle(clock=clock))
+    for i, ep in enumerate(eps[:3]):
+        req = request(list(range(300 * (i + 1))), session_id=f"s{i}")
+        plugin.pre_request(req, SchedulingResult("default", ep, [ep], [0.0], {}, CycleState()))
+        plugin.response_complete(req, ep, None)
+    fast, slow = RouterRuntime(RouterSettings(engines=[]), clock=clock), RouterRuntime(RouterSettings(engines=[]), clock=clock)
+    for rt in (fast, slow):
+        rt.pool = FakePool(eps)  # type: ignore[assignment]
+    fast.working_set = working_set_of([plugin])
+    slow.working_set = lambda: plugin.working_set_tokens()
+    values = [fast.scheduling_saturation(ep) for ep in eps]
+    assert values == [slow.scheduling_saturation(ep) for ep in eps]
+    assert values[1] > eps[1].kv_cache_usage_perc / 0.8  # the working set counts
+    assert values[3] == pytest.approx(eps[3].kv_cache_usage_perc / 0.8)  # none there
