@@ -255,3 +255,24 @@ def test_scheduling_saturation_reads_the_same_working_set_entry_as_the_whole_map
     assert values == [slow.scheduling_saturation(ep) for ep in eps]
     assert values[1] > eps[1].kv_cache_usage_perc / 0.8  # the working set counts
     assert values[3] == pytest.approx(eps[3].kv_cache_usage_perc / 0.8)  # none there
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_gate_reads_equal_the_gate_over_the_admin_values(seed):
+    """gate_saturation / unreserved_gate_saturation (computed without the name map) equal the gate
+    over endpoint_saturations(), on randomized fleets, split into P/D pools or not."""
+    import random
+
+    rng = random.Random(seed)
+    eps = [Endpoint(f"http://e{i}", metrics_updated_at=NOW - rng.choice((0.0, 0.05, 1.0)),
+                    num_requests_running=rng.randrange(5), num_requests_waiting=rng.choice((0, 0, 2, 6)),
+                    kv_cache_usage_perc=rng.random(), peak_running=4, in_flight_requests=rng.randrange(8),
+                    in_flight_sheddable=rng.randrange(3), learned_max_num_seqs=rng.choice((None, 4, 8)),
+                    role=rng.choice(("both", "both", "prefill", "decode")) if seed % 2 else "both")
+           for i in range(12)]
+    rt = RouterRuntime(RouterSettings(engines=[]), clock=lambda: NOW)
+    rt.pool = FakePool(eps)  # type: ignore[assignment]
+    rt.flow = SimpleNamespace(in_flight_requests=sum(ep.in_flight_requests for ep in eps) + rng.randrange(6))  # type: ignore[assignment]
+    assert rt.gate_saturation() == rt._gate(rt.endpoint_saturations())
+    assert rt.unreserved_gate_saturation() == rt._gate(rt.endpoint_saturations(reserve=False))
+    assert 0.0 < rt.gate_saturation()
