@@ -60,6 +60,21 @@ BYTES_PER_ENGINE_BLOCK = 257
 #: precise run's wall time was the collector's).
 _EngineBlock = tuple[int, bytes, tuple[int, ...], int]
 
+class _BlockTable(dict[int, _EngineBlock]):
+    """Engine block hash → state. A dict subclass on purpose: CPython untracks an exact dict
+    whose values are all untracked (in full collections) and tracks it again, as a young object,
+    on the next insert, so every young collection would walk the whole table; a subclass is never
+    untracked and stays in the old generation."""
+
+    __slots__ = ()
+
+
+class _KeyTable(dict[int, "_Entry"]):
+    """Our key → entry, least recently stored first; a dict subclass for :class:`_BlockTable`'s reason."""
+
+    __slots__ = ()
+
+
 #: Tier position of each medium as sent (exact spellings first; :func:`_tier_of` lowers the rest).
 _TIER_OF_SENT: dict[str | None, int] = {None: 0, "": 0, "GPU": 0, "CPU": 1, "DISK": 2, "gpu": 0, "cpu": 1, "disk": 2}
 
@@ -79,8 +94,8 @@ class _Endpoint:
         self.name = name
         self.slot = slot
         self.bit = 1 << slot
-        self.blocks: dict[int, _EngineBlock] = {}
-        self.removed: dict[int, _EngineBlock] = {}  # recently left every tier, oldest first
+        self.blocks: dict[int, _EngineBlock] = _BlockTable()
+        self.removed: dict[int, _EngineBlock] = _BlockTable()  # recently left every tier, oldest first
         self.counts = [0, 0, 0]  # our keys held per tier
         self.skip_groups: set[int] = set()
 
@@ -162,7 +177,7 @@ class KVBlockIndex:
         self.max_engine_blocks = max_engine_blocks or max_blocks * ENGINE_BLOCKS_PER_BLOCK
         self._clock = clock
         self._chunk_bytes = block_size_tokens * 4  # hashing packs 4 bytes per token
-        self._keys: dict[int, _Entry] = {}
+        self._keys = _KeyTable()
         self._endpoints: dict[str, _Endpoint] = {}
         self._slot_names: list[str | None] = []
         self._free_slots: list[int] = []
