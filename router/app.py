@@ -43,7 +43,7 @@ from router.replicas import split_tenant_limits
 from router.responses import ResponsesAPI
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
-from router.scheduling.plugins.session import working_set_of
+from router.scheduling.plugins.session import SessionWorkingSet, working_set_of
 from router.scheduling.saturation import (
     SaturationThresholds,
     endpoint_reserve,
@@ -94,6 +94,18 @@ class RouterRuntime:
         (``router/scheduling/plugins/session.py``); empty without a session plugin."""
         return self.working_set() if self.working_set is not None else {}
 
+    def _fleet_values(self, reserve: bool) -> tuple[list[Endpoint], list[float]]:
+        """The healthy endpoints and their saturations, aligned (:meth:`endpoint_saturations`)."""
+        assert self.pool is not None
+        self.pool.expire_prefills()
+        candidates = self.pool.candidates()
+        pending = 0
+        if self.flow is not None:
+            pending = max(0, self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates))
+        values = pd_fleet_saturation(candidates, self.clock(), self.thresholds, pending, reserve=reserve,
+                                     working_set=self.session_working_set() if reserve else None)
+        return candidates, values
+
     def endpoint_saturations(self, *, reserve: bool = True) -> dict[str, float]:
         """Every healthy endpoint's saturation for sheddable work now, by name: the detector's value
         from the last scrapes with the scrape-lag credit per endpoint and, once the endpoint's slot
@@ -104,14 +116,7 @@ class RouterRuntime:
         ``/admin/state`` read this one computation, so the dashboard shows what the gate does; the
         ``spare-capacity-filter`` reads the same per-endpoint detector (:meth:`scheduling_saturation`).
         Sheddable values count the idle sessions' working set as used KV (:meth:`session_working_set`)."""
-        assert self.pool is not None
-        self.pool.expire_prefills()
-        candidates = self.pool.candidates()
-        pending = 0
-        if self.flow is not None:
-            pending = max(0, self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates))
-        values = pd_fleet_saturation(candidates, self.clock(), self.thresholds, pending, reserve=reserve,
-                                     working_set=self.session_working_set() if reserve else None)
+        candidates, values = self._fleet_values(reserve)
         return {ep.name: value for ep, value in zip(candidates, values)}
 
     def _gate(self, saturations: Mapping[str, float]) -> float:
@@ -140,12 +145,12 @@ class RouterRuntime:
         some engine has room for sheddable work (per-engine spare capacity, not the pool's mean).
         Flow control dispatches on this value. For a prefill/decode fleet: per pool, room in both
         a prefill-capable and a decode-capable engine (:meth:`_gate`)."""
-        return self._gate(self.endpoint_saturations())
+        return pd_gate_saturation(*self._fleet_values(True))  # = self._gate(self.endpoint_saturations())
 
     def unreserved_gate_saturation(self) -> float:
         """:meth:`gate_saturation` without the slot reserve (which is kept FOR non-sheddable work):
         what flow control gates interactive work on once it is past its band's bypass bound."""
-        return self._gate(self.endpoint_saturations(reserve=False))
+        return pd_gate_saturation(*self._fleet_values(False))
 
     def scheduling_saturation(self, endpoint: Endpoint) -> float:
         """One endpoint's saturation with the scrape-lag credit, for the ``spare-capacity-filter``
@@ -153,8 +158,14 @@ class RouterRuntime:
         forwarded; pending ones are not placed here)."""
         if self.pool is not None:
             self.pool.expire_prefills()
-        return endpoint_saturation(endpoint, self.clock(), self.thresholds,
-                                   working_set_tokens=self.session_working_set().get(endpoint.name, 0))
+        source = self.working_set
+        if source is None:
+            tokens = 0
+        elif isinstance(source, SessionWorkingSet):
+            tokens = source.tokens(endpoint.name)  # one entry, not the map over every endpoint
+        else:
+            tokens = source().get(endpoint.name, 0)
+        return endpoint_saturation(endpoint, self.clock(), self.thresholds, working_set_tokens=tokens)
 
     def state(self) -> RouterState:
         """The admin state (see :func:`admin_state`)."""

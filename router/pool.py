@@ -351,9 +351,14 @@ class EndpointPool:
     def expire_prefills(self) -> None:
         """Stop counting as in prefill the sheddable requests sent over ``batch_prefill_window_s`` ago."""
         cutoff = self.clock() - self.batch_prefill_window_s
-        for queue in self._prefills.values():
+        emptied = []
+        for name, queue in self._prefills.items():
             while queue and (queue[0].started_at <= cutoff or not queue[0].prefill):
                 self._end_prefill(queue.popleft())
+            if not queue:
+                emptied.append(name)
+        for name in emptied:  # so each read walks only the endpoints with sheddable work in prefill
+            del self._prefills[name]
 
     def in_prefill(self, share: InFlight) -> bool:
         """Whether the request of ``share`` counts as in prefill now (sheddable ones only)."""

@@ -22,6 +22,10 @@ from router.scheduling.interfaces import TIER_CPU, TIER_DISK, TIER_GPU
 TIERS = (TIER_GPU, TIER_CPU, TIER_DISK)
 _TIER_OF_MEDIUM = {TIER_GPU: 0, TIER_CPU: 1, TIER_DISK: 2}
 _SPEC = 3  # position of the speculative bits in an entry
+#: An index entry, ``(gpu, cpu, disk, speculative)`` bitsets over endpoint slots: a tuple of ints,
+#: replaced on change, so the garbage collector does not track it (see ``_EngineBlock``).
+_Entry = tuple[int, int, int, int]
+_EMPTY: _Entry = (0, 0, 0, 0)
 _NO_KEYS: tuple[int, ...] = ()
 
 #: Default cap on our block keys, 2**18 = 262,144 (16 Mi tokens at 64 per key): room for 16
@@ -47,21 +51,40 @@ BYTES_PER_BLOCK = 173
 BYTES_PER_ENGINE_BLOCK = 257
 
 
-class _EngineBlock:
-    """One engine block on one endpoint: the chain state after it and the keys it completes.
+#: One engine block on one endpoint, a plain tuple ``(chain, pending, keys, tiers)``: ``chain``,
+#: our key of the last full chunk at or before the block's end (the chain seed when none);
+#: ``pending``, bytes of the tokens after that chunk (fewer than one chunk); ``keys``, our keys of
+#: the chunks this block completes; ``tiers``, bit t set when the block is in ``TIERS[t]``. A tuple
+#: of ints and bytes, not an object: the garbage collector stops tracking it, where hundreds of
+#: thousands of slotted objects made every full collection walk them (a third of a simulated
+#: precise run's wall time was the collector's).
+_EngineBlock = tuple[int, bytes, tuple[int, ...], int]
 
-    ``chain``: our key of the last full chunk at or before the block's end (the chain seed when
-    none). ``pending``: bytes of the tokens after that chunk (fewer than one chunk). ``keys``: our
-    keys of the chunks this block completes. ``tiers``: bit t set when the block is in ``TIERS[t]``.
-    """
+class _BlockTable(dict[int, _EngineBlock]):
+    """Engine block hash → state. A dict subclass on purpose: CPython untracks an exact dict
+    whose values are all untracked (in full collections) and tracks it again, as a young object,
+    on the next insert, so every young collection would walk the whole table; a subclass is never
+    untracked and stays in the old generation."""
 
-    __slots__ = ("chain", "pending", "keys", "tiers")
+    __slots__ = ()
 
-    def __init__(self, chain: int, pending: bytes, keys: tuple[int, ...], tiers: int) -> None:
-        self.chain = chain
-        self.pending = pending
-        self.keys = keys
-        self.tiers = tiers
+
+class _KeyTable(dict[int, "_Entry"]):
+    """Our key → entry, least recently stored first; a dict subclass for :class:`_BlockTable`'s reason."""
+
+    __slots__ = ()
+
+
+#: Tier position of each medium as sent (exact spellings first; :func:`_tier_of` lowers the rest).
+_TIER_OF_SENT: dict[str | None, int] = {None: 0, "": 0, "GPU": 0, "CPU": 1, "DISK": 2, "gpu": 0, "cpu": 1, "disk": 2}
+
+
+def _tier_of(medium: str | None) -> int | None:
+    """Tier position of an event's ``medium`` (None or empty: GPU), None for an unknown medium."""
+    tier = _TIER_OF_SENT.get(medium)
+    if tier is None:
+        tier = _TIER_OF_MEDIUM.get((medium or TIER_GPU).lower())
+    return tier
 
 
 class _Endpoint:
@@ -71,8 +94,8 @@ class _Endpoint:
         self.name = name
         self.slot = slot
         self.bit = 1 << slot
-        self.blocks: dict[int, _EngineBlock] = {}
-        self.removed: dict[int, _EngineBlock] = {}  # recently left every tier, oldest first
+        self.blocks: dict[int, _EngineBlock] = _BlockTable()
+        self.removed: dict[int, _EngineBlock] = _BlockTable()  # recently left every tier, oldest first
         self.counts = [0, 0, 0]  # our keys held per tier
         self.skip_groups: set[int] = set()
 
@@ -86,7 +109,7 @@ class KVBlockIndex:
 
     Layout: ``key → [gpu, cpu, disk, speculative]``, four bitsets over endpoint slots (one bit per
     endpoint), so :meth:`longest_prefix` costs a few integer operations per block whatever the
-    number of endpoints. Per endpoint: engine block hash → :class:`_EngineBlock`.
+    number of endpoints. Per endpoint: engine block hash → its state (``_EngineBlock``).
 
     Mapping engine blocks (``block_size`` tokens, 16 on GPU vLLM, 128 on its CPU build) to our
     chunks (``block_size_tokens``): the chain of a stored block continues from its parent's state
@@ -154,7 +177,7 @@ class KVBlockIndex:
         self.max_engine_blocks = max_engine_blocks or max_blocks * ENGINE_BLOCKS_PER_BLOCK
         self._clock = clock
         self._chunk_bytes = block_size_tokens * 4  # hashing packs 4 bytes per token
-        self._keys: dict[int, list[int]] = {}
+        self._keys = _KeyTable()
         self._endpoints: dict[str, _Endpoint] = {}
         self._slot_names: list[str | None] = []
         self._free_slots: list[int] = []
@@ -221,6 +244,8 @@ class KVBlockIndex:
         names = self._slot_names
         counts: dict[int, list[int]] = {}  # slot -> [gpu, cpu, disk]
         alive = -1
+        run = 0  # keys in a row with the same tier masks ``masks``
+        masks = (0, 0, 0)
         for key in block_keys:
             entry = get(key)
             if entry is None:
@@ -233,11 +258,15 @@ class KVBlockIndex:
             alive = held if alive == -1 else alive & held
             if not alive:
                 break
-            for tier, bits in enumerate((alive & fast, alive & cpu & ~fast, alive & disk & ~fast & ~cpu)):
-                while bits:
-                    low = bits & -bits
-                    counts.setdefault(low.bit_length() - 1, [0, 0, 0])[tier] += 1
-                    bits ^= low
+            run_masks = (alive & fast, alive & cpu & ~fast, alive & disk & ~fast & ~cpu)
+            if run_masks == masks:
+                run += 1
+                continue
+            if run:
+                _count_run(counts, masks, run)
+            masks, run = run_masks, 1
+        if run:
+            _count_run(counts, masks, run)
         for slot, (g, c, d) in counts.items():
             out[names[slot]] = (g, c, d)  # type: ignore[index]  # live slots have names
         return out
@@ -250,23 +279,25 @@ class KVBlockIndex:
             out[names[low.bit_length() - 1]] = (n, tier)  # type: ignore[index]  # live slots have names
             bits ^= low
 
-    def _live_spec(self, key: int, entry: list[int]) -> int:
-        """The entry's speculative bits still within their TTL; expired ones are cleared."""
+    def _live_spec(self, key: int, entry: _Entry) -> int:
+        """The entry's speculative bits still within their TTL; expired ones are cleared (the
+        entry of ``key``, which is in the index, is replaced, or dropped when no bit is left)."""
+        gpu, cpu, disk, bits = entry
         expiry = self._spec_expiry.get(key)
         if expiry is None:
-            entry[_SPEC] = 0
+            self._keys[key] = (gpu, cpu, disk, 0)
             return 0
         now = self._clock()
-        bits = entry[_SPEC]
         for slot, until in list(expiry.items()):
             if until <= now:
                 del expiry[slot]
                 bits &= ~(1 << slot)
         if not expiry:
             del self._spec_expiry[key]
-        entry[_SPEC] = bits
-        if not (bits or entry[0] or entry[1] or entry[2]):
+        if not (bits or gpu or cpu or disk):
             del self._keys[key]
+        elif bits != entry[_SPEC]:
+            self._keys[key] = (gpu, cpu, disk, bits)
         return bits
 
     # ---- speculative entries --------------------------------------------------------------
@@ -279,10 +310,10 @@ class KVBlockIndex:
         self._sweep_spec(now)
         bit, slot = ep.bit, ep.slot
         for key in block_keys:
-            entry = self._entry(key)
-            if entry[0] & bit:
+            gpu, cpu, disk, spec = self._entry(key)
+            if gpu & bit:
                 continue  # already confirmed on GPU
-            entry[_SPEC] |= bit
+            self._keys[key] = (gpu, cpu, disk, spec | bit)
             self._spec_expiry.setdefault(key, {})[slot] = until
             heapq.heappush(self._spec_heap, (until, key, slot))
         if len(self._spec_heap) > 2 * self._spec_heap_base + 4096:
@@ -313,9 +344,12 @@ class KVBlockIndex:
                 del self._spec_expiry[key]
         entry = self._keys.get(key)
         if entry is not None:
-            entry[_SPEC] &= ~(1 << slot)
-            if not (entry[0] or entry[1] or entry[2] or entry[3]):
+            gpu, cpu, disk, spec = entry
+            spec &= ~(1 << slot)
+            if not (gpu or cpu or disk or spec):
                 del self._keys[key]
+            else:
+                self._keys[key] = (gpu, cpu, disk, spec)
 
     # ---- events ---------------------------------------------------------------------------
     def apply(self, endpoint_name: str, model: str, events: Iterable[KVEvent]) -> None:
@@ -370,13 +404,14 @@ class KVBlockIndex:
         return seed
 
     def _store(self, ep: _Endpoint, model: str, event: BlockStored) -> None:
-        tier = _TIER_OF_MEDIUM.get((event.medium or TIER_GPU).lower())
+        tier = _tier_of(event.medium)
         hashes = event.block_hashes
         if tier is None or not _full_attention(ep, event):
             self.skipped += len(hashes)
             return
         tier_bit = 1 << tier
         blocks = ep.blocks
+        removed = ep.removed
         tokens = event.token_ids
         size = event.block_size
         if tokens and (size <= 0 or len(tokens) != size * len(hashes)):
@@ -395,22 +430,24 @@ class KVBlockIndex:
                 if salt is not False:
                     chain = self._seed(event.lora_name or model, salt)  # type: ignore[arg-type]
             else:
-                state = blocks.get(parent) or ep.removed.get(parent)
+                state = blocks.get(parent) or removed.get(parent)
                 if state is None:
                     self.unknown_parents += 1
                 else:
-                    chain, pending = state.chain, state.pending
+                    chain, pending = state[0], state[1]
         step = size * 4
+        chunk_bytes = self._chunk_bytes
         extra = event.extra_keys
         for i, engine_hash in enumerate(hashes):
             block = blocks.pop(engine_hash, None)
-            if block is None and (block := ep.removed.pop(engine_hash, None)) is not None:
+            if block is None and (block := removed.pop(engine_hash, None)) is not None:
                 self._engine_blocks += 1
             if block is not None:  # known block: a copy in another tier, or stored again
-                blocks[engine_hash] = block  # most recently stored last
-                block.tiers |= tier_bit
-                self._set_bits(ep, block.keys, block.tiers, touch=True)
-                chain, pending = block.chain, block.pending
+                chain, pending, keys, tiers = block
+                tiers |= tier_bit
+                blocks[engine_hash] = (chain, pending, keys, tiers)  # most recently stored last
+                if keys:
+                    self._set_bits(ep, keys, tiers, touch=True)
                 continue
             if chain is None or (extra is not None and (i or parent is not None)
                                  and not _plain_extra(extra, i, event.lora_name)):
@@ -418,43 +455,48 @@ class KVBlockIndex:
                 chain = None
                 continue
             chunk = pending + data[i * step:(i + 1) * step]
-            keys = chained_keys(chunk, self._chunk_bytes, chain)
-            if keys:
-                chain = keys[-1]
-                pending = chunk[len(keys) * self._chunk_bytes:]
-                key_tuple = tuple(keys)
-            else:
-                pending, key_tuple = chunk, _NO_KEYS
-            blocks[engine_hash] = _EngineBlock(chain, pending, key_tuple, tier_bit)
-            self._engine_blocks += 1
-            if key_tuple:
+            if len(chunk) >= chunk_bytes:
+                key_list = chained_keys(chunk, chunk_bytes, chain)
+                chain = key_list[-1]
+                pending = chunk[len(key_list) * chunk_bytes:]
+                key_tuple = tuple(key_list)
+                blocks[engine_hash] = (chain, pending, key_tuple, tier_bit)
+                self._engine_blocks += 1
                 self._set_bits(ep, key_tuple, tier_bit, touch=True)
+            else:
+                pending = chunk
+                blocks[engine_hash] = (chain, pending, _NO_KEYS, tier_bit)
+                self._engine_blocks += 1
         if self._engine_blocks > self.max_engine_blocks:
             self._evict_engine_blocks()
 
     def _remove(self, ep: _Endpoint, event: BlockRemoved) -> None:
-        tier = _TIER_OF_MEDIUM.get((event.medium or TIER_GPU).lower())
+        tier = _tier_of(event.medium)
         if tier is None or (event.group_idx is not None and event.group_idx in ep.skip_groups):
             return
         tier_bit = 1 << tier
         blocks = ep.blocks
         for engine_hash in event.block_hashes:
             block = blocks.get(engine_hash)
-            if block is None or not block.tiers & tier_bit:
+            if block is None or not block[3] & tier_bit:
                 continue
-            block.tiers &= ~tier_bit
-            self._set_bits(ep, block.keys, block.tiers)
-            if not block.tiers:
+            chain, pending, keys, tiers = block
+            tiers &= ~tier_bit
+            if keys:
+                self._set_bits(ep, keys, tiers)
+            if tiers:
+                blocks[engine_hash] = (chain, pending, keys, tiers)  # keeps its place in the order
+            else:
                 del blocks[engine_hash]
                 self._engine_blocks -= 1
                 removed = ep.removed
-                removed[engine_hash] = block
+                removed[engine_hash] = (chain, pending, keys, 0)
                 if len(removed) > REMOVED_BLOCKS_KEPT:
                     del removed[next(iter(removed))]
 
     def _clear(self, ep: _Endpoint) -> None:
         for block in ep.blocks.values():
-            self._set_bits(ep, block.keys, 0)
+            self._set_bits(ep, block[2], 0)
         self._engine_blocks -= len(ep.blocks)
         ep.blocks.clear()
         ep.removed.clear()
@@ -467,16 +509,16 @@ class KVBlockIndex:
             ep = max(self._endpoints.values(), key=lambda e: len(e.blocks))
             engine_hash = next(iter(ep.blocks))
             block = ep.blocks.pop(engine_hash)
-            self._set_bits(ep, block.keys, 0)
+            self._set_bits(ep, block[2], 0)
             self._engine_blocks -= 1
 
     # ---- entries --------------------------------------------------------------------------
-    def _entry(self, key: int) -> list[int]:
+    def _entry(self, key: int) -> _Entry:
         """The entry of ``key``, created (evicting the least recently stored key past
         ``max_blocks``) or moved to most recently stored."""
         entry = self._keys.pop(key, None)
         if entry is None:
-            entry = [0, 0, 0, 0]
+            entry = _EMPTY
             if len(self._keys) >= self.max_blocks:
                 self._evict_key()
         self._keys[key] = entry
@@ -498,24 +540,56 @@ class KVBlockIndex:
         """Make ``ep``'s bits of each key equal ``tiers`` (bit t = ``TIERS[t]``); a key left with
         no bit anywhere leaves the index. ``touch`` (a store): create missing keys and make them
         the most recently stored; it also drops ``ep``'s speculative bit (confirmed)."""
-        bit, counts = ep.bit, ep.counts
+        bit = ep.bit
+        index = self._keys
+        want_gpu, want_cpu, want_disk = tiers & 1, tiers & 2, tiers & 4
+        d_gpu = d_cpu = d_disk = 0  # changes of ep's counts per tier
         for key in keys:
-            entry = self._entry(key) if touch else self._keys.get(key)
-            if entry is None:
-                continue
-            for tier in range(3):
-                has = entry[tier] & bit
-                if tiers >> tier & 1:
-                    if not has:
-                        entry[tier] |= bit
-                        counts[tier] += 1
-                elif has:
-                    entry[tier] &= ~bit
-                    counts[tier] -= 1
-            if entry[_SPEC] & bit:
+            if touch:  # self._entry(key), inlined
+                entry = index.pop(key, None)
+                if entry is None:
+                    entry = _EMPTY
+                    if len(index) >= self.max_blocks:
+                        self._evict_key()
+                index[key] = entry
+            else:
+                entry = index.get(key)
+                if entry is None:
+                    continue
+            gpu, cpu, disk, spec = entry
+            if want_gpu:
+                if not gpu & bit:
+                    gpu |= bit
+                    d_gpu += 1
+            elif gpu & bit:
+                gpu ^= bit
+                d_gpu -= 1
+            if want_cpu:
+                if not cpu & bit:
+                    cpu |= bit
+                    d_cpu += 1
+            elif cpu & bit:
+                cpu ^= bit
+                d_cpu -= 1
+            if want_disk:
+                if not disk & bit:
+                    disk |= bit
+                    d_disk += 1
+            elif disk & bit:
+                disk ^= bit
+                d_disk -= 1
+            if spec & bit:
+                index[key] = (gpu, cpu, disk, spec)
                 self._drop_spec(key, ep.slot)
-            elif not (entry[0] or entry[1] or entry[2] or entry[3]):
-                del self._keys[key]
+            elif gpu or cpu or disk or spec:
+                if entry[0] != gpu or entry[1] != cpu or entry[2] != disk:
+                    index[key] = (gpu, cpu, disk, spec)
+            else:
+                del index[key]
+        counts = ep.counts  # a sum: _evict_key's decrements meanwhile commute with these
+        counts[0] += d_gpu
+        counts[1] += d_cpu
+        counts[2] += d_disk
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -541,6 +615,15 @@ class KVBlockIndex:
             "evicted": self.evicted,
             "speculative": sum(len(slots) for slots in self._spec_expiry.values()),
         }
+
+
+def _count_run(counts: dict[int, list[int]], masks: tuple[int, int, int], run: int) -> None:
+    """Add ``run`` (keys in a row) to ``counts[slot][tier]`` for each slot bit of ``masks[tier]``."""
+    for tier, bits in enumerate(masks):
+        while bits:
+            low = bits & -bits
+            counts.setdefault(low.bit_length() - 1, [0, 0, 0])[tier] += run
+            bits ^= low
 
 
 def _full_attention(ep: _Endpoint, event: BlockStored) -> bool:

@@ -131,6 +131,13 @@ class SessionAffinity:
         self._expire_idle(self._clock())
         return {name: tokens for name, tokens in self._idle_tokens.items() if tokens > 0}
 
+    def working_set_tokens_at(self, name: str) -> int:
+        """``working_set_tokens().get(name, 0)`` without building the map (the saturation read per
+        endpoint of a sheddable decision would otherwise cost O(endpoints) each), tokens."""
+        self._expire_idle(self._clock())
+        tokens = self._idle_tokens.get(name, 0)
+        return tokens if tokens > 0 else 0
+
     @property
     def sessions(self) -> int:
         """Bindings held (expired ones included until the next decision sweeps them)."""
@@ -260,11 +267,29 @@ class SessionAffinityScorer(SessionAffinity):
         return [1.0 if ep.name == bound else 0.0 for ep in endpoints]
 
 
-def working_set_of(plugins: Sequence[object]) -> Callable[[], Mapping[str, int]] | None:
+class SessionWorkingSet:
+    """A session plugin's working set as the router reads it: calling it gives the whole map
+    (:meth:`SessionAffinity.working_set_tokens`), :meth:`tokens` one endpoint's entry."""
+
+    __slots__ = ("plugin",)
+
+    def __init__(self, plugin: SessionAffinity) -> None:
+        self.plugin = plugin
+
+    def __call__(self) -> dict[str, int]:
+        """Endpoint name → idle sessions' tokens there (endpoints without any absent)."""
+        return self.plugin.working_set_tokens()
+
+    def tokens(self, name: str) -> int:
+        """The idle sessions' tokens on endpoint ``name`` (0 when none), in O(1) amortized."""
+        return self.plugin.working_set_tokens_at(name)
+
+
+def working_set_of(plugins: Sequence[object]) -> SessionWorkingSet | None:
     """The working-set source among ``plugins`` (the first session plugin with a window), or None."""
     for plugin in plugins:
         if isinstance(plugin, SessionAffinity) and plugin.params.working_set_window_seconds > 0:
-            return plugin.working_set_tokens
+            return SessionWorkingSet(plugin)
     return None
 
 
@@ -282,4 +307,4 @@ def build_session_filter(name: str, raw: Mapping[str, Any] | None, handle: Plugi
 
 __all__ = ["DEFAULT_WORKING_SET_WINDOW_S", "SESSION_AFFINITY_TYPE", "SESSION_FILTER_TYPE", "SessionAffinity",
            "SessionAffinityFilter", "SessionAffinityParams", "SessionAffinityScorer", "SessionOutcome",
-           "working_set_of"]
+           "SessionWorkingSet", "working_set_of"]

@@ -213,3 +213,43 @@ def test_interactive_arrivals_feed_a_decaying_rate_and_their_durations_an_ewma()
 def test_parse_reads_the_preemption_counter() -> None:
     m = parse_engine_metrics(VLLM_TEXT + b'vllm:num_preemptions_total{engine="0",model_name="m"} 12.0\n')
     assert m.num_preemptions == 12.0
+
+
+class _PreviousExpiry(EndpointPool):
+    """The pool with the previous expire_prefills (every endpoint's queue kept, empty or not)."""
+
+    def expire_prefills(self) -> None:
+        cutoff = self.clock() - self.batch_prefill_window_s
+        for queue in self._prefills.values():
+            while queue and (queue[0].started_at <= cutoff or not queue[0].prefill):
+                self._end_prefill(queue.popleft())
+
+
+def test_expiring_prefills_counts_as_before_while_dropping_emptied_queues() -> None:
+    import random
+
+    rng = random.Random(3)
+    clock = SimpleNamespace(now=0.0)
+    pools = [cls(None, clock=lambda: clock.now, batch_prefill_window_s=0.25)  # type: ignore[arg-type]
+             for cls in (EndpointPool, _PreviousExpiry)]
+    fleets = [[Endpoint(f"http://e{i}") for i in range(4)] for _ in pools]
+    live: list[list[object]] = [[], []]
+    for _ in range(600):
+        roll, i, tokens, sheddable = rng.random(), rng.randrange(4), rng.randint(1, 500), rng.random() < 0.8
+        pick = rng.randrange(1 << 30)
+        for pool, eps, shares in zip(pools, fleets, live):
+            if roll < 0.4:
+                shares.append(pool.started(eps[i], tokens, sheddable=sheddable))
+            elif roll < 0.55 and shares:
+                pool.first_chunk(shares[pick % len(shares)])  # type: ignore[arg-type]
+            elif roll < 0.7 and shares:
+                pool.finished(shares.pop(pick % len(shares)))  # type: ignore[arg-type]
+            elif roll < 0.9:
+                pool.expire_prefills()
+        if 0.7 <= roll < 0.8:
+            clock.now += rng.choice((0.05, 0.1, 0.3))
+        assert [(e.in_flight_sheddable_prefill_tokens, e.in_flight_sheddable, e.in_flight_requests) for e in fleets[0]] \
+            == [(e.in_flight_sheddable_prefill_tokens, e.in_flight_sheddable, e.in_flight_requests) for e in fleets[1]]
+        assert [pools[0].in_prefill(s) for s in live[0]] == [pools[1].in_prefill(s) for s in live[1]]  # type: ignore[arg-type]
+    assert all(queue for queue in pools[0]._prefills.values())  # no emptied queue is kept
+    assert any(e.in_flight_sheddable_prefill_tokens for e in fleets[0])  # the stream had prefills running

@@ -226,3 +226,53 @@ def test_the_batch_prefill_share_bounds_sheddable_prompt_tokens_in_prefill():
     assert endpoint_saturation(ep, NOW, CREDIT) == 0.0  # off by default
     with pytest.raises(ValueError):
         SaturationThresholds(batch_prefill_share=0.0)
+
+
+def test_scheduling_saturation_reads_the_same_working_set_entry_as_the_whole_map():
+    """RouterRuntime.scheduling_saturation with the session plugin's per-endpoint read equals the
+    value from the whole map (a plain callable source), endpoint by endpoint."""
+    from scheduling_helpers import FakeClock, request
+
+    from router.scheduling.interfaces import PluginHandle
+    from router.scheduling.plugins.session import build_session_filter, working_set_of
+    from router.scheduling.scheduler import SchedulingResult
+    from router.scheduling.types import CycleState
+
+    clock = FakeClock(NOW)
+    eps = [Endpoint(f"http://e{i}", metrics_updated_at=NOW, block_size=16, num_gpu_blocks=100,
+                    kv_cache_usage_perc=0.1 * i, peak_running=4) for i in range(4)]
+    plugin = build_session_filter("session", None, PluginHandle(clock=clock))
+    for i, ep in enumerate(eps[:3]):
+        req = request(list(range(300 * (i + 1))), session_id=f"s{i}")
+        plugin.pre_request(req, SchedulingResult("default", ep, [ep], [0.0], {}, CycleState()))
+        plugin.response_complete(req, ep, None)
+    fast, slow = RouterRuntime(RouterSettings(engines=[]), clock=clock), RouterRuntime(RouterSettings(engines=[]), clock=clock)
+    for rt in (fast, slow):
+        rt.pool = FakePool(eps)  # type: ignore[assignment]
+    fast.working_set = working_set_of([plugin])
+    slow.working_set = lambda: plugin.working_set_tokens()
+    values = [fast.scheduling_saturation(ep) for ep in eps]
+    assert values == [slow.scheduling_saturation(ep) for ep in eps]
+    assert values[1] > eps[1].kv_cache_usage_perc / 0.8  # the working set counts
+    assert values[3] == pytest.approx(eps[3].kv_cache_usage_perc / 0.8)  # none there
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_gate_reads_equal_the_gate_over_the_admin_values(seed):
+    """gate_saturation / unreserved_gate_saturation (computed without the name map) equal the gate
+    over endpoint_saturations(), on randomized fleets, split into P/D pools or not."""
+    import random
+
+    rng = random.Random(seed)
+    eps = [Endpoint(f"http://e{i}", metrics_updated_at=NOW - rng.choice((0.0, 0.05, 1.0)),
+                    num_requests_running=rng.randrange(5), num_requests_waiting=rng.choice((0, 0, 2, 6)),
+                    kv_cache_usage_perc=rng.random(), peak_running=4, in_flight_requests=rng.randrange(8),
+                    in_flight_sheddable=rng.randrange(3), learned_max_num_seqs=rng.choice((None, 4, 8)),
+                    role=rng.choice(("both", "both", "prefill", "decode")) if seed % 2 else "both")
+           for i in range(12)]
+    rt = RouterRuntime(RouterSettings(engines=[]), clock=lambda: NOW)
+    rt.pool = FakePool(eps)  # type: ignore[assignment]
+    rt.flow = SimpleNamespace(in_flight_requests=sum(ep.in_flight_requests for ep in eps) + rng.randrange(6))  # type: ignore[assignment]
+    assert rt.gate_saturation() == rt._gate(rt.endpoint_saturations())
+    assert rt.unreserved_gate_saturation() == rt._gate(rt.endpoint_saturations(reserve=False))
+    assert 0.0 < rt.gate_saturation()

@@ -219,3 +219,31 @@ def test_the_shipped_profile_keeps_a_session_then_moves_it_once():
         placed.append(res.endpoint.name)
     assert len(set(placed[:3])) == 1  # stays
     assert placed[3] != placed[2] and len(set(placed[3:])) == 1  # moved once, later turns follow
+
+
+def test_one_endpoints_working_set_read_equals_its_entry_in_the_whole_map():
+    """working_set_tokens_at / SessionWorkingSet.tokens (the router's per-endpoint read) against
+    working_set_tokens() on randomized turns, moves, expiries and a lost endpoint."""
+    rng = random.Random(5)
+    clock, eps = FakeClock(NOW), fleet(5)
+    plugin = session_filter(clock, workingSetWindowSeconds=30)
+    source = working_set_of([plugin])
+    assert source is not None
+    running: dict[str, tuple[object, Endpoint]] = {}
+    for _ in range(400):
+        roll, sid = rng.random(), f"s{rng.randrange(12)}"
+        if roll < 0.45 and sid not in running:
+            req, ep = request(list(range(rng.randint(1, 4000))), session_id=sid), rng.choice(eps)
+            plugin.pre_request(req, result(ep))
+            running[sid] = (req, ep)
+        elif roll < 0.85 and running:
+            req, ep = running.pop(rng.choice(sorted(running)))
+            plugin.response_complete(req, ep, None)  # type: ignore[arg-type]
+        elif roll < 0.97:
+            clock.now += rng.choice((1.0, 10.0, 25.0))
+        else:
+            plugin.forget_endpoint(rng.choice(eps).name)
+        whole = source()
+        assert whole == plugin.working_set_tokens()
+        for ep in eps:
+            assert source.tokens(ep.name) == plugin.working_set_tokens_at(ep.name) == whole.get(ep.name, 0)

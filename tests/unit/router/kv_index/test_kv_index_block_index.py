@@ -308,3 +308,17 @@ schedulingProfiles:
     assert result.endpoint.name == B
     # 4 of 4 blocks on B's GPU; 2 blocks on C's CPU weighted 0.8; nothing on A
     assert result.scores["prefix-cache-scorer"] == [0.0, 1.0, pytest.approx(2 * 0.8 / 4)]
+
+
+def test_a_lapsed_speculative_holder_stays_gone_on_later_lookups():
+    now = [0.0]
+    index = KVBlockIndex(clock=lambda: now[0])
+    model = "m"
+    first, second = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+    keys = [11, 12, 13]
+    index.add_speculative(model, first, keys, 1.0)
+    index.add_speculative(model, second, keys, 10.0)
+    now[0] = 2.0
+    for _ in range(3):  # the first lookup clears the lapsed bit; the next ones must not see it
+        assert index.longest_prefix_tiers(model, keys) == {second: (3, 0, 0)}
+        assert index.longest_prefix(model, keys) == {second: (3, "gpu")}
