@@ -56,6 +56,8 @@ wall time.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import random
 import resource
@@ -162,6 +164,9 @@ class SimConfig:
     kv_event_delay_s: float = 0.0
     kv_transfer_bandwidth_gb_s: float | None = None
     """The P/D link's GB/s (None: the twin's ``--kv-transfer-bandwidth`` default, 50)."""
+    gc_threshold: int | None = 100_000
+    """The garbage collector's young-generation threshold during a run, allocations (None:
+    CPython's default, 700); :func:`_collect_rarely` says why."""
     flow_control: FlowControlConfig | None = None
     """None: :func:`bench_flow_control` for :attr:`total_engines`."""
     processor_concurrency: int = 64
@@ -464,7 +469,8 @@ class Simulation:
                 step[0] = n
                 progress(n)
 
-        self.events.run(lambda: bool(self.live) or self._pending_arrivals > 0, on_event=tick if progress else None)
+        with _collect_rarely(self.config.gc_threshold):
+            self.events.run(lambda: bool(self.live) or self._pending_arrivals > 0, on_event=tick if progress else None)
         self.wall_s = time.perf_counter() - started
         return self.figures()
 
@@ -971,3 +977,21 @@ class Simulation:
             "held_expired": self.held_expired,
             "held_blocks_at_end": sum(e.core.held_blocks for e in self.engines),
         }
+
+
+@contextlib.contextmanager
+def _collect_rarely(threshold: int | None) -> Iterator[None]:
+    """Raise the garbage collector's young-generation threshold to ``threshold`` allocations for a
+    run (None: leave it). A run allocates millions of short-lived objects (requests, step outcomes,
+    events) beside millions of long-lived ones (cache blocks, index entries) that CPython's default
+    threshold of 700 makes every young collection walk again (profiled: 40 % of a precise run's
+    wall time in ``gc``); the objects are freed by reference counting either way."""
+    if threshold is None:
+        yield
+        return
+    before = gc.get_threshold()
+    gc.set_threshold(threshold, before[1], before[2])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
