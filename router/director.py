@@ -379,7 +379,7 @@ class Director:
             else:
                 result = self.scheduler.schedule(llm_request, candidates, self.profile)
                 reason = SINGLE_PROFILE if handler is None else not_disaggregable_reason
-                decision = PDDecision(result, None, reason, _uncached_tokens(result, llm_request))
+                decision = PDDecision(result, None, reason, uncached_tokens(result, llm_request))
         except NoCandidatesError:
             return None
         self.observer.scheduled(time.perf_counter() - started, any(_matched(decision.decode)))
@@ -410,7 +410,7 @@ class Director:
             if prefill is None:
                 break
             name = prefill.endpoint.name
-            share = self.pool.started(prefill.endpoint, _uncached_tokens(prefill, llm_request),
+            share = self.pool.started(prefill.endpoint, uncached_tokens(prefill, llm_request),
                                       sheddable=llm_request.sheddable)
             attempt = Attempt(task, self.pool, share, None, llm_request.priority)
             leg = asyncio.get_running_loop().create_task(forwarder.prefill(attempt), name=f"prefill {name}")
@@ -475,7 +475,7 @@ class Director:
             if decision.prefill is not None:
                 tokens = 0  # the prefill engine computes the prompt; the decode engine receives its KV
             elif decision.reason == SINGLE_PROFILE:
-                tokens = _uncached_tokens(result, llm_request)
+                tokens = uncached_tokens(result, llm_request)
             else:
                 tokens = decision.uncached_tokens
             share = self.pool.started(result.endpoint, tokens, sheddable=llm_request.sheddable)
@@ -593,7 +593,7 @@ def _prefix_info(result: SchedulingResult) -> PrefixMatchInfo | None:
     return result.state.first(PrefixMatchInfo)  # the producers' output, whatever their names
 
 
-def _uncached_tokens(result: SchedulingResult, request: LLMRequest) -> int:
+def uncached_tokens(result: SchedulingResult, request: LLMRequest) -> int:
     info = _prefix_info(result)
     if info is None:
         return request.prompt_tokens

@@ -84,7 +84,7 @@ from engine_twin.kv_cache import DEFAULT_RETENTION, LOWEST_RETENTION, none_hash
 from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, FLEET_RETENTION_PRIORITY_THRESHOLD
 from engine_twin.settings import EngineSimSettings, build_settings
 from router.app import RouterRuntime
-from router.director import Director, _uncached_tokens
+from router.director import Director, uncached_tokens
 from router.flow_control import FlowControlConfig, FlowControlCore, FlowItem, RequestDropped, Ticket
 from router.kv_index.index import KVBlockIndex
 from router.parsing import engine_priority
@@ -256,8 +256,9 @@ class _StateClient:
     async def get(self, url: str, timeout_s: float) -> Answer:
         return Answer(200, orjson.dumps({"gate_saturation": self.runtime.gate_saturation()}))
 
-    async def post(self, *args: Any, **kwargs: Any) -> Answer:  # pragma: no cover - the gate only GETs
-        raise NotImplementedError
+    async def post(self, *args: Any, **kwargs: Any) -> Answer:
+        """Never called: the saturation gate only reads the state. Raises RuntimeError."""
+        raise RuntimeError("the simulated router state answers GET /admin/state only")
 
     async def aclose(self) -> None:
         return None
@@ -555,7 +556,7 @@ class Simulation:
             self._end(live, "too_long")
             return
         live.llm, live.result, live.core, live.engine = llm, result, core, engine
-        live.share = self.pool.started(result.endpoint, _uncached_tokens(result, llm), sheddable=llm.sheddable)
+        live.share = self.pool.started(result.endpoint, uncached_tokens(result, llm), sheddable=llm.sheddable)
         if not engine.busy:
             self._start_step(engine)
 
@@ -611,7 +612,7 @@ class Simulation:
         assert live.llm is not None
         llm = live.llm
         engine = self.by_name[prefill.endpoint.name]
-        share = self.pool.started(prefill.endpoint, _uncached_tokens(prefill, llm), sheddable=llm.sheddable)
+        share = self.pool.started(prefill.endpoint, uncached_tokens(prefill, llm), sheddable=llm.sheddable)
         core = self._core_request(live, 1)
         core.remote_decode = True  # kv_transfer_params.do_remote_decode, length-capped at 1 token
         try:
