@@ -594,6 +594,8 @@ def _prefix_info(result: SchedulingResult) -> PrefixMatchInfo | None:
 
 
 def uncached_tokens(result: SchedulingResult, request: LLMRequest) -> int:
+    """Prompt tokens the chosen endpoint is expected to compute (tokens): the prompt minus the
+    prefix the decision's producer found there; the whole prompt when no producer ran."""
     info = _prefix_info(result)
     if info is None:
         return request.prompt_tokens
