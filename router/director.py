@@ -29,6 +29,10 @@ the request whole (its uncached tokens join its counters). Eviction, the client 
 decode endpoint going down cancel the request with its prefill leg; the prefill endpoint going
 down cancels the leg alone.
 
+The rules behind these choices — the decode share's tokens, whether a failed prefill leg is
+retried, the aggregated fallback, make-room's reason and victim — are the I/O-free functions of
+:mod:`router.decisions`, which a replay of this flow without HTTP (the fleet simulator) calls too.
+
 What happens is reported to a :class:`router.observer.RouterObserver`; the admin page's decision
 rate is :attr:`Director.decisions`.
 """
