@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -31,30 +32,15 @@ import orjson
 from aiohttp import web
 
 from common.contracts.router_state import SATURATION_THRESHOLD, BandState, CacheBlocks, EndpointState, RouterState
-from router.director import Director
-from router.flow_control import FlowControlConfig, FlowController
-from router.kv_index.index import KVBlockIndex
-from router.kv_index.subscriber import KVEventSubscriber, parse_connect_spec
+from router.assembly import RouterParts, build_router
+from router.kv_index.subscriber import KVEventSource, KVEventSubscriber, parse_connect_spec
 from router.metrics import RouterMetrics
 from router.parsing import RESPONSES_PATH
-from router.pool import EndpointPool, KubernetesSource
+from router.pool import KubernetesSource, PoolProbes, PoolState
 from router.proxy import Proxy, error_response
-from router.replicas import split_tenant_limits
 from router.responses import ResponsesAPI
-from router.scheduling.config import build_scheduler, load_config
-from router.scheduling.interfaces import PluginHandle
-from router.scheduling.plugins.session import SessionWorkingSet, working_set_of
-from router.scheduling.saturation import (
-    SaturationThresholds,
-    endpoint_reserve,
-    endpoint_saturation,
-    gate_saturation,
-    pd_fleet_saturation,
-    pd_gate_saturation,
-    reserve_in_use,
-)
-from router.scheduling.scheduler import Scheduler
-from router.scheduling.types import Endpoint
+from router.runtime import RouterRuntime as RouterRuntime  # re-exported: where its readers import it from
+from router.scheduling.saturation import endpoint_reserve, reserve_in_use
 from router.settings import RouterSettings
 from router.tokenizers import EngineTokenizer, PromptTokenizer, build_tokenizer
 from router.trust import HeaderTrust, load_api_keys
@@ -66,125 +52,43 @@ PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy", Proxy)
 RESPONSES_KEY: web.AppKey[ResponsesAPI] = web.AppKey("responses", ResponsesAPI)
 
 
-class RouterRuntime:
-    """What the admin page and metrics read: built in the cleanup context, kept on the app."""
+@dataclass(frozen=True, slots=True)
+class RunningRouter:
+    """The router the app serves once its lifespan started: what ``/admin/state``, ``/metrics``,
+    ``/health`` and ``/v1/models`` read.
 
-    def __init__(self, settings: RouterSettings, clock: Callable[[], float] = time.monotonic) -> None:
-        self.settings = settings
-        self.clock = clock  # monotonic seconds of the saturation reads (a simulation injects its virtual clock)
-        self.thresholds = SaturationThresholds(
-            queue_threshold=settings.queue_threshold, kv_threshold=settings.kv_threshold,
-            max_metrics_age_s=settings.max_metrics_age_s, in_flight_credit=True,
-            slot_reserve_fraction=settings.slot_reserve_fraction, min_slot_reserve=settings.min_slot_reserve,
-            reserve_from_arrivals=settings.reserve_from_arrivals, batch_prefill_share=settings.batch_prefill_share,
-            max_num_batched_tokens=settings.max_num_batched_tokens)
-        self.pool: EndpointPool | None = None
-        self.scheduler: Scheduler | None = None
-        self.flow: FlowController | None = None
-        self.index: KVBlockIndex | None = None
-        self.subscriber: KVEventSubscriber | None = None
-        self.metrics: RouterMetrics | None = None
-        self.director: Director | None = None
-        self.proxy: Proxy | None = None
-        #: endpoint name → idle sessions' tokens there (the session plugin's; None: no such plugin)
-        self.working_set: Callable[[], Mapping[str, int]] | None = None
+    Attributes:
+        parts: the assembly (:func:`router.assembly.build_router`).
+        metrics: the Prometheus series (the director's observer).
+        subscriber: the KV-event subscriber feeding ``parts.index``; None when there is no index.
+    """
 
-    def session_working_set(self) -> Mapping[str, int]:
-        """Endpoint name → tokens of its recently active idle sessions
-        (``router/scheduling/plugins/session.py``); empty without a session plugin."""
-        return self.working_set() if self.working_set is not None else {}
-
-    def _fleet_values(self, reserve: bool) -> tuple[list[Endpoint], list[float]]:
-        """The healthy endpoints and their saturations, aligned (:meth:`endpoint_saturations`)."""
-        assert self.pool is not None
-        self.pool.expire_prefills()
-        candidates = self.pool.candidates()
-        pending = 0
-        if self.flow is not None:
-            pending = max(0, self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates))
-        values = pd_fleet_saturation(candidates, self.clock(), self.thresholds, pending, reserve=reserve,
-                                     working_set=self.session_working_set() if reserve else None)
-        return candidates, values
-
-    def endpoint_saturations(self, *, reserve: bool = True) -> dict[str, float]:
-        """Every healthy endpoint's saturation for sheddable work now, by name: the detector's value
-        from the last scrapes with the scrape-lag credit per endpoint and, once the endpoint's slot
-        count is known, the slot reserve for non-sheddable work, and the requests flow control released
-        whose handlers have not forwarded them yet (one dispatch step may release several before
-        any reaches an engine) placed on the least saturated endpoints
-        (:func:`router.scheduling.saturation.fleet_saturation`). Flow control's gate and
-        ``/admin/state`` read this one computation, so the dashboard shows what the gate does; the
-        ``spare-capacity-filter`` reads the same per-endpoint detector (:meth:`scheduling_saturation`).
-        Sheddable values count the idle sessions' working set as used KV (:meth:`session_working_set`)."""
-        candidates, values = self._fleet_values(reserve)
-        return {ep.name: value for ep, value in zip(candidates, values)}
-
-    def _gate(self, saturations: Mapping[str, float]) -> float:
-        """The gate over ``saturations`` (name → value of the healthy endpoints): per pool for a
-        prefill/decode fleet (:func:`router.scheduling.saturation.pd_gate_saturation`)."""
-        assert self.pool is not None
-        candidates = [ep for ep in self.pool.candidates() if ep.name in saturations]
-        return pd_gate_saturation(candidates, [saturations[ep.name] for ep in candidates])
-
-    def pool_gates(self, saturations: Mapping[str, float]) -> dict[str, float]:
-        """Each pool's least saturated value, ``{"prefill": …, "decode": …}`` (prefill-capable:
-        roles prefill and both; decode-capable: decode and both; 1.0 for an empty pool)."""
-        assert self.pool is not None
-        candidates = [ep for ep in self.pool.candidates() if ep.name in saturations]
-        return {"prefill": gate_saturation([saturations[ep.name] for ep in candidates if ep.can_prefill]),
-                "decode": gate_saturation([saturations[ep.name] for ep in candidates if ep.can_decode])}
-
-    def saturation(self) -> float:
-        """Pool saturation: the mean of :meth:`endpoint_saturations` (1.0 with no healthy
-        endpoint), for the metric and the dashboard; the gate is :meth:`gate_saturation`."""
-        values = self.endpoint_saturations()
-        return sum(values.values()) / len(values) if values else 1.0
-
-    def gate_saturation(self) -> float:
-        """The least saturated healthy endpoint's saturation (1.0 when none is healthy): below 1.0
-        some engine has room for sheddable work (per-engine spare capacity, not the pool's mean).
-        Flow control dispatches on this value. For a prefill/decode fleet: per pool, room in both
-        a prefill-capable and a decode-capable engine (:meth:`_gate`)."""
-        return pd_gate_saturation(*self._fleet_values(True))  # = self._gate(self.endpoint_saturations())
-
-    def unreserved_gate_saturation(self) -> float:
-        """:meth:`gate_saturation` without the slot reserve (which is kept FOR non-sheddable work):
-        what flow control gates interactive work on once it is past its band's bypass bound."""
-        return pd_gate_saturation(*self._fleet_values(False))
-
-    def scheduling_saturation(self, endpoint: Endpoint) -> float:
-        """One endpoint's saturation with the scrape-lag credit, for the ``spare-capacity-filter``
-        (the request being placed is already counted by its endpoint's in-flight counters once
-        forwarded; pending ones are not placed here)."""
-        if self.pool is not None:
-            self.pool.expire_prefills()
-        source = self.working_set
-        if source is None:
-            tokens = 0
-        elif isinstance(source, SessionWorkingSet):
-            tokens = source.tokens(endpoint.name)  # one entry, not the map over every endpoint
-        else:
-            tokens = source().get(endpoint.name, 0)
-        return endpoint_saturation(endpoint, self.clock(), self.thresholds, working_set_tokens=tokens)
+    parts: RouterParts
+    metrics: RouterMetrics
+    subscriber: KVEventSubscriber | None
 
     def state(self) -> RouterState:
         """The admin state (see :func:`admin_state`)."""
         return admin_state(self)
 
 
-def admin_state(rt: RouterRuntime) -> RouterState:
+RUNNING_KEY: web.AppKey[RunningRouter] = web.AppKey("running", RunningRouter)
+
+
+def admin_state(running: RunningRouter) -> RouterState:
     """``GET /admin/state``: the contract :class:`common.contracts.router_state.RouterState`."""
-    assert rt.pool is not None and rt.scheduler is not None and rt.director is not None
-    now = time.monotonic()
-    per_endpoint_blocks, index_info = _index_view(rt)
+    parts, metrics = running.parts, running.metrics
+    rt = parts.runtime
+    now = parts.clock()
+    per_endpoint_blocks, index_info = _index_view(running)
     saturations = rt.endpoint_saturations()
     working_set = rt.session_working_set()
     endpoints = []
-    for state in rt.pool.states.values():
+    for state in parts.pool.states.values():
         ep, m = state.endpoint, state.metrics
         age = None if ep.metrics_updated_at is None else now - ep.metrics_updated_at
         saturation = saturations.get(ep.name) if state.healthy else None
-        evictions, evicted_tokens = rt.metrics.evictions_of(ep.name) if rt.metrics is not None else ({}, 0)
+        evictions, evicted_tokens = metrics.evictions_of(ep.name)
         endpoints.append(EndpointState(
             name=ep.name, healthy=state.healthy, models=state.models,
             num_requests_waiting=ep.num_requests_waiting, num_requests_running=ep.num_requests_running,
@@ -205,13 +109,14 @@ def admin_state(rt: RouterRuntime) -> RouterState:
             num_preemptions=ep.num_preemptions, evictions=evictions, evicted_tokens=evicted_tokens,
             role=ep.role,
         ))
-    bands = [BandState(**band) for band in rt.flow.stats()["bands"]] if rt.flow is not None else []
+    bands = [BandState(**band) for band in parts.flow.stats()["bands"]] if parts.flow is not None else []
     return RouterState(
         pool_saturation=sum(saturations.values()) / len(saturations) if saturations else 1.0,
-        gate_saturation=rt._gate(saturations), pool_gate_saturation=rt.pool_gates(saturations), time=time.time(),
-        decisions_per_s=rt.director.decisions.rate(), profile=rt.director.profile or rt.scheduler.default_profile,
-        tokenizer=rt.settings.tokenizer, endpoints=endpoints, bands=bands, index=index_info,
-        disaggregation=rt.metrics.disaggregation_stats() if rt.metrics is not None else {},
+        gate_saturation=rt.gate_over(saturations), pool_gate_saturation=rt.pool_gates(saturations), time=time.time(),
+        decisions_per_s=parts.director.decisions.rate(),
+        profile=parts.director.profile or parts.scheduler.default_profile,
+        tokenizer=parts.settings.tokenizer, endpoints=endpoints, bands=bands, index=index_info,
+        disaggregation=metrics.disaggregation_stats(),
     )
 
 
@@ -219,35 +124,25 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def _index_view(rt: RouterRuntime) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
-    if rt.index is not None:
-        stats = rt.index.stats()
+def _index_view(running: RunningRouter) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
+    parts = running.parts
+    if parts.index is not None:
+        stats = parts.index.stats()
         per = {name: {"gpu": v.get("gpu", 0), "cpu": v.get("cpu", 0), "disk": v.get("disk", 0)}
                for name, v in stats.get("endpoints", {}).items()}
         tiers = {t: sum(v[t] for v in per.values()) for t in ("gpu", "cpu", "disk")}
-        events = rt.subscriber.stats() if rt.subscriber is not None else {}
+        events = running.subscriber.stats() if running.subscriber is not None else {}
         return per, {"kind": "kv-events", "tiers": tiers, **{k: v for k, v in stats.items() if k != "endpoints"},
                      "events": events}
-    approx = _approx_producer(rt.scheduler)
-    if approx is None or rt.pool is None:
+    approx = _approx_producer(parts.plugins())
+    if approx is None:
         return {}, {"kind": None, "tiers": {}}
-    per = {name: {"gpu": approx.blocks_held(name), "cpu": 0, "disk": 0} for name in rt.pool.states}
+    per = {name: {"gpu": approx.blocks_held(name), "cpu": 0, "disk": 0} for name in parts.pool.states}
     return per, {"kind": "approximate", "tiers": {"gpu": sum(v["gpu"] for v in per.values())}}
 
 
-def _plugins(scheduler: Scheduler | None) -> list[object]:
-    if scheduler is None:
-        return []
-    seen: dict[int, object] = {}
-    for profile in scheduler.profiles.values():
-        for plugin in (*profile.producers, *profile.filters, *(s for s, _ in profile.scorers), profile.picker,
-                       *profile.pre_request_hooks, *profile.response_hooks):  # hooks: a P/D handler's producer
-            seen[id(plugin)] = plugin
-    return list(seen.values())
-
-
-def _approx_producer(scheduler: Scheduler | None) -> Any:  # a plugin with blocks_held (no shared type)
-    for plugin in _plugins(scheduler):
+def _approx_producer(plugins: list[object]) -> Any:  # a plugin with blocks_held (no shared type)
+    for plugin in plugins:
         if hasattr(plugin, "blocks_held"):
             return plugin
     return None
@@ -260,30 +155,27 @@ def create_app(settings: RouterSettings) -> web.Application:
         router.scheduling.errors.ConfigError: the scheduling config is invalid (at startup).
     """
     app = web.Application(client_max_size=settings.max_body_bytes)
-    rt = RouterRuntime(settings)
-    app["runtime"] = rt
-    app.cleanup_ctx.append(lambda a: _lifespan(a, rt))
+    app.cleanup_ctx.append(lambda a: _lifespan(a, settings))
 
     async def inference(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY_KEY].handle(request)
 
     async def models(request: web.Request) -> web.Response:
-        assert rt.pool is not None
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "backfill"} for m in rt.pool.models()]
+        pool = request.app[RUNNING_KEY].parts.pool
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "backfill"} for m in pool.models()]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     async def health(request: web.Request) -> web.Response:
-        healthy = len(rt.pool.candidates()) if rt.pool else 0
+        healthy = len(request.app[RUNNING_KEY].parts.pool.candidates())
         status = 200 if healthy else 503
         return web.json_response({"status": "ok" if healthy else "no_healthy_endpoints",
                                   "healthy_endpoints": healthy}, status=status, dumps=_dumps)
 
     async def state(request: web.Request) -> web.Response:
-        return web.Response(body=rt.state().model_dump_json(), content_type="application/json")
+        return web.Response(body=request.app[RUNNING_KEY].state().model_dump_json(), content_type="application/json")
 
     async def metrics(request: web.Request) -> web.Response:
-        assert rt.metrics is not None
-        body = rt.metrics.render()
+        body = request.app[RUNNING_KEY].metrics.render()
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def not_found(request: web.Request) -> web.Response:
@@ -316,7 +208,7 @@ def build_trust(settings: RouterSettings) -> HeaderTrust:
     return HeaderTrust(token, api_keys)
 
 
-def _first_model(pool: EndpointPool, name: str) -> str | None:
+def _first_model(pool: PoolState, name: str) -> str | None:
     """The first model of ``name``'s ``/v1/models`` (None while unread): the chain seed of a
     connected KV-event source whose topic names none."""
     state = pool.get(name)
@@ -327,110 +219,110 @@ def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
-async def _lifespan(app: web.Application, rt: RouterRuntime) -> AsyncIterator[None]:
-    settings = rt.settings
+async def _lifespan(app: web.Application, settings: RouterSettings) -> AsyncIterator[None]:
+    """Build the router (:func:`router.assembly.build_router`), attach its I/O — the pool's probes,
+    the KV-event subscriber, the tokenizer, the proxy, the Responses store, the discovery — start
+    it, and stop it all on the way out."""
     control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     forward = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                                     auto_decompress=False)
-    discovery = None
+    probes: PoolProbes | None = None
+    running: RunningRouter | None = None
+    discovery: KubernetesSource | None = None
     tokenizer: PromptTokenizer | None = None
-
-    def kick() -> None:
-        if rt.flow is not None:
-            rt.flow.kick()
-
     try:
-        pool = rt.pool = EndpointPool(control, scrape_interval_s=settings.scrape_interval_s,
-                                      health_interval_s=settings.health_interval_s,
-                                      unhealthy_after=settings.unhealthy_after, on_change=kick,
-                                      max_num_seqs=settings.max_num_seqs,
-                                      batch_prefill_window_s=settings.batch_prefill_window_s)
-        handle = PluginHandle(saturation=rt.scheduling_saturation)
+        metrics = RouterMetrics(lambda: app[RUNNING_KEY].state())
+        parts = build_router(settings, observer=metrics)
+        probes = PoolProbes(parts.pool, control, scrape_interval_s=settings.scrape_interval_s,
+                            health_interval_s=settings.health_interval_s, unhealthy_after=settings.unhealthy_after)
         static_kv = [parse_connect_spec(spec, settings.kv_events_replay_port_offset)
                      for spec in settings.kv_events_connect]
-        if settings.kv_events:
-            rt.index = KVBlockIndex(block_size_tokens=64, max_blocks=settings.index_max_blocks)
-            rt.subscriber = KVEventSubscriber(rt.index, bind=settings.kv_events_bind, sources=static_kv,
-                                              model_of=lambda name: _first_model(pool, name),
-                                              replay_timeout_s=settings.kv_events_replay_timeout_s, allow_empty=True)
-            handle.prefix_index = rt.index
-        scheduler = rt.scheduler = build_scheduler(load_config(settings.scheduling_config), handle)
-        if settings.profile is not None and settings.profile not in scheduler.profiles:
-            raise ValueError(f"profile {settings.profile!r} is not in {settings.scheduling_config} "
-                             f"(profiles: {', '.join(scheduler.profiles)})")
-        if settings.prefill_engines and scheduler.profile_handler is None:
-            log.warning("prefill engines are given but the scheduling config has no pd-profile-handler: they get "
-                        "whole requests like any engine", extra={"action": "router.pd_without_handler",
-                                                                 "config": str(settings.scheduling_config)})
-        rt.working_set = working_set_of(_plugins(scheduler))
-        for plugin in _plugins(scheduler):
-            forget = getattr(plugin, "forget_endpoint", None)
-            if forget is not None:
-                pool.add_on_down(forget)
-        if rt.index is not None:
-            pool.add_on_down(rt.index.remove_endpoint)
-        if rt.subscriber is not None:
-            pool.add_on_down(rt.subscriber.resync)  # an engine that comes back is relearnt from its replay
-        flow_config = split_tenant_limits(FlowControlConfig.from_file(settings.flow_control) if settings.flow_control
-                                          else FlowControlConfig(), settings.replicas)
-        if settings.flow_control_enabled:
-            rt.flow = FlowController(flow_config, saturation=rt.gate_saturation,
-                                     unreserved=rt.unreserved_gate_saturation,
-                                     has_endpoints=lambda: bool(pool.candidates()))
-        objective_priority = {band.objective: band.priority for band in flow_config.bands}
-        tokenizer_path = str(settings.tokenizer_path) if settings.tokenizer_path else None
-        if settings.tokenizer == "engine":  # ask any healthy engine, whichever source found it
-            tokenizer = EngineTokenizer(lambda: next((ep.name for ep in pool.candidates()), None))
-        else:
-            tokenizer = build_tokenizer(settings.tokenizer, tokenizer_path=tokenizer_path)
-        metrics = rt.metrics = RouterMetrics(rt.state)
-        director = rt.director = Director(pool=pool, scheduler=scheduler, profile=settings.profile, flow=rt.flow,
-                                          observer=metrics, objective_priority=objective_priority,
-                                          default_objective=flow_config.default_objective,
-                                          sheddable_objectives=frozenset(
-                                              band.objective for band in flow_config.bands if band.sheddable),
-                                          make_room=settings.make_room, evict_on_wait=settings.evict_on_wait)
-        rt.proxy = app[PROXY_KEY] = Proxy(director=director, tokenizer=tokenizer, session=forward, observer=metrics,
-                                          engine_priority=settings.engine_priority,
-                                          max_body_bytes=settings.max_body_bytes,
-                                          request_timeout_s=settings.request_timeout_s,
-                                          connect_timeout_s=settings.connect_timeout_s,
-                                          request_timeout_per_token_s=settings.request_timeout_per_token_s,
-                                          trust=build_trust(settings))
-        pool.add_on_down(director.endpoint_down)
-        app[RESPONSES_KEY].open(settings.state_redis_url, settings.responses_ttl_s)
-        problem = await app[RESPONSES_KEY].check()
-        if problem is not None:
-            log.warning("responses state Redis is not answering (%s): stored responses fail with 503 "
-                        "state_store_unavailable until it does", problem)
-        for profile in scheduler.profiles.values():
+        running = app[RUNNING_KEY] = RunningRouter(parts, metrics, _kv_subscriber(settings, parts, static_kv))
+        tokenizer = _tokenizer(settings, parts)
+        app[PROXY_KEY] = Proxy(director=parts.director, tokenizer=tokenizer, session=forward, observer=metrics,
+                               engine_priority=settings.engine_priority, max_body_bytes=settings.max_body_bytes,
+                               request_timeout_s=settings.request_timeout_s,
+                               connect_timeout_s=settings.connect_timeout_s,
+                               request_timeout_per_token_s=settings.request_timeout_per_token_s,
+                               trust=build_trust(settings))
+        await _open_responses(app, settings)
+        for profile in parts.scheduler.profiles.values():
             profile.plugin_timer = metrics.plugin_timing
-        if rt.subscriber is not None:
-            rt.subscriber.start()
-        if rt.flow is not None:
-            await rt.flow.start()
-        pool.set_endpoints(settings.all_engines, settings.engine_roles)
-        if settings.engine_selector:
-            subscriber = rt.subscriber if settings.kv_events_port is not None else None
-            discovery = KubernetesSource(
-                pool, settings.engine_selector, settings.engine_port, settings.engine_namespace,
-                static=settings.all_engines, static_roles=settings.engine_roles,
-                kv_events_port=settings.kv_events_port,
-                replay_port_offset=settings.kv_events_replay_port_offset,
-                on_kv_sources=None if subscriber is None else lambda found: subscriber.set_sources([*static_kv, *found]))
-            discovery.start()
+        if running.subscriber is not None:
+            running.subscriber.start()
+        if parts.flow is not None:
+            await parts.flow.start()
+        parts.pool.set_endpoints(settings.all_engines, settings.engine_roles)
+        discovery = _discovery(settings, parts, running.subscriber, static_kv)
         yield
     finally:
-        if discovery is not None:
-            await discovery.stop()
-        if rt.pool is not None:
-            await rt.pool.close()
-        if rt.flow is not None:
-            await rt.flow.stop()
-        if rt.subscriber is not None:
-            await rt.subscriber.stop()
-        if tokenizer is not None:
-            await tokenizer.aclose()
-        await app[RESPONSES_KEY].aclose()
+        await _stop(app, running, probes, discovery, tokenizer)
         await forward.close()
         await control.close()
+
+
+def _kv_subscriber(settings: RouterSettings, parts: RouterParts,
+                   static_kv: list[KVEventSource]) -> KVEventSubscriber | None:
+    """The KV-event subscriber feeding ``parts.index`` (None without an index); an engine that
+    comes back is relearnt from its replay (a pool ``on_down`` hook)."""
+    if parts.index is None:
+        return None
+    pool = parts.pool
+    subscriber = KVEventSubscriber(parts.index, bind=settings.kv_events_bind, sources=static_kv,
+                                   model_of=lambda name: _first_model(pool, name),
+                                   replay_timeout_s=settings.kv_events_replay_timeout_s, allow_empty=True)
+    pool.add_on_down(subscriber.resync)
+    return subscriber
+
+
+def _tokenizer(settings: RouterSettings, parts: RouterParts) -> PromptTokenizer:
+    """The prompt tokenizer of ``settings.tokenizer`` (``engine``: ask any healthy engine,
+    whichever source found it)."""
+    if settings.tokenizer == "engine":
+        pool = parts.pool
+        return EngineTokenizer(lambda: next((ep.name for ep in pool.candidates()), None))
+    tokenizer_path = str(settings.tokenizer_path) if settings.tokenizer_path else None
+    return build_tokenizer(settings.tokenizer, tokenizer_path=tokenizer_path)
+
+
+async def _open_responses(app: web.Application, settings: RouterSettings) -> None:
+    """Open the Responses API state store; an unanswering Redis is logged, not fatal."""
+    app[RESPONSES_KEY].open(settings.state_redis_url, settings.responses_ttl_s)
+    problem = await app[RESPONSES_KEY].check()
+    if problem is not None:
+        log.warning("responses state Redis is not answering (%s): stored responses fail with 503 "
+                    "state_store_unavailable until it does", problem)
+
+
+def _discovery(settings: RouterSettings, parts: RouterParts, subscriber: KVEventSubscriber | None,
+               static_kv: list[KVEventSource]) -> KubernetesSource | None:
+    """Start the Kubernetes discovery when ``settings.engine_selector`` is given (else None); it
+    also tells the subscriber the discovered engines' KV-event sources when pods have a port."""
+    if not settings.engine_selector:
+        return None
+    feed = subscriber if settings.kv_events_port is not None else None
+    discovery = KubernetesSource(
+        parts.pool, settings.engine_selector, settings.engine_port, settings.engine_namespace,
+        static=settings.all_engines, static_roles=settings.engine_roles,
+        kv_events_port=settings.kv_events_port,
+        replay_port_offset=settings.kv_events_replay_port_offset,
+        on_kv_sources=None if feed is None else lambda found: feed.set_sources([*static_kv, *found]))
+    discovery.start()
+    return discovery
+
+
+async def _stop(app: web.Application, running: RunningRouter | None, probes: PoolProbes | None,
+                discovery: KubernetesSource | None, tokenizer: PromptTokenizer | None) -> None:
+    """Stop what the lifespan started, in order: discovery, probes, flow control, the subscriber,
+    the tokenizer, the Responses store."""
+    if discovery is not None:
+        await discovery.stop()
+    if probes is not None:
+        await probes.close()
+    if running is not None and running.parts.flow is not None:
+        await running.parts.flow.stop()
+    if running is not None and running.subscriber is not None:
+        await running.subscriber.stop()
+    if tokenizer is not None:
+        await tokenizer.aclose()
+    await app[RESPONSES_KEY].aclose()

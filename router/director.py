@@ -29,6 +29,10 @@ the request whole (its uncached tokens join its counters). Eviction, the client 
 decode endpoint going down cancel the request with its prefill leg; the prefill endpoint going
 down cancels the leg alone.
 
+The rules behind these choices — the decode share's tokens, whether a failed prefill leg is
+retried, the aggregated fallback, make-room's reason and victim — are the I/O-free functions of
+:mod:`router.decisions`, which a replay of this flow without HTTP (the fleet simulator) calls too.
+
 What happens is reported to a :class:`router.observer.RouterObserver`; the admin page's decision
 rate is :attr:`Director.decisions`.
 """
@@ -38,20 +42,31 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from common.contracts.errors import ErrorType
+from router.decisions import (
+    MAX_PREFILL_TRIES,
+    NO_FREE_SLOT,
+    decode_share_tokens,
+    fallback_prefill_tokens,
+    make_room_reason,
+    pick_victim,
+    prefill_failure_retryable,
+    prefix_info,
+    should_retry_prefill,
+    uncached_tokens,
+)
 from router.flow_control import Admission, DropReason, FlowController, FlowItem, RequestDropped
 from router.observer import RouterObserver
 from router.parsing import ParsedRequest
-from router.pool import EndpointPool, InFlight
+from router.pool.state import InFlight, PoolState
 from router.scheduling.errors import NoCandidatesError
 from router.scheduling.plugins.disagg import PDReason
-from router.scheduling.saturation import effective_waiting, free_slots, unseen_requests
 from router.scheduling.scheduler import SINGLE_PROFILE, Scheduler
-from router.scheduling.types import Endpoint, LLMRequest, PDDecision, PrefixMatchInfo, SchedulingResult
+from router.scheduling.types import Endpoint, LLMRequest, PDDecision, SchedulingResult
 from router.tokenizers import Prompt, to_llm_request
 
 #: Drop reason header (shared/contracts/queue-and-headers.md).
@@ -118,11 +133,6 @@ EVICTED = Interruption(429, "evicted to make room for higher-priority work; retr
 ENDPOINT_DOWN = Interruption(503, "the inference endpoint went down", "upstream_failed")
 
 _EVICTED = "evicted"
-
-#: Reasons of an eviction for a non-sheddable request (``RouterObserver.evicted``; :meth:`Director.make_room`).
-NO_FREE_SLOT = "no_free_slot"
-BATCH_PREFILL = "batch_prefill"
-ENGINE_QUEUE = "engine_queue"
 _ENDPOINT_DOWN = "endpoint_down"
 
 
@@ -133,7 +143,7 @@ class Attempt:
     __slots__ = ("task", "pool", "endpoint", "share", "admission", "priority", "reason", "sent", "cached_tokens",
                  "chunks")
 
-    def __init__(self, task: asyncio.Task[Any], pool: EndpointPool, share: InFlight,
+    def __init__(self, task: asyncio.Task[Any], pool: PoolState, share: InFlight,
                  admission: Admission | None = None, priority: int = 0) -> None:
         self.task = task
         self.pool = pool
@@ -145,6 +155,11 @@ class Attempt:
         self.sent = False
         self.cached_tokens: int | None = None
         self.chunks = 0  # stream chunks relayed (about one generated token each)
+
+    @property
+    def started_at(self) -> float:
+        """When the try was forwarded (the pool's clock)."""
+        return self.share.started_at
 
     def chunk_sent(self) -> None:
         """A body chunk of a stream reached the client: the prefill is over."""
@@ -200,12 +215,9 @@ class PrefillAnswer:
     @property
     def retryable(self) -> bool:
         """Another prefill engine may do better (not a 4xx about the request itself)."""
-        return self.failure != PREFILL_CLIENT_ERROR
+        return prefill_failure_retryable(self.failure)
 
 
-#: :attr:`PrefillAnswer.failure` of a 4xx answer other than 408 / 429: the request itself is at fault,
-#: so no other prefill engine is tried; the decode engine runs it whole and answers the client.
-PREFILL_CLIENT_ERROR = "client_error"
 #: :attr:`PrefillAnswer.failure` of a prefill engine declared down while it ran the prefill.
 PREFILL_ENDPOINT_DOWN = "endpoint_down"
 
@@ -276,12 +288,14 @@ class Director:
         evict_on_wait: evict-and-resume also when the endpoint has a free slot but the
             non-sheddable request would still wait there (:meth:`make_room`; the router's
             ``evict_on_wait`` setting, default off).
+        clock: monotonic seconds of the decision rate (:attr:`decisions`).
     """
 
-    def __init__(self, *, pool: EndpointPool, scheduler: Scheduler, profile: str | None,
+    def __init__(self, *, pool: PoolState, scheduler: Scheduler, profile: str | None,
                  flow: FlowController | None, observer: RouterObserver, objective_priority: dict[str, int],
                  default_objective: str, sheddable_objectives: frozenset[str] = frozenset(),
-                 make_room: bool = False, evict_on_wait: bool = False) -> None:
+                 make_room: bool = False, evict_on_wait: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.profile = profile
@@ -292,7 +306,7 @@ class Director:
         self.sheddable_objectives = sheddable_objectives
         self.make_room_enabled = make_room
         self.evict_on_wait = evict_on_wait
-        self.decisions = DecisionRate()
+        self.decisions = DecisionRate(clock=clock)
         self._attempts: dict[str, set[Attempt]] = {}  # endpoint name → tries running there
         self._prefills: dict[str, set[Attempt]] = {}  # endpoint name → prefill legs running there
 
@@ -406,7 +420,7 @@ class Director:
         prefill = decision.prefill
         excluded = [decision.decode.endpoint.name]
         failure = "none"
-        for number in range(2):
+        for number in range(MAX_PREFILL_TRIES):
             if prefill is None:
                 break
             name = prefill.endpoint.name
@@ -432,7 +446,7 @@ class Director:
             failure = answer.failure or "unknown"
             self.observer.prefill_failed(name, failure)
             excluded.append(name)
-            if number > 0 or not answer.retryable:
+            if not should_retry_prefill(answer.failure, number + 1):
                 break
             prefill = self.scheduler.schedule_prefill(llm_request, self.pool.candidates_for(llm_request.model), excluded)
             if prefill is not None:
@@ -472,13 +486,8 @@ class Director:
             tried.add(result.endpoint.name)
             if (self.make_room_enabled or self.evict_on_wait) and not llm_request.sheddable and not made_room:
                 made_room = self.make_room(result.endpoint) is not None
-            if decision.prefill is not None:
-                tokens = 0  # the prefill engine computes the prompt; the decode engine receives its KV
-            elif decision.reason == SINGLE_PROFILE:
-                tokens = uncached_tokens(result, llm_request)
-            else:
-                tokens = decision.uncached_tokens
-            share = self.pool.started(result.endpoint, tokens, sheddable=llm_request.sheddable)
+            share = self.pool.started(result.endpoint, decode_share_tokens(decision, llm_request),
+                                      sheddable=llm_request.sheddable)
             attempt = Attempt(task, self.pool, share, admitted.admission, llm_request.priority)
             self._attempts.setdefault(result.endpoint.name, set()).add(attempt)
             retry = number == 0
@@ -489,7 +498,7 @@ class Director:
                     if decision.prefill is not None:
                         prefilled = await self._prefill(llm_request, decision, pd_forwarder, task)
                         if prefilled is None:  # aggregated after all: the decode engine computes the prompt
-                            self.pool.add_prefill(share, decision.uncached_tokens)
+                            self.pool.add_prefill(share, fallback_prefill_tokens(decision))
                     if prefilled is None:
                         pd_forwarder.use_kv_transfer(None)
                     else:
@@ -551,28 +560,23 @@ class Director:
         its client gets 429 ``evicted`` with ``Retry-After``).
         """
         victims = [a for a in self._attempts.get(endpoint.name, ()) if a.share.sheddable and a.reason is None]
-        if not victims:
+        found = make_room_reason(endpoint, victims, make_room=self.make_room_enabled,
+                                 evict_on_wait=self.evict_on_wait, prefilling=self._in_prefill)
+        if found is None:
             return None
-        reason = None
-        if self.make_room_enabled and endpoint.slots is not None and free_slots(endpoint) <= unseen_requests(endpoint) \
-                and endpoint.in_flight_requests >= endpoint.slots:
-            reason = NO_FREE_SLOT
-        elif self.evict_on_wait:
-            self.pool.expire_prefills()
-            prefilling = [a for a in victims if self.pool.in_prefill(a.share)]
-            if prefilling:
-                reason, victims = BATCH_PREFILL, prefilling
-            elif effective_waiting(endpoint) > 0:
-                reason = ENGINE_QUEUE
-        if reason is None:
-            return None
-        victim = min(victims, key=lambda a: (a.priority, -a.share.started_at))
+        reason, candidates = found
+        victim = pick_victim(candidates)
         if victim.admission is None or self.flow is None or not self.flow.evict(victim.admission):
             victim.interrupt(_EVICTED)  # no flow control (or its slot is gone already): cancel it here
         if reason is NO_FREE_SLOT:
             self.observer.made_room(endpoint.name)
         self.observer.evicted(endpoint.name, reason, victim.share.dispatched + victim.chunks)
         return victim
+
+    def _in_prefill(self, attempts: Sequence[Attempt]) -> list[Attempt]:
+        """The tries among ``attempts`` still counted as in prefill (expired ones first dropped)."""
+        self.pool.expire_prefills()
+        return [a for a in attempts if self.pool.in_prefill(a.share)]
 
     def endpoint_down(self, name: str) -> None:
         """Pool hook: ``name`` left the candidate set. Its requests in flight are interrupted
@@ -585,18 +589,5 @@ class Director:
 
 
 def _matched(result: SchedulingResult) -> list[float]:
-    info = _prefix_info(result)
+    info = prefix_info(result)
     return list(info.matched.values()) if info is not None else []
-
-
-def _prefix_info(result: SchedulingResult) -> PrefixMatchInfo | None:
-    return result.state.first(PrefixMatchInfo)  # the producers' output, whatever their names
-
-
-def uncached_tokens(result: SchedulingResult, request: LLMRequest) -> int:
-    """Prompt tokens the chosen endpoint is expected to compute (tokens): the prompt minus the
-    prefix the decision's producer found there; the whole prompt when no producer ran."""
-    info = _prefix_info(result)
-    if info is None:
-        return request.prompt_tokens
-    return info.uncached_tokens(result.endpoint.name, request.prompt_tokens)

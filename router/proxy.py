@@ -40,10 +40,10 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from common.contracts.errors import ErrorType, error_json, openai_type_for_status
 from common.contracts.openai_request import requested_output_tokens
+from router.decisions import PREFILL_CLIENT_ERROR
 from router.director import (
     DROPPED_REASON,
     NO_ENDPOINT,
-    PREFILL_CLIENT_ERROR,
     Attempt,
     Director,
     Interruption,

@@ -77,9 +77,9 @@ class RouterSettings(BaseSettings):
             on an engine (``Director.make_room``), the slot reserve sized by Little's law from the
             measured interactive arrivals, and the bound of batch prompt tokens in prefill per engine
             as a share of the engines' ``max_num_batched_tokens``
-            (``router/scheduling/saturation.py``, ``router/pool.py``).
+            (``router/scheduling/saturation.py``, ``router/pool/state.py``).
         max_num_seqs: every engine's sequence slots (vLLM's ``--max-num-seqs``), when the fleet
-            shares one; None (default): learned per engine from its scrapes (``router/pool.py``).
+            shares one; None (default): learned per engine from its scrapes (``router/pool/slots.py``).
         connect_timeout_s: connecting to an engine, seconds.
         request_timeout_s: base of a proxied request's timeout, seconds (0 = none): the whole request
             when it names no ``max_tokens``, the longest silence of a stream.

@@ -371,7 +371,6 @@ class Simulation:
         self.profile = profile or self.scheduler.default_profile
         #: the P/D decision (the config's profile handler, no profile named), as the router runs it
         self.pd = self.scheduler.profile_handler is not None and profile is None
-        self.runtime.scheduler = self.scheduler
         plugins = self.plugins()
         self.runtime.working_set = working_set_of(plugins)
         self.key_shapes = sorted({(p.block_size_tokens, p.max_blocks) for p in plugins

@@ -32,8 +32,7 @@ from pydantic.alias_generators import to_camel
 
 from common.validation import describe
 from router.scheduling.errors import ConfigError
-from router.scheduling.interfaces import DataProducer, Filter, Picker, PluginHandle, Scorer
-from router.scheduling.plugins.disagg import PDProfileHandler
+from router.scheduling.interfaces import DataProducer, Filter, Picker, PluginHandle, ProfileHandler, Scorer
 from router.scheduling.plugins.pickers import MAX_SCORE_PICKER_TYPE
 from router.scheduling.registry import PluginFactory, builtin_factories
 from router.scheduling.scheduler import Scheduler, SchedulerProfile
@@ -156,7 +155,7 @@ def build_scheduler(
         if profile_spec.name in profiles:
             raise ConfigError(f"profile name {profile_spec.name!r} is used twice")
         profiles[profile_spec.name] = _build_profile(profile_spec, plugins, create)
-    handlers = [p for p in plugins.values() if isinstance(p, PDProfileHandler)]
+    handlers = [p for p in plugins.values() if isinstance(p, ProfileHandler)]
     if len(handlers) > 1:
         raise ConfigError(f"two profile handlers ({handlers[0].name!r} and {handlers[1].name!r})")
     for handler in handlers:
@@ -194,7 +193,7 @@ def _build_profile(spec: ProfileSpec, plugins: dict[str, object], create: Any) -
         if roles == 0:
             raise ConfigError(f"{where}: {ref.plugin_ref!r} plays no scheduling role"
                               + (" (a profile handler is declared in plugins only)"
-                                 if isinstance(instance, PDProfileHandler) else ""))
+                                 if isinstance(instance, ProfileHandler) else ""))
         wanted_producers.update(getattr(instance, "requires", {}))
     if picker is None:
         existing = plugins.get(MAX_SCORE_PICKER_TYPE)

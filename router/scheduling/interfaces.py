@@ -17,7 +17,12 @@ Scorer              in the profile: one score per candidate; the scheduler clamp
 Picker              in the profile: picks one endpoint from the scored candidates
 PreRequest          after the decision, when the router commits to forwarding: learn from it
 ResponseComplete    when the engine's response has finished (usage known)
+ProfileHandler      instead of one profile, per decision: runs the profiles it was bound to
+                    and combines their picks (prefill/decode disaggregation)
 ==================  =========================================================================
+
+The scheduler (:mod:`router.scheduling.scheduler`) knows the roles only, never a concrete plugin:
+which plugin plays a role is the config's word (the registry maps llm-d type names to factories).
 
 Endpoints are passed as sequences and scorers answer with a list aligned to them (index i scores
 ``endpoints[i]``): cheaper than a dict per scorer on the hot path.
@@ -29,12 +34,12 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from router.scheduling.types import CycleState, Endpoint, LLMRequest
 
 if TYPE_CHECKING:
-    from router.scheduling.types import SchedulingResult
+    from router.scheduling.types import PDDecision, SchedulingResult
 
 #: Cache tier names as in vLLM's KV events ``medium`` field, lower-cased.
 TIER_GPU = "gpu"
@@ -94,6 +99,40 @@ class ResponseComplete(Protocol):
     ``usage.prompt_tokens_details.cached_tokens`` (tokens), None when the engine did not report it."""
 
     def response_complete(self, request: LLMRequest, endpoint: Endpoint, cached_tokens: int | None) -> None: ...
+
+
+@runtime_checkable
+class ProfileHandler(Protocol):
+    """Decides with several profiles instead of one (llm-d's ``ProfileHandler``; the built-in one
+    is ``pd-profile-handler``, :mod:`router.scheduling.plugins.disagg`). Bound to the scheduler's
+    profiles when the scheduler is built (:func:`router.scheduling.config.build_scheduler`).
+
+    Attributes:
+        name: its instance name in the config.
+        decode_profile: the name of the profile whose pick answers the client (the scheduler's
+            default profile).
+    """
+
+    name: str
+    decode_profile: str
+
+    def bind(self, profiles: Mapping[str, Any]) -> None:
+        """Resolve the profiles it runs among ``profiles`` (name → the scheduler's
+        ``SchedulerProfile``). Raises :class:`~router.scheduling.errors.ConfigError` when one is
+        missing or unusable."""
+        ...
+
+    def decide(self, request: LLMRequest, endpoints: Sequence[Endpoint],
+               exclude_prefill: Sequence[str] = ()) -> PDDecision:
+        """The decode pick and, when the request is disaggregated, a prefill pick not in
+        ``exclude_prefill``. Raises :class:`~router.scheduling.errors.NoCandidatesError` when there
+        is no decode candidate."""
+        ...
+
+    def prefill(self, request: LLMRequest, endpoints: Sequence[Endpoint],
+                exclude: Sequence[str] = ()) -> SchedulingResult | None:
+        """The prefill profile's pick among ``endpoints`` not in ``exclude``; None without one."""
+        ...
 
 
 class PrefixIndex(Protocol):

@@ -25,7 +25,7 @@ interval. Sound only with one router replica (the in-flight counts are this rout
 (vLLM's ``max_num_seqs``) and scheduled first come first served, a sheddable request that takes
 the last slot, or waits in the engine's queue, makes the next interactive request wait for a
 whole sheddable request to finish. So once the endpoint's slot count is known
-(:attr:`Endpoint.slots`: configured, or learned from scrapes, ``router/pool.py``), two more terms
+(:attr:`Endpoint.slots`: configured, or learned from scrapes, ``router/pool/slots.py``), two more terms
 apply (this module's values are what sheddable work is gated on)::
 
     sheddable_slots = slots − reserve

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from router.scheduling.errors import NoCandidatesError
-from router.scheduling.interfaces import DataProducer, Filter, Picker, PreRequest, ResponseComplete, Scorer
+from router.scheduling.interfaces import (
+    DataProducer,
+    Filter,
+    Picker,
+    PreRequest,
+    ProfileHandler,
+    ResponseComplete,
+    Scorer,
+)
 from router.scheduling.types import CycleState, Endpoint, LLMRequest, PDDecision, SchedulingResult
-
-if TYPE_CHECKING:
-    from router.scheduling.plugins.disagg import PDProfileHandler
 
 #: :attr:`PDDecision.reason` of a decision made by one profile (no P/D profile handler, or a profile named).
 SINGLE_PROFILE = "single_profile"
@@ -123,11 +127,12 @@ class Scheduler:
 
     Args:
         profiles: the profiles, by name, in config order (at least one).
-        profile_handler: a P/D profile handler (``pd-profile-handler``, bound to ``profiles``):
-            :meth:`decide` asks it; its decode profile becomes the default.
+        profile_handler: a profile handler bound to ``profiles`` (the
+            :class:`~router.scheduling.interfaces.ProfileHandler` role; ``pd-profile-handler`` in
+            the shipped P/D config): :meth:`decide` asks it; its decode profile becomes the default.
     """
 
-    def __init__(self, profiles: dict[str, SchedulerProfile], profile_handler: PDProfileHandler | None = None) -> None:
+    def __init__(self, profiles: dict[str, SchedulerProfile], profile_handler: ProfileHandler | None = None) -> None:
         if not profiles:
             raise ValueError("a scheduler needs at least one profile")
         self.profiles = profiles

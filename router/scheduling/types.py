@@ -67,7 +67,7 @@ class Endpoint:
             does not export) as learned from scrapes: None until a scrape showed it running
             requests with others waiting (it was full); from then on ``peak_running``, which is at
             least the running count of every such scrape and never above ``max_num_seqs``
-            (:meth:`router.pool.EndpointPool` sets it).
+            (:func:`router.pool.slots.learn_slots` sets it).
         max_num_seqs: a configured slot count (router setting ``max_num_seqs``); overrides the
             learned one. None: learn it.
         in_flight_sheddable: of ``in_flight_requests``, those of sheddable bands
@@ -75,7 +75,7 @@ class Endpoint:
         mean_request_duration_s: exponentially weighted mean of the durations, in seconds, of
             the requests the router forwarded there that completed (forward → end of the
             response, so engine queueing included); None before the first. The pool keeps it
-            (:meth:`router.pool.EndpointPool.finished`).
+            (:meth:`router.pool.state.PoolState.finished`).
         in_flight_sheddable_prefill_tokens: uncached prompt tokens of the sheddable requests forwarded
             there whose prefill the router counts as in progress (no first chunk, not answered, sent
             within the pool's ``batch_prefill_window_s``), tokens; the batch prefill share bounds them.

@@ -30,7 +30,7 @@ Estimated wait of an endpoint for this request, in ms — every kind of wait the
   them, with the same count in ``queue-scorer``, cost ``backfill bench prefix`` reuse on engines
   that are never slot-bound: precise 0.992 → 0.956, TTFT p50 0.119 → 0.153 s). Slots free at the engine's completion rate, which by Little's law is requests in the
   engine ÷ time a request spends there: ``mean_request_duration`` is the per-endpoint EWMA of the
-  durations the router measures (forward → end of response, :meth:`router.pool.EndpointPool.
+  durations the router measures (forward → end of response, :meth:`router.pool.state.PoolState.
   finished`), ``waiting + running + unseen`` the requests in the engine now. Until the router has
   measured a duration on the endpoint, ``defaultRequestDurationMs`` stands in.
 * Decode load is not modelled separately: a busy decode batch lengthens the measured durations,
