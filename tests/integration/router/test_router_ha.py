@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backfill.bench.engine_sim import free_port
-from backfill.bench.launch import ProcessGroup
 from engine_twin.launch import sim_engine_argv
+from lab.bench.engine_sim import free_port
+from lab.bench.launch import ProcessGroup
 from router.cli import router_argv
 
 MODEL = "sim-model"
