@@ -37,11 +37,9 @@ import asyncio
 import collections
 import contextlib
 import json
-import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -55,21 +53,6 @@ POLL_SECONDS = 0.1
 """How often the batch status is read during the stack run (s)."""
 STATE_SAMPLE_SECONDS = 0.1
 """How often the engine's ``/sim/state`` is sampled (s)."""
-
-
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """Set environment variables for the duration (children started inside inherit them)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
 
 
 class Occupancy:
@@ -233,6 +216,7 @@ def end_to_end_command(lines: int, time_scale: float, max_num_seqs: int, max_tok
 
     from backfill.up import free_port, run_stack
     from lab.bench.batchfile import write_batch_file
+    from lab.toolkit.launch import environment
 
     console = Console()
     endpoint: Literal["/v1/chat/completions"] = "/v1/chat/completions"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from dataclasses import asdict, dataclass
 import click
 
 from engine_twin.launch import sim_engine_argv, wait_ready
+from lab.toolkit.launch import free_port
 
 
 @dataclass
@@ -37,13 +37,6 @@ class BenchResult:
     requests_per_s: float
     errors: int
     concurrency: int
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request_bytes(port: int, prompt_tokens: int, index: int) -> bytes:

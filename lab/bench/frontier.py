@@ -50,7 +50,8 @@ import click
 from engine_twin.core import CoreRequest, EngineCore
 from engine_twin.kv_cache import TieredPrefixCache, block_hashes, none_hash
 from engine_twin.settings import build_settings
-from lab.bench.isolation import percentile, poisson_arrivals
+from lab.toolkit.arrivals import poisson_arrivals
+from lab.toolkit.interactive import percentile
 from router.flow_control.core import SHORT_RETRY_S
 
 ROOT = none_hash("0")
@@ -291,7 +292,7 @@ DEFAULT_POLICIES = (
 def svg_frontier(figures: dict[str, Any], width: int = 760, height: int = 400) -> str:
     """p99 ratio vs batch fraction, one polyline per policy (ratios above ``Y_CLIP`` drawn at it), the
     goals as dashed lines."""
-    from lab.bench.isolation import svg_line_chart
+    from lab.toolkit.charts import svg_line_chart
 
     series: dict[str, list[tuple[float, float]]] = {}
     for point in figures["points"]:

@@ -55,171 +55,31 @@ import math
 import os
 import random
 import secrets
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 import orjson
 
-from lab.bench.end_to_end import environment
+from lab.toolkit.arrivals import poisson_arrivals
+from lab.toolkit.charts import svg_line_chart
+from lab.toolkit.interactive import (
+    RESULT_STREAM,
+    LaneSampler,
+    Sample,
+    run_interactive,
+    summarize,
+    user_headers,
+)
+from lab.toolkit.launch import environment
+from lab.toolkit.prompts import ENDPOINT, MODEL, chat_body, prompt_text
 
-MODEL = "sim-model"
-ENDPOINT = "/v1/chat/completions"
-SAMPLE_SECONDS = 0.25
-"""How often the router's admin state and the batch result count are read (s)."""
 BIN_SECONDS = 2.0
 """Width of the plot's bins (s)."""
-RESULT_STREAM = "bench:isolation:results"
-WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
-         "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")
-
-
-# ---- workload --------------------------------------------------------------------------------------
-
-
-def prompt_text(rng: random.Random, tokens: int) -> str:
-    """A unique user message of about ``tokens`` tokens (4 bytes each, the simulator's builtin
-    tokenizer and the router's ``estimate``), so no request hits another's prefix cache."""
-    words: list[str] = [f"{rng.getrandbits(64):016x}"]
-    size = len(words[0])
-    while size < tokens * 4:
-        words.append(rng.choice(WORDS))
-        size += len(words[-1]) + 1
-    return " ".join(words)[: tokens * 4]
-
-
-def chat_body(text: str, max_tokens: int, *, stream: bool) -> dict[str, Any]:
-    """The OpenAI chat body of one request (streamed with usage, or not)."""
-    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": text}],
-                            "max_tokens": max_tokens}
-    if stream:
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
-    return body
-
-
-def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
-    """Arrival offsets (s, ascending, < ``duration``) of a Poisson process of ``rate`` per second."""
-    rng = random.Random(seed)
-    out: list[float] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration:
-            return out
-        out.append(t)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values``, linear between closest ranks; NaN if empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-# ---- interactive client ----------------------------------------------------------------------------
-
-
-@dataclass
-class Sample:
-    """One interactive request, times in seconds on the bench's ``perf_counter``."""
-
-    scheduled: float
-    sent: float = math.nan
-    first_token: float = math.nan
-    done: float = math.nan
-    status: int = 0
-    prompt_tokens: int = 0
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.sent
-
-
-#: Interactive users of the isolation bench: each request carries one of this many fairness ids (with
-#: the router's trusted token), so the router's per-tenant bound (16 in flight) does not queue what
-#: stands for many users' traffic.
-USERS = 64
-
-
-def user_headers(token: str | None, users: int = USERS) -> Any:
-    """``headers_for`` of :func:`run_interactive`: request ``i`` as user ``i mod users`` (trusted
-    fairness id); None without a token (every request is the one untrusted tenant)."""
-    if not token:
-        return None
-    return lambda i: {"x-backfill-router-token": token, "x-llm-d-inference-fairness-id": f"user-{i % users}"}
-
-
-async def _one_interactive(session, url: str, body: bytes, sample: Sample, extra: dict[str, str] | None = None) -> None:
-    import aiohttp
-
-    headers = {"content-type": "application/json", "x-llm-d-inference-objective": "interactive", **(extra or {})}
-    sample.sent = time.perf_counter()
-    try:
-        async with session.post(url, data=body, headers=headers) as resp:
-            sample.status = resp.status
-            if resp.status != 200:
-                await resp.read()
-                return
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = orjson.loads(line[6:])
-                if math.isnan(sample.first_token) and any(
-                        (c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
-                    sample.first_token = time.perf_counter()
-                if chunk.get("usage"):
-                    sample.prompt_tokens = chunk["usage"]["prompt_tokens"]
-            sample.done = time.perf_counter()
-    except (TimeoutError, aiohttp.ClientError):
-        sample.status = 0
-
-
-async def run_interactive(router_url: str, arrivals: list[float], bodies: list[bytes],
-                          headers_for: Any = None) -> tuple[float, list[Sample]]:
-    """Send ``bodies[i]`` at ``arrivals[i]`` seconds from now (open loop); ``(start, samples)``.
-    ``headers_for(i)``: extra headers of request ``i`` (None: none)."""
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        start = time.perf_counter()
-        samples = [Sample(start + offset) for offset in arrivals]
-        tasks = []
-        for i, (sample, body) in enumerate(zip(samples, bodies)):
-            delay = sample.scheduled - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            extra = headers_for(i) if headers_for is not None else None
-            tasks.append(asyncio.create_task(_one_interactive(session, router_url + ENDPOINT, body, sample, extra)))
-        await asyncio.gather(*tasks)
-    return start, samples
-
-
-def summarize(samples: list[Sample], duration: float) -> dict[str, Any]:
-    """TTFT percentiles (ms), completed/s and client send lag of one phase's samples."""
-    ok = [s for s in samples if s.status == 200 and not math.isnan(s.first_token)]
-    ttft = [s.ttft * 1000 for s in ok]
-    lag = [(s.sent - s.scheduled) * 1000 for s in samples if not math.isnan(s.sent)]
-    return {
-        "requests": len(samples), "completed": len(ok), "errors": len(samples) - len(ok),
-        "offered_rps": len(samples) / duration, "completed_rps": len(ok) / duration,
-        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
-        "ttft_ms_p99": percentile(ttft, 99), "ttft_ms_mean": statistics.fmean(ttft) if ttft else math.nan,
-        "ttft_ms_max": max(ttft, default=math.nan),
-        "send_lag_ms_p99": percentile(lag, 99),
-        "prompt_tokens_mean": statistics.fmean(s.prompt_tokens for s in ok) if ok else math.nan,
-    }
 
 
 # ---- capacity --------------------------------------------------------------------------------------
@@ -307,78 +167,6 @@ def fleet_stack(data_dir: Path, engines: int, redis_url: str | None, processor_g
             embedded.shutdown()
 
 
-@dataclass
-class LaneSampler:
-    """Reads the batch result count and the router's ``/admin/state`` every ``SAMPLE_SECONDS``."""
-
-    redis: Any
-    router_url: str
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    _task: asyncio.Task | None = None
-    _stopping: bool = False
-
-    async def _run(self) -> None:
-        import aiohttp
-
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            while not self._stopping:
-                row: dict[str, Any] = {"t": time.perf_counter(), "batch_done": await self.redis.xlen(RESULT_STREAM)}
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                    async with session.get(self.router_url + "/admin/state") as resp:
-                        state = orjson.loads(await resp.read())
-                    row["saturation"] = state["pool_saturation"]
-                    for band in state["bands"]:
-                        row[f"{band['objective']}_in_flight"] = band["in_flight"]
-                        row[f"{band['objective']}_queued"] = band["queued_requests"]
-                    row["engine_waiting"] = sum(e["num_requests_waiting"] for e in state["endpoints"])
-                    row["engine_running"] = sum(e["num_requests_running"] for e in state["endpoints"])
-                    eps = state["endpoints"]
-                    row["total_evictions"] = sum(sum((e.get("evictions") or {}).values()) for e in eps)
-                    row["total_evicted_tokens"] = sum(e.get("evicted_tokens", 0) for e in eps)
-                    row["total_preemptions"] = sum(e.get("num_preemptions", 0) for e in eps)
-                    row["reserve_in_use"] = sum(e.get("reserve_in_use", 0) for e in eps)
-                    row["batch_prefill_tokens"] = sum(e.get("batch_prefill_tokens", 0) for e in eps)
-                self.rows.append(row)
-                await asyncio.sleep(SAMPLE_SECONDS)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        """Stop sampling. A cancellation the Redis client swallows (one landing inside its command)
-        left the bench waiting forever once: the loop also checks a flag, and the cancel is repeated."""
-        self._stopping = True
-        task = self._task
-        while task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=1.0)
-
-    def batch_done_at(self, t: float) -> float:
-        """Batch results at time ``t``, interpolated between samples."""
-        before = [r for r in self.rows if r["t"] <= t]
-        after = [r for r in self.rows if r["t"] >= t]
-        if not before:
-            return after[0]["batch_done"] if after else 0.0
-        if not after:
-            return before[-1]["batch_done"]
-        a, b = before[-1], after[0]
-        if b["t"] == a["t"]:
-            return a["batch_done"]
-        return a["batch_done"] + (b["batch_done"] - a["batch_done"]) * (t - a["t"]) / (b["t"] - a["t"])
-
-    def counted(self, key: str, start: float, end: float) -> float:
-        """Growth of the counter ``key`` (a ``total_*`` figure) between ``start`` and ``end``."""
-        rows = [r for r in self.rows if start <= r["t"] <= end and key in r]
-        return rows[-1][key] - rows[0][key] if rows else 0.0
-
-    def means(self, start: float, end: float) -> dict[str, float]:
-        """Mean of each sampled figure between ``start`` and ``end`` (counters left out)."""
-        rows = [r for r in self.rows if start <= r["t"] <= end]
-        keys = sorted({k for r in rows for k in r} - {"t", "batch_done"} - {k for r in rows for k in r
-                                                                            if k.startswith("total_")})
-        return {k: statistics.fmean(r[k] for r in rows if k in r) for k in keys if any(k in r for r in rows)}
-
-
 async def enqueue_batch(redis, bodies: list[bytes], tag: str) -> None:
     """Put one request message per body on the ``batch`` lane (as the worker's feeder does)."""
     from common.contracts.queue import REQUEST_FIELD, RequestMessage, encode_request, request_stream
@@ -432,79 +220,6 @@ def lane_rates(samples_a: list[Sample], samples_b: list[Sample], sampler: LaneSa
         out["batch"].append((mid, rates[1]))
         out["both lanes"].append((mid, sum(rates)))
     return out
-
-
-def nice_step(span: float, at_most: int) -> float:
-    """The smallest of 1, 2, 5 × 10^k that cuts ``span`` (> 0) into at most ``at_most`` steps."""
-    step = 10.0 ** math.floor(math.log10(span / at_most)) if span > 0 else 1.0
-    for factor in (1, 2, 5, 10):
-        if span / (step * factor) <= at_most:
-            return step * factor
-    return step * 10
-
-
-def svg_line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, x_label: str, y_label: str,
-                   hlines: dict[str, float], vlines: dict[str, float], width: int = 860, height: int = 340) -> str:
-    """A standalone SVG line chart (inline styles, no script): ``series`` ``{label: [(x, y)]}``,
-    dashed horizontal reference lines ``hlines`` ``{label: y}`` and vertical markers ``vlines``
-    ``{label: x}``. Axes start at 0."""
-    from xml.sax.saxutils import escape
-
-    colors = ("#2563eb", "#d97706", "#6b7280", "#7c3aed", "#059669", "#db2777", "#0891b2", "#65a30d", "#111827")
-    left, right, bottom = 56, 16, 44
-    legend: list[tuple[float, int]] = []  # (x, row) of each series' legend entry: rows wrap at the width
-    lx, row = left + 8.0, 0
-    for label in list(series)[:len(colors)]:
-        if lx + 14 + 7 * len(label) > width - right and lx > left + 8:
-            lx, row = left + 8.0, row + 1
-        legend.append((lx, row))
-        lx += 24 + 7 * len(label)
-    top = 40 + 14 * row
-    pw, ph = width - left - right, height - top - bottom
-    xs = [x for pts in series.values() for x, _ in pts] + list(vlines.values())
-    ys = [y for pts in series.values() for _, y in pts] + list(hlines.values())
-    x_max = max(xs, default=1.0) or 1.0
-    y_max = (max(ys, default=1.0) or 1.0) * 1.1
-
-    def px(x: float) -> float:
-        return left + x / x_max * pw
-
-    def py(y: float) -> float:
-        return top + ph - y / y_max * ph
-
-    font = 'font-family="sans-serif" font-size="11" fill="#374151"'
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
-           f'height="{height}"><rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left}" y="18" font-family="sans-serif" font-size="14" fill="#111827">{escape(title)}</text>']
-    for k in range(int(y_max / (y_step := nice_step(y_max, 6))) + 1):
-        y = k * y_step
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#e5e7eb"/>'
-                   f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end" {font}>{y:g}</text>')
-    for k in range(int(x_max / (x_step := nice_step(x_max, 10))) + 1):
-        out.append(f'<text x="{px(k * x_step):.1f}" y="{top + ph + 16}" text-anchor="middle" {font}>'
-                   f'{k * x_step:g}</text>')
-    out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + ph}" stroke="#6b7280"/>'
-               f'<line x1="{left}" x2="{left + pw}" y1="{top + ph}" y2="{top + ph}" stroke="#6b7280"/>'
-               f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle" {font}>{escape(x_label)}</text>'
-               f'<text x="14" y="{top + ph / 2}" text-anchor="middle" transform="rotate(-90 14 {top + ph / 2})" '
-               f'{font}>{escape(y_label)}</text>')
-    for label, value in vlines.items():
-        side = f'x="{px(value) + 4:.1f}"' if px(value) < left + pw * 0.8 else \
-            f'x="{px(value) - 4:.1f}" text-anchor="end"'
-        out.append(f'<line x1="{px(value):.1f}" x2="{px(value):.1f}" y1="{top}" y2="{top + ph}" stroke="#9ca3af" '
-                   f'stroke-dasharray="2,3"/><text {side} y="{top + 12}" {font}>{escape(label)}</text>')
-    for label, value in hlines.items():
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{py(value):.1f}" y2="{py(value):.1f}" stroke="#dc2626" '
-                   f'stroke-dasharray="6,4"/><text x="{left + 6}" y="{py(value) + 14:.1f}" '
-                   f'font-family="sans-serif" font-size="11" fill="#dc2626">{escape(label)}</text>')
-    for (label, points), color, (legend_x, legend_row) in zip(series.items(), colors, legend):
-        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
-        ly = 26 + 14 * legend_row
-        out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.6"/>'
-                   f'<rect x="{legend_x:.0f}" y="{ly}" width="10" height="10" fill="{color}"/>'
-                   f'<text x="{legend_x + 14:.0f}" y="{ly + 9}" {font}>{escape(label)}</text>')
-    out.append("</svg>")
-    return "\n".join(out)
 
 
 # ---- the command -----------------------------------------------------------------------------------

@@ -69,17 +69,9 @@ import click
 import orjson
 
 from engine_twin.step_model import overhead_ms_for_idle_step
-from lab.bench.isolation import (
-    ENDPOINT,
-    MODEL,
-    LaneSampler,
-    chat_body,
-    percentile,
-    poisson_arrivals,
-    prompt_text,
-    run_interactive,
-    summarize,
-)
+from lab.toolkit.arrivals import poisson_arrivals
+from lab.toolkit.interactive import LaneSampler, percentile, run_interactive, summarize
+from lab.toolkit.prompts import ENDPOINT, MODEL, chat_body, prompt_text
 
 DEFAULT_SOURCE = (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "batches"
                   / "openai-cookbook-batch-movies.jsonl")
@@ -692,8 +684,7 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
 
     from backfill.up import run_stack
     from common.executable import backfill_executable
-    from lab.bench.engine_sim import free_port
-    from lab.bench.launch import HOST, process_group
+    from lab.toolkit.launch import HOST, free_port, process_group
 
     if quick:
         opts.update(lines=150, time_scale=0.5, duration=5.0, prelude=3.0, probe_interval=1.0, async_interval=1.5,

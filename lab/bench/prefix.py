@@ -2,7 +2,7 @@
 
 One trace per workload shape (:data:`SHAPES`, ``--shape``; default ``agentic``: agentic sessions
 merged with llm-d-style shared-prefix groups, :mod:`.workloads`; or a Mooncake-format file,
-``--trace``) is replayed against every policy of :data:`~lab.bench.launch.POLICIES`, each in front of a FRESH
+``--trace``) is replayed against every policy of :data:`~lab.toolkit.launch.POLICIES`, each in front of a FRESH
 fleet of simulated engines (cold caches), whose GPU tier holds less than the trace's working set
 (evictions happen) and which offload evicted blocks to a CPU tier. Per policy: captured reuse
 (Σ cached prompt tokens ÷ Σ oracle-reusable tokens), TTFT p50/p99, output tokens/s, and the same
@@ -22,10 +22,10 @@ from typing import Any
 import click
 import httpx
 
-from lab.bench.cli_common import mooncake_trace_options
-from lab.bench.launch import POLICIES, EngineOptions, LaunchError, Policy, fleet_with_router, our_policy
-from lab.bench.replay import replay, summarize
-from lab.bench.workloads import (
+from lab.toolkit.cli_common import mooncake_trace_options
+from lab.toolkit.launch import POLICIES, EngineOptions, LaunchError, Policy, fleet_with_router, our_policy
+from lab.toolkit.replay import replay, summarize
+from lab.toolkit.workloads import (
     MooncakeRecord,
     TimedRequest,
     agentic_sessions,
@@ -100,7 +100,7 @@ working set in GPU blocks (evictions happen; the bench prints both)."""
 
 def long_context_trace(seed: int = 0, quick: bool = False, load: float = 1.0,
                        max_model_len: int = 131072) -> tuple[list[TimedRequest], list[MooncakeRecord]]:
-    """The long-context shape: :func:`~lab.bench.workloads.long_context_records` (quick: 4
+    """The long-context shape: :func:`~lab.toolkit.workloads.long_context_records` (quick: 4
     short conversations), replayed open loop at ``load`` × the generated rate; the requests and the
     records (to write as a Mooncake file)."""
     records = (long_context_records(seed, conversations=4, duration_s=2.0, median_tokens=800, max_tokens=3000,
@@ -153,7 +153,7 @@ def _engine_state(urls: list[str]) -> dict[str, Any]:
 
 def run_policy(name: str, trace: list[TimedRequest], reusable: list[int], opts: EngineOptions,
                log_dir: Path | None = None, policy: Policy | None = None) -> dict[str, Any]:
-    """Run one policy on a fresh fleet; its figures (see :func:`~lab.bench.replay.summarize`), a
+    """Run one policy on a fresh fleet; its figures (see :func:`~lab.toolkit.replay.summarize`), a
     ``by_workload`` breakdown and the engines' end state, or ``{"missing": reason}`` with every
     figure None when the router is not installed or did not start. ``policy`` replaces
     ``POLICIES[name]`` (``--config``)."""

@@ -14,7 +14,7 @@ and streams the answer (``max_output_tokens`` ``--output-tokens``).
 
 Both send the model the same prompts. Figures per mode: bytes from the client (Σ request body
 bytes), TTFT p50 / p99 (send → first ``response.output_text.delta``), captured reuse (Σ
-``cached_tokens`` ÷ Σ oracle-reusable tokens of :func:`~lab.bench.workloads.
+``cached_tokens`` ÷ Σ oracle-reusable tokens of :func:`~lab.toolkit.workloads.
 oracle_reusable_tokens`, computed on the conversations as sent), input tokens. The goal (issue 16):
 captured reuse with ``previous_response_id`` not lower than resending.
 """
@@ -39,9 +39,9 @@ import aiohttp
 import click
 import orjson
 
-from lab.bench.launch import EngineOptions, LaunchError, Policy, fleet_with_router, our_policy
-from lab.bench.replay import percentile
-from lab.bench.workloads import TimedRequest, oracle_reusable_tokens
+from lab.toolkit.launch import EngineOptions, LaunchError, Policy, fleet_with_router, our_policy
+from lab.toolkit.replay import percentile
+from lab.toolkit.workloads import TimedRequest, oracle_reusable_tokens
 from router.scheduling import DEFAULT_CONFIG_PATH
 
 MODES = ("resend", "previous_response_id")

@@ -35,18 +35,18 @@ import click
 import httpx
 
 from engine_twin.launch import sim_engine_argv
-from lab.bench.engine_sim import free_port
-from lab.bench.launch import (
+from lab.bench.prefix import SHAPES, shape_trace
+from lab.toolkit.launch import (
     HOST,
     PRECISE_CONFIG_PATH,
     EngineOptions,
     ProcessGroup,
     bench_flow_control,
+    free_port,
     process_group,
 )
-from lab.bench.prefix import SHAPES, shape_trace
-from lab.bench.replay import ReplayResult, RequestResult, _call, closed_loop, summarize, wall_span
-from lab.bench.workloads import TimedRequest, oracle_reusable_tokens
+from lab.toolkit.replay import ReplayResult, RequestResult, _call, closed_loop, summarize, wall_span
+from lab.toolkit.workloads import TimedRequest, oracle_reusable_tokens
 from router.cli import router_argv
 
 REPLICA_COUNTS = (1, 2, 4)
@@ -146,7 +146,7 @@ def wait_settled(routers: Sequence[str], timeout_s: float = 15.0) -> None:
 
 async def replay_spread(trace: Sequence[TimedRequest], routers: Sequence[str], time_scale: float,
                         timeout_s: float = 300.0) -> ReplayResult:
-    """:func:`lab.bench.replay.replay_async` with call ``i`` of the trace sent to router
+    """:func:`lab.toolkit.replay.replay_async` with call ``i`` of the trace sent to router
     ``i mod len(routers)`` (sessions closed loop as there)."""
     urls = [f"{r.rstrip('/')}/v1/chat/completions" for r in routers]
     results = [RequestResult(i, r.session_id, r.workload, 0.0) for i, r in enumerate(trace)]

@@ -29,10 +29,9 @@ from typing import Any
 import click
 import orjson
 
-from lab.bench.engine_sim import free_port
 from lab.bench.instant import latencies, post_bytes, throughput
-from lab.bench.launch import HOST, POLICIES, EngineOptions, LaunchError, Proc, ProcessGroup, process_group
-from lab.bench.replay import percentile
+from lab.toolkit.launch import HOST, POLICIES, EngineOptions, LaunchError, Proc, ProcessGroup, free_port, process_group
+from lab.toolkit.replay import percentile
 
 TARGETS = ("direct", "ours", "vllm-router-cache_aware", "vllm-router-round_robin")
 """Rows of the proxy table: straight to the engine, then each router in front of it."""

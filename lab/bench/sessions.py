@@ -7,7 +7,7 @@ them; or ``fcfs``) behind our router with
 the shipped scheduling config and a flow-control file that differs only in
 ``turn_priority.enabled``. Both runs replay the same seeded trace:
 
-* **agent sessions** (:func:`~lab.bench.workloads.agentic_sessions`, 3–8 calls each, tool pauses
+* **agent sessions** (:func:`~lab.toolkit.workloads.agentic_sessions`, 3–8 calls each, tool pauses
   of 1 s mean, every call with its ``x-session-id``), closed loop per session, started over
   ``--spread`` seconds, so the fleet is over its slots while many sessions run at once;
 * **a batch backlog**: ``--batch-workers`` closed-loop clients sending ``batch``-objective requests
@@ -39,9 +39,9 @@ import orjson
 import yaml
 
 from common.executable import backfill_executable
-from lab.bench.launch import EngineOptions, LaunchError, Policy, fleet_with_router
-from lab.bench.replay import percentile, replay_async
-from lab.bench.workloads import TimedRequest, agentic_sessions
+from lab.toolkit.launch import EngineOptions, LaunchError, Policy, fleet_with_router
+from lab.toolkit.replay import percentile, replay_async
+from lab.toolkit.workloads import TimedRequest, agentic_sessions
 from router.scheduling import DEFAULT_CONFIG_PATH
 from router.trust import TOKEN_HEADER
 

@@ -40,9 +40,10 @@ from typing import Any
 
 import click
 
-from lab.bench.cli_common import fmt_cell as _fmt
 from lab.simulate.sim import POLICIES, SimConfig, Simulation, percentile
 from lab.simulate.workload import synthetic_requests
+from lab.toolkit.charts import scale_plot
+from lab.toolkit.cli_common import fmt_cell as _fmt
 
 DEFAULT_ENGINES = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_POLICIES = ("round-robin", "approximate", "precise")
@@ -151,10 +152,6 @@ def _lane(run: dict[str, Any], lane: str, key: str) -> float | None:
     return None if got is None else got[key]
 
 
-def _lane_p99(lane: str) -> Callable[[dict[str, Any]], float | None]:
-    return lambda run: _lane(run, lane, "ttft_p99_s")
-
-
 def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per policy, from the smallest to the largest size: decision p50 at each end, index bytes
     per engine at each end, and ``interactive_p99_growth`` (interactive TTFT p99 at the largest
@@ -208,82 +205,6 @@ def print_tables(payload: dict[str, Any]) -> None:
                          f"{_fmt(g['ttft_p50_s'])} / {_fmt(g['ttft_p99_s'])} ({_fmt(g['worst_tenant_p99_s'])})")
         lanes.add_row(_fmt(r["engines"]), r["policy"], *cells)
     out.print(lanes)
-
-
-def plot(payload: dict[str, Any], path: Path) -> Path:
-    """Six panels against the engine count (module docstring) as one PNG at ``path`` (its folder
-    is created). Returns ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullLocator
-
-    runs = payload["runs"]
-    policies = list(dict.fromkeys(r["policy"] for r in runs))
-    sizes = sorted({r["engines"] for r in runs})
-    colours = {p: f"C{i}" for i, p in enumerate(policies)}
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5), constrained_layout=True)
-
-    def engines_axis(ax: Any) -> None:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(n) for n in sizes])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xlabel("engines")
-
-    def series(policy: str, get: Callable[[dict[str, Any]], float | None]) -> tuple[list[int], list[float]]:
-        xs, ys = [], []
-        for r in sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["engines"]):
-            y = get(r)
-            if y is not None:
-                xs.append(r["engines"])
-                ys.append(y)
-        return xs, ys
-
-    def panel(ax: Any, title: str, ylabel: str, get: Callable[[dict[str, Any]], float | None],
-              only: Sequence[str] | None = None, log_y: bool = False) -> None:
-        for policy in policies:
-            if only is not None and policy not in only:
-                continue
-            xs, ys = series(policy, get)
-            ax.plot(xs, ys, marker="o", label=policy, color=colours[policy])
-        if log_y:
-            ax.set_yscale("log")
-        engines_axis(ax)
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-
-    routed = [p for p in policies if p != "round-robin"]
-    panel(axes[0][0], "decision p50 (one scheduling decision)", "ms", lambda r: r["decision_p50_ms"], log_y=True)
-    axes[0][0].axhline(0.3, color="grey", linestyle="--", linewidth=1)
-    axes[0][0].text(axes[0][0].get_xlim()[0], 0.3, " goal 0.3 ms at 256", va="bottom", fontsize=8, color="grey")
-    panel(axes[0][1], "prefix index memory", "MiB", lambda r: r["index_bytes"] / 2**20, only=routed)
-    panel(axes[0][2], "captured reuse (cached ÷ oracle-reusable)", "share", lambda r: r["captured_reuse"])
-    panel(axes[1][0], "TTFT p50 ÷ round-robin (same size)", "ratio", lambda r: r["ttft_p50_vs_round_robin"])
-    lane_styles = {"interactive": "-", "async": "--", "batch": ":"}
-    for ax, policy in zip((axes[1][1], axes[1][2]), (routed or policies)[:2] + [None] * 2):
-        if policy is None:
-            ax.axis("off")
-            continue
-        for lane in LANES:
-            xs, ys = series(policy, _lane_p99(lane))
-            if xs:
-                ax.plot(xs, ys, marker="o", linestyle=lane_styles[lane], label=lane)
-        ax.set_yscale("log")
-        engines_axis(ax)
-        ax.set_title(f"TTFT p99 by lane, {policy}")
-        ax.set_ylabel("s")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    opts = payload["options"]
-    fig.suptitle(f"backfill simulate at scale: {opts['requests_per_engine']} requests per engine, "
-                 f"{opts['tenants']} tenants, interactive + async + batch (seed {opts['seed']})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def _engine_list(value: str) -> tuple[int, ...]:
@@ -348,7 +269,7 @@ def simulate_scale_command(engines_csv: str, requests_per_engine: int, policies:
         json_path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
         click.echo(f"wrote {json_path}", err=True)
     if plots_dir is not None:
-        click.echo(f"wrote {plot(payload, plots_dir / 'simulate-scale.png')}", err=True)
+        click.echo(f"wrote {scale_plot(payload, plots_dir / 'simulate-scale.png', LANES)}", err=True)
 
 
 def _json_default(value: Any) -> Any:

@@ -2,7 +2,7 @@
 
 Workloads (one or more, merged by arrival): ``--trace PATH`` (Mooncake JSONL), ``--synthetic-requests
 N`` (a mix of tenants, shared prefixes, multi-turn sessions and the processor's async / batch
-lanes), ``--workload NAME`` (the benchmark generators of :mod:`lab.bench.workloads`, and
+lanes), ``--workload NAME`` (the benchmark generators of :mod:`lab.toolkit.workloads`, and
 ``pd-mix``: ``backfill bench pd``'s long-prompt + chat mix), ``--batch FILE`` (an OpenAI batch input
 file as a backlog on the batch lane). Every policy runs the same workload on a fresh fleet; the
 table and ``--json`` hold the figures of each.
@@ -25,9 +25,6 @@ from typing import Any
 import click
 import pydantic
 
-from lab.bench import workloads as wl
-from lab.bench.cli_common import fmt_cell as _fmt
-from lab.bench.cli_common import mooncake_trace_options
 from lab.simulate.sim import PD_POLICY, POLICIES, SimConfig, Simulation
 from lab.simulate.workload import (
     SimRequest,
@@ -38,6 +35,9 @@ from lab.simulate.workload import (
     synthetic_requests,
     text_requests,
 )
+from lab.toolkit import workloads as wl
+from lab.toolkit.cli_common import fmt_cell as _fmt
+from lab.toolkit.cli_common import mooncake_trace_options
 from router.flow_control import FlowControlConfig
 from router.scheduling.errors import ConfigError
 
@@ -76,7 +76,7 @@ def _generator(name: str, seed: int, conversations: int, duration_s: float,
     """A maker of the workload's arrivals and its request count (turns included); ``pd-mix`` is
     sized for ``engines`` (its rates and sessions are per engine) over ``duration_s``."""
     if name == "pd-mix":
-        from lab.bench.pd import PdOptions, pd_trace
+        from lab.toolkit.pd_mix import PdOptions, pd_trace
 
         opts = PdOptions(engines=engines, duration_s=duration_s, seed=seed, max_model_len=max_model_len)
         return (lambda: pd_mix_requests(opts)), len(pd_trace(opts))

@@ -120,7 +120,7 @@ MODEL = "sim-model"
 
 def bench_flow_control(engines: int = 4) -> FlowControlConfig:
     """The shipped flow-control defaults without the interactive band's per-tenant limits (what
-    ``backfill bench prefix`` runs our router with, ``lab/bench/launch.py``: a trace replayer
+    ``backfill bench prefix`` runs our router with, ``lab/toolkit/launch.py``: a trace replayer
     is one client, its requests would otherwise share one tenant's 16 in flight), and the
     interactive bypass bound ``max_in_flight`` at the larger of the default 64 and 5 × ``engines``
     (the sizing rule of ``router/flow_control/config.py``: "set it near 5 × the number of engines")."""

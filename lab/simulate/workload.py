@@ -2,8 +2,8 @@
 
 A prompt is either a sequence of **pieces** — each a deterministic run of token ids named by an id
 (a Mooncake ``hash_ids`` entry: one 512-token block, equal ids = equal content; the synthetic mix
-uses the same form) — or, for the text generators of :mod:`lab.bench.workloads`, the token ids
-of its chat body (:func:`~lab.bench.workloads.chat_tokens`). Pieces are what make a million
+uses the same form) — or, for the text generators of :mod:`lab.toolkit.workloads`, the token ids
+of its chat body (:func:`~lab.toolkit.workloads.chat_tokens`). Pieces are what make a million
 requests fit in memory: no prompt's token list is kept; token ids are built only when an engine's
 KV event needs them, and the engine block hashes and router block keys of a piece are memoised per
 *path* (the piece and every piece before it), so a shared system prompt is hashed once for the
@@ -16,7 +16,7 @@ token ids up to the end of the piece (up to 64-bit collisions), the property pre
 Arrivals are iterators in arrival order (:func:`mooncake_requests`, :func:`synthetic_requests`,
 :func:`text_requests`, :func:`batch_file_requests`, merged by :func:`merge_arrivals`). A session's
 later turn is not an arrival: it is ``SimRequest.next_turn()``, sent ``pause_s`` after the previous
-turn's answer ends (closed loop, as :class:`lab.bench.workloads.TimedRequest` defines it).
+turn's answer ends (closed loop, as :class:`lab.toolkit.workloads.TimedRequest` defines it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import xxhash
 
 from engine_twin.kv_cache import block_hashes
-from lab.bench.workloads import (
+from lab.toolkit.workloads import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeRecord,
     TimedRequest,
@@ -45,7 +45,7 @@ from lab.bench.workloads import (
 from router.scheduling.hashing import chain_seed, chained_keys, tokens_to_bytes
 
 if TYPE_CHECKING:
-    from lab.bench.pd import PdOptions
+    from lab.toolkit.pd_mix import PdOptions
 
 K = TypeVar("K")
 
@@ -265,7 +265,7 @@ class PromptMemo:
 
     def oracle(self, req: SimRequest) -> int:
         """Oracle-reusable tokens of ``req`` given every request seen before (shared/PERFORMANCE.md;
-        the same rule as :func:`lab.bench.workloads.oracle_reusable_tokens`: the longest prefix
+        the same rule as :func:`lab.toolkit.workloads.oracle_reusable_tokens`: the longest prefix
         shared with an earlier request, whole blocks, at most ``prompt − 1`` tokens); records it."""
         if req.pieces is None:
             return req.oracle_tokens or 0
@@ -334,7 +334,7 @@ def mooncake_requests(records: Iterable[MooncakeRecord], start_min: float = 0.0,
                       speed: float = 1.0, max_model_len: int | None = None, max_output_tokens: int | None = None,
                       tenant: str = "", space: str = "mooncake") -> Iterator[SimRequest]:
     """Open-loop requests of Mooncake records, the window and speed rules of
-    :func:`lab.bench.workloads.mooncake_trace` (records sorted by timestamp; arrivals counted
+    :func:`lab.toolkit.workloads.mooncake_trace` (records sorted by timestamp; arrivals counted
     from ``start_min``; prompts capped to ``max_model_len − output − 1`` tokens). Raises
     ``ValueError`` for a non-positive ``speed`` or ``minutes``."""
     if speed <= 0 or (minutes is not None and minutes <= 0):
@@ -359,7 +359,7 @@ def mooncake_requests(records: Iterable[MooncakeRecord], start_min: float = 0.0,
 def text_requests(trace: Sequence[TimedRequest], tenant: str = "", objective: str = "interactive",
                   block_size: int = 16,
                   tenant_of: Callable[[TimedRequest], str] | None = None) -> Iterator[SimRequest]:
-    """Requests of a :mod:`lab.bench.workloads` text trace: token ids of each chat body
+    """Requests of a :mod:`lab.toolkit.workloads` text trace: token ids of each chat body
     (:func:`chat_tokens`), oracle-reusable tokens from :func:`oracle_reusable_tokens` (trace order),
     sessions closed loop (a later turn is sent ``pause_s`` after the previous one ends). The
     tenant of each request is ``tenant_of(request)`` when given, else ``tenant``."""
@@ -387,12 +387,12 @@ def text_requests(trace: Sequence[TimedRequest], tenant: str = "", objective: st
 
 
 def pd_mix_requests(opts: PdOptions) -> Iterator[SimRequest]:
-    """``backfill bench pd``'s long-prompt + chat mix (:func:`lab.bench.pd.pd_trace` of
+    """``backfill bench pd``'s long-prompt + chat mix (:func:`lab.toolkit.pd_mix.pd_trace` of
     ``opts``, the same generator and seed, so the same requests), its three tenants
-    (:func:`lab.bench.pd.tenant_of`: ``docs`` the documents, ``chat-1`` / ``chat-2`` the
+    (:func:`lab.toolkit.pd_mix.tenant_of`: ``docs`` the documents, ``chat-1`` / ``chat-2`` the
     sessions), workloads ``long-prompt`` and ``chat``; chat sessions closed loop as the bench's
-    client runs them. Raises ``ValueError`` as :func:`~lab.bench.pd.pd_trace`."""
-    from lab.bench.pd import pd_trace, tenant_of
+    client runs them. Raises ``ValueError`` as :func:`~lab.toolkit.pd_mix.pd_trace`."""
+    from lab.toolkit.pd_mix import pd_trace, tenant_of
 
     trace = pd_trace(opts)
     return text_requests(trace, block_size=opts.block_size, tenant_of=lambda r: tenant_of(r, opts.tenants))

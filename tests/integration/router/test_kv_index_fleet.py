@@ -21,8 +21,7 @@ import httpx
 import pytest
 
 from engine_twin.launch import sim_engine_argv
-from lab.bench.engine_sim import free_port
-from lab.bench.launch import ProcessGroup
+from lab.toolkit.launch import ProcessGroup, free_port
 from router.kv_index.index import KVBlockIndex
 from router.kv_index.subscriber import KVEventSubscriber
 from router.scheduling.config import build_scheduler, parse_config

@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from engine_twin.launch import sim_engine_argv
-from lab.bench.engine_sim import free_port
-from lab.bench.launch import ProcessGroup
+from lab.toolkit.launch import ProcessGroup, free_port
 from router.cli import router_argv
 
 MODEL = "sim-model"

@@ -8,8 +8,6 @@ import json
 
 from click.testing import CliRunner
 
-from lab.bench import launch
-from lab.bench.launch import POLICIES
 from lab.bench.prefix import (
     FIGURES,
     build_trace,
@@ -18,7 +16,9 @@ from lab.bench.prefix import (
     run_policy,
     versus_best_peer,
 )
-from lab.bench.workloads import oracle_reusable_tokens
+from lab.toolkit import launch
+from lab.toolkit.launch import POLICIES
+from lab.toolkit.workloads import oracle_reusable_tokens
 
 
 def _number(value) -> bool:

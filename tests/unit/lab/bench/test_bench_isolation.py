@@ -11,16 +11,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from lab.bench.isolation import (
-    LaneSampler,
-    Sample,
-    lane_rates,
-    percentile,
-    poisson_arrivals,
-    prompt_text,
-    summarize,
-    svg_line_chart,
-)
+from lab.bench.isolation import lane_rates
+from lab.toolkit.arrivals import poisson_arrivals
+from lab.toolkit.charts import svg_line_chart
+from lab.toolkit.interactive import LaneSampler, Sample, percentile, summarize
+from lab.toolkit.prompts import prompt_text
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lab.bench.prefix import SHAPES, shape_trace
-from lab.bench.workloads import (
+from lab.toolkit.workloads import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeRecord,
     agentic_sessions,

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from lab.bench.pd import ITL_GOAL, Call, Layout, PdOptions, call_figures, compare, layouts, pd_trace, tenant_of
-from lab.bench.workloads import chat_tokens
+from lab.bench.pd import ITL_GOAL, Call, Layout, call_figures, compare, layouts
+from lab.toolkit.pd_mix import PdOptions, pd_trace, tenant_of
+from lab.toolkit.workloads import chat_tokens
 
 
 def test_the_trace_mixes_long_unshared_prompts_with_chat_from_several_tenants():

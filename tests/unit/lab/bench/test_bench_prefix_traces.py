@@ -9,7 +9,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from lab.bench.prefix import SHAPES, prefix_command
-from lab.bench.workloads import read_mooncake
+from lab.toolkit.workloads import read_mooncake
 
 
 def test_prefix_replays_a_mooncake_trace_file_on_the_long_context_fleet(tmp_path):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine_twin.launch import sim_engine_argv
-from lab.bench.engine_sim import free_port
-from lab.bench.launch import HOST, process_group
-from lab.bench.replay import ReplayResult, RequestResult, percentile, replay, summarize
-from lab.bench.workloads import TimedRequest, chat_tokens, oracle_reusable_tokens
+from lab.toolkit.launch import HOST, free_port, process_group
+from lab.toolkit.replay import ReplayResult, RequestResult, percentile, replay, summarize
+from lab.toolkit.workloads import TimedRequest, chat_tokens, oracle_reusable_tokens
 
 SYSTEM = "you are a careful assistant that answers in short sentences " * 8  # 480 bytes = 120 tokens
 

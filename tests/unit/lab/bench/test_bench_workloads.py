@@ -6,7 +6,7 @@ import pytest
 
 from common.chatml import render_chat
 from engine_twin.tokenizer import BuiltinTokenizer
-from lab.bench.workloads import (
+from lab.toolkit.workloads import (
     TimedRequest,
     agentic_sessions,
     chat_tokens,

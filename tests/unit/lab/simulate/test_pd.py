@@ -11,11 +11,11 @@ from click.testing import CliRunner
 
 from engine_twin.core import EngineCore
 from engine_twin.step_model import StepModel
-from lab.bench.pd import PdOptions
-from lab.bench.workloads import MooncakeRecord
 from lab.simulate.cli import parse_layout, simulate_command
 from lab.simulate.sim import SimConfig, Simulation
 from lab.simulate.workload import mooncake_requests, pd_mix_requests
+from lab.toolkit.pd_mix import PdOptions
+from lab.toolkit.workloads import MooncakeRecord
 from router.scheduling.plugins.disagg import RoleFilter
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import PDDecision

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from engine_twin.settings import build_settings
-from lab.bench.workloads import MooncakeRecord
 from lab.simulate.clock import VirtualClock
 from lab.simulate.sim import SimConfig, Simulation
 from lab.simulate.workload import mooncake_requests, synthetic_requests
+from lab.toolkit.workloads import MooncakeRecord
 from router.scheduling.plugins.affinity_filter import PrefixCacheAffinityFilter
 from router.scheduling.plugins.prefix import PrecisePrefixCacheProducer
 from router.scheduling.registry import builtin_factories

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from engine_twin.kv_cache import TieredPrefixCache, block_hashes, none_hash
 from engine_twin.kv_events import BlockRemoved, BlockStored, encode_batch
-from lab.bench.workloads import MooncakeRecord, TimedRequest, oracle_reusable_tokens
 from lab.simulate.fleet import to_router_events
 from lab.simulate.workload import LazyTokens, PieceTokens, PromptMemo, mooncake_requests, synthetic_requests
+from lab.toolkit.workloads import MooncakeRecord, TimedRequest, oracle_reusable_tokens
 from router.kv_index.events import decode_payload
 from router.scheduling.hashing import request_block_keys
 from router.scheduling.types import LLMRequest

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from lab.bench.workloads import TimedRequest
+from lab.toolkit.workloads import TimedRequest
 
 
 @dataclass
@@ -69,7 +69,7 @@ def summarize(replay: ReplayResult, reusable_tokens: Sequence[int], indexes: Seq
     """Figures of a replay, over all calls or the calls at ``indexes`` (trace positions).
 
     ``reusable_tokens``: the oracle-reusable tokens per trace position
-    (:func:`~lab.bench.workloads.oracle_reusable_tokens`). Returns ``captured_reuse`` (Σ cached
+    (:func:`~lab.toolkit.workloads.oracle_reusable_tokens`). Returns ``captured_reuse`` (Σ cached
     prompt tokens ÷ Σ oracle-reusable tokens, over successful calls; None when the oracle is 0),
     ``ttft_p50_s``, ``ttft_p99_s`` (None without a successful call), ``output_tokens_per_s`` (Σ
     completion tokens ÷ the replay's wall seconds), ``cached_tokens``, ``reusable_tokens``,

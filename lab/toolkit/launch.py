@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,6 @@ import yaml
 
 from common.executable import backfill_executable
 from engine_twin.launch import kv_events_config_json, sim_engine_argv, wait_ready
-from lab.bench.engine_sim import free_port
 from router.scheduling import DEFAULT_CONFIG_PATH
 
 PRECISE_CONFIG_PATH = DEFAULT_CONFIG_PATH.with_name("precise-config.yaml")
@@ -67,6 +67,28 @@ class EngineOptions:
     scheduling_policy: str = "fcfs"
     """vLLM's ``--scheduling-policy`` of the engines; with ``priority`` our router sends vLLM's
     ``priority`` (``--engine-priority``), as ``backfill up`` runs them."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration (children started inside inherit them)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
 
 
 @dataclass

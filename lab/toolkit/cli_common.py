@@ -17,7 +17,7 @@ def mooncake_trace_options(trace_help: str) -> Callable[[F], F]:
     existing file, help ``trace_help``), ``--trace-format`` (only ``mooncake``), ``--start-min``
     (minutes to skip, ≥ 0, default 0), ``--minutes`` (minutes to replay, > 0, default: to the end)
     and ``--speed`` (arrival speed-up, > 0, default 1); their values go to
-    :func:`lab.bench.workloads.mooncake_trace` and
+    :func:`lab.toolkit.workloads.mooncake_trace` and
     :func:`lab.simulate.workload.mooncake_requests`. Bad values are click usage errors."""
     options = [
         click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
