@@ -4,7 +4,7 @@ fleet of known capacity C, as PERFORMANCE.md defines it (goal: achieved ≥ 0.95
 
 The fleet is what ``backfill up`` sends to: the stack is started with one simulated engine behind
 the router, so C is that engine's capacity. Its settings reach the engine through the simulator's environment variables
-(``BACKFILL_ENGINE_SIM_TIME_SCALE``, ``…_MAX_NUM_SEQS``), which ``run_stack``'s children inherit.
+(``BACKFILL_ENGINE_SIM_TIME_SCALE``, ``…_MAX_NUM_SEQS``), which ``backfill up``'s children inherit.
 
 The capacity is set by the simulator's serialised prefills: each request's prefill (30 ms model
 overhead + uncached prompt tokens ÷ 16,000/s; the shared system prompts are cached after the first
@@ -145,6 +145,8 @@ def _components(stack) -> dict[psutil.Process, str]:
     for name, child in stack.children.items():
         with contextlib.suppress(psutil.Error):
             add(psutil.Process(child.pid), name.split("-")[0])
+    with contextlib.suppress(psutil.Error):
+        labels.setdefault(psutil.Process(stack.process.pid), "up")  # the supervisor itself
     marks = [str(stack.data_dir)]
     redis_url = stack.env.get("REDIS_URL", "")
     if redis_url.startswith("unix://"):
@@ -214,9 +216,9 @@ def end_to_end_command(lines: int, time_scale: float, max_num_seqs: int, max_tok
     from rich.console import Console
     from rich.table import Table
 
-    from backfill.up import free_port, run_stack
     from lab.bench.batchfile import write_batch_file
-    from lab.toolkit.launch import environment
+    from lab.toolkit.launch import environment, free_port
+    from lab.toolkit.stack import backfill_up
 
     console = Console()
     endpoint: Literal["/v1/chat/completions"] = "/v1/chat/completions"
@@ -231,7 +233,7 @@ def end_to_end_command(lines: int, time_scale: float, max_num_seqs: int, max_tok
         env = environment(BACKFILL_ENGINE_SIM_TIME_SCALE=str(time_scale),
                           BACKFILL_ENGINE_SIM_MAX_NUM_SEQS=str(max_num_seqs),
                           BACKFILL_PROCESSOR_CONCURRENCY=str(concurrency))
-        with env, run_stack(data_dir or tmp_dir / "data", "127.0.0.1", free_port(), None, engines=1) as stack:
+        with env, backfill_up(data_dir or tmp_dir / "data", "127.0.0.1", free_port(), engines=1) as stack:
             engine = stack.engine_urls[0]
             console.print(f"stack up; engine {engine}: time scale {time_scale}, max_num_seqs {max_num_seqs}")
             before = measure_capacity(engine, endpoint, bodies, concurrency)

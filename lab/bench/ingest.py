@@ -125,8 +125,9 @@ def ingest_command(lines: int, megabytes: int, json_path: Path | None, data_dir:
     from rich.console import Console
     from rich.table import Table
 
-    from backfill.up import free_port, run_stack
     from lab.bench.batchfile import write_batch_file
+    from lab.toolkit.launch import free_port
+    from lab.toolkit.stack import backfill_up
 
     console = Console()
     with tempfile.TemporaryDirectory(prefix="backfill-bench-") as tmp:
@@ -136,7 +137,7 @@ def ingest_command(lines: int, megabytes: int, json_path: Path | None, data_dir:
         console.print(f"generated {path.name}: {size / MB:.1f} MB, {lines} lines")
         floor = parse_floor(path)
         port = free_port()
-        with run_stack(data_dir or tmp_dir / "data", "127.0.0.1", port, None) as stack:
+        with backfill_up(data_dir or tmp_dir / "data", "127.0.0.1", port) as stack:
             client = openai.OpenAI(base_url=stack.gateway_url, api_key=stack.api_key, max_retries=0,
                                    timeout=600)
             gateway_mem = PeakRss(stack.children["gateway"].pid)

@@ -59,6 +59,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,18 +131,31 @@ def model_capacity(engines: int, time_scale: float, prompt_tokens: float, max_to
 # ---- the stack and the lane sampler ----------------------------------------------------------------
 
 
+@dataclass
+class Fleet:
+    """The running fleet of :func:`fleet_stack`: engine and router URLs, the children's environment
+    (``REDIS_URL``, the router's trusted token)."""
+
+    engine_urls: list[str]
+    router_url: str
+    env: dict[str, str]
+
+
 @contextlib.contextmanager
 def fleet_stack(data_dir: Path, engines: int, redis_url: str | None, processor_gate: bool,
                 engine_priority: bool = True, background_prefill: bool = True,
-                router_env: dict[str, str] | None = None) -> Iterator[Any]:
-    """Engines, router and processor as ``backfill up`` starts them (children of a
-    :class:`backfill.up.Stack`, logs under ``data_dir/logs``), with an embedded Redis unless
-    ``redis_url``; yields the stack (``engine_urls``, ``router_url``, ``env["REDIS_URL"]``).
+                router_env: dict[str, str] | None = None) -> Iterator[Fleet]:
+    """Engines, router and processor as ``backfill up`` starts them (subprocesses of a
+    :class:`lab.toolkit.launch.ProcessGroup`, logs under ``data_dir/logs``), with an embedded Redis
+    unless ``redis_url``; yields the :class:`Fleet`.
     ``engine_priority`` False: the router sends no ``priority`` (every request 0 at the engines,
     which then serve in arrival order: the baseline without vLLM's priority policy).
     ``background_prefill``: the engines bound batch prefills per step (``backfill up``'s default);
-    ``router_env``: ``BACKFILL_ROUTER_*`` settings for the router (the router-side mechanisms)."""
-    from backfill.up import Stack, start_engines, start_router
+    ``router_env``: ``BACKFILL_ROUTER_*`` settings for the router (the router-side mechanisms).
+    Raises :class:`lab.toolkit.launch.LaunchError` when a process does not become ready."""
+    from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, sim_engine_argv
+    from lab.toolkit.launch import HOST, SIM_MAX_NUM_SEQS, free_port, process_group
+    from router.cli import router_argv
 
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -153,16 +167,32 @@ def fleet_stack(data_dir: Path, engines: int, redis_url: str | None, processor_g
         redis_url = f"unix://{embedded.socket_file}"
     env = dict(os.environ, REDIS_URL=redis_url,
                BACKFILL_PROCESSOR_SATURATION_GATE="true" if processor_gate else "false", **(router_env or {}))
-    stack = Stack(gateway_url="", api_key="", data_dir=data_dir, env=env)
     try:
-        start_engines(stack, engines, [MODEL], [], background_prefill=background_prefill)
-        start_router(stack, "127.0.0.1", simulated=engine_priority)
-        assert stack.router_url is not None  # start_router set it
-        stack.start("processor", [sys.executable, "-m", "backfill", "processor", "--backend", "redis",
-                                  "--router-url", stack.router_url, "--log-level", "WARNING"])
-        yield stack
+        with process_group(logs) as group:
+            started = []
+            for i in range(engines):
+                port = free_port()
+                argv = sim_engine_argv(port, [MODEL], background_priority_threshold=BACKGROUND_PRIORITY_THRESHOLD
+                                       if background_prefill else None)
+                started.append((group.start(f"engine-{i}", argv, env=env), f"http://{HOST}:{port}"))
+            for proc, url in started:
+                group.wait_ready(proc, url)
+            # the router honours fairness ids only from callers with its trusted token (``backfill up``'s way)
+            token = env.get("BACKFILL_ROUTER_TRUSTED_TOKEN") or env.get("BACKFILL_PROCESSOR_ROUTER_TOKEN") \
+                or secrets.token_urlsafe(32)
+            env["BACKFILL_ROUTER_TRUSTED_TOKEN"] = env["BACKFILL_PROCESSOR_ROUTER_TOKEN"] = token
+            port = free_port()
+            router_url = env["BACKFILL_ROUTER_URL"] = f"http://{HOST}:{port}"
+            engine_urls = [url for _, url in started]
+            # simulated engines have the twin's slots; learning them from scrapes would misread deferred prefills
+            slots = ["--max-num-seqs", str(SIM_MAX_NUM_SEQS)] if engine_priority else []
+            router = group.start("router", router_argv(port, engine_urls, host=HOST, engine_priority=engine_priority,
+                                                       extra=["--log-level", "INFO", *slots]), env=env)
+            group.wait_ready(router, router_url)
+            group.start("processor", [sys.executable, "-m", "backfill", "processor", "--backend", "redis",
+                                      "--router-url", router_url, "--log-level", "WARNING"], env=env)
+            yield Fleet(engine_urls, router_url, env)
     finally:
-        stack.stop()
         if embedded is not None:
             embedded.shutdown()
 

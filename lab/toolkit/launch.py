@@ -45,6 +45,9 @@ PRECISE_CONFIG_PATH = DEFAULT_CONFIG_PATH.with_name("precise-config.yaml")
 """Our router's precise-prefix config (KV events); the ``precise`` policy is missing without it."""
 
 HOST = "127.0.0.1"
+SIM_MAX_NUM_SEQS = 256
+"""The simulated engines' ``--max-num-seqs`` (the twin's default), told to the router as ``backfill up``
+tells it."""
 
 
 class LaunchError(RuntimeError):
