@@ -51,7 +51,7 @@ from engine_twin.core import CoreRequest, EngineCore
 from engine_twin.kv_cache import TieredPrefixCache, block_hashes, none_hash
 from engine_twin.settings import build_settings
 from lab.toolkit.arrivals import poisson_arrivals
-from lab.toolkit.interactive import percentile
+from lab.toolkit.stats import percentile
 from router.flow_control.core import SHORT_RETRY_S
 
 ROOT = none_hash("0")
@@ -253,7 +253,7 @@ def frontier(opts: dict[str, Any], policies: list[Policy], concurrencies: list[i
     rate = opts["load"] * capacity
     alone = Sim(Policy("alone"), 0, rate, **common)
     alone.run()
-    p99_alone, p50_alone = percentile(alone.ttfts, 99), percentile(alone.ttfts, 50)
+    p99_alone, p50_alone = percentile(alone.ttfts, 99, default=math.nan), percentile(alone.ttfts, 50, default=math.nan)
     service = interactive_request_seconds(opts["prompt_tokens"], opts["max_tokens"])
     reserve = little_reserve(rate, service, opts["max_num_seqs"])
     points: list[Point] = []
@@ -262,7 +262,7 @@ def frontier(opts: dict[str, Any], policies: list[Policy], concurrencies: list[i
             sim = Sim(policy, c, rate, reserve=reserve, **common)
             core = sim.run()
             batch_rps = sim.batch_done / (opts["duration"] - opts["warmup"])
-            p99, p50 = percentile(sim.ttfts, 99), percentile(sim.ttfts, 50)
+            p99, p50 = percentile(sim.ttfts, 99, default=math.nan), percentile(sim.ttfts, 50, default=math.nan)
             points.append(Point(policy.name, c, batch_rps, batch_rps / capacity, p50 * 1000, p99 * 1000,
                                 p99_alone * 1000, p99 / p99_alone, p50 / p50_alone, sim.evictions,
                                 sim.wasted / sim.evictions if sim.evictions else 0.0,

@@ -3,7 +3,7 @@
 The fleet is the one the issue measured on: two ``backfill engine-sim --max-num-seqs 4`` with a 40 ms idle decode step (``--itl-ms``)
 (vLLM's default ``fcfs`` policy, serving ``sim-model`` and the batch file's model names) started
 apart from the stack, and the stack in front of them as an operator runs it:
-``backfill up --engine-url A --engine-url B`` (:func:`backfill.up.run_stack` with ``engine_urls``:
+``backfill up --engine-url A --engine-url B`` (a ``backfill up`` child process, :func:`lab.toolkit.stack.backfill_up`, with ``engine_urls``:
 embedded PostgreSQL and Redis, the router, the processor with its saturation gate, the Celery
 worker and beat, the gateway). The parts of the mix:
 
@@ -70,8 +70,9 @@ import orjson
 
 from engine_twin.step_model import overhead_ms_for_idle_step
 from lab.toolkit.arrivals import poisson_arrivals
-from lab.toolkit.interactive import LaneSampler, percentile, run_interactive, summarize
+from lab.toolkit.interactive import LaneSampler, run_interactive, summarize
 from lab.toolkit.prompts import ENDPOINT, MODEL, chat_body, prompt_text
+from lab.toolkit.stats import percentile
 
 DEFAULT_SOURCE = (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "batches"
                   / "openai-cookbook-batch-movies.jsonl")
@@ -247,7 +248,8 @@ def probe_figures(results: list[tuple[float, bool]], duration: float) -> dict[st
     return {"requests": len(results), "ok": sum(ok for _, ok in results),
             "timeouts": sum(1 for s, ok in results if not ok and s >= PROBE_TIMEOUT_SECONDS),
             "offered_rps": len(results) / duration,
-            "latency_ms_p50": percentile(seconds, 50), "latency_ms_p90": percentile(seconds, 90),
+            "latency_ms_p50": percentile(seconds, 50, default=math.nan),
+            "latency_ms_p90": percentile(seconds, 90, default=math.nan),
             "latency_ms_max": max(seconds, default=math.nan),
             "latency_ms_mean": statistics.fmean(seconds) if seconds else math.nan}
 
@@ -682,9 +684,9 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
     """Interactive (queued and direct), small tenants and a shared-prefix batch together vs each alone."""
     from rich.console import Console
 
-    from backfill.up import run_stack
     from common.executable import backfill_executable
     from lab.toolkit.launch import HOST, free_port, process_group
+    from lab.toolkit.stack import backfill_up
 
     if quick:
         opts.update(lines=150, time_scale=0.5, duration=5.0, prelude=3.0, probe_interval=1.0, async_interval=1.5,
@@ -706,7 +708,7 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
                     "--engine-index", str(i)])
                 urls.append(f"http://{HOST}:{port}")
                 group.wait_ready(proc, urls[-1])
-            with run_stack(root / "stack", HOST, free_port(), None, engine_urls=urls) as stack:
+            with backfill_up(root / "stack", HOST, free_port(), engine_urls=urls) as stack:
                 console.print(f"stack up: gateway {stack.gateway_url}, router {stack.router_url}, engines {urls}")
                 import uvloop
 

@@ -69,9 +69,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.executable import backfill_executable
 from engine_twin.launch import pd_engine_env, sim_engine_argv
-from lab.toolkit.launch import HOST, ProcessGroup, bench_flow_control, free_port, process_group
+from lab.toolkit.launch import HOST, SIM_MAX_NUM_SEQS, ProcessGroup, bench_flow_control, free_port, process_group
 from lab.toolkit.pd_mix import PdOptions, pd_trace, tenant_of
-from lab.toolkit.replay import closed_loop, percentile, stream_chat, wall_span
+from lab.toolkit.replay import closed_loop, stream_chat, wall_span
+from lab.toolkit.stats import percentile
 from lab.toolkit.workloads import (
     TimedRequest,
 )
@@ -87,8 +88,6 @@ TRUSTED_TOKEN_HEADER = "x-backfill-router-token"
 """``router.trust.TOKEN_HEADER`` (a benchmark must not import the router's internals it measures)."""
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 """llm-d's fairness-id header (``router.parsing.FAIRNESS_ID_HEADER``)."""
-SIM_MAX_NUM_SEQS = 256
-"""The simulators' ``--max-num-seqs`` (the twin's default), told to the router."""
 
 
 # ---- the client -------------------------------------------------------------------------------
@@ -283,10 +282,10 @@ def call_figures(calls: Sequence[Call], wall_s: float, time_scale: float) -> dic
                           ("long", [c for c in ok if c.workload == "long-prompt"])):
         gaps = [g for c in picked for g in c.gaps()]
         ttfts = [c.ttft_s for c in picked if c.ttft_s is not None]
-        out[f"itl_p50_ms_{label}"] = _ms(percentile(gaps, 0.5), time_scale)
-        out[f"itl_p99_ms_{label}"] = _ms(percentile(gaps, 0.99), time_scale)
+        out[f"itl_p50_ms_{label}"] = _ms(percentile(gaps, 50), time_scale)
+        out[f"itl_p99_ms_{label}"] = _ms(percentile(gaps, 99), time_scale)
         out[f"ttft_p50_ms_{label}"] = _ms(statistics.median(ttfts) if ttfts else None, time_scale)
-        out[f"ttft_p99_ms_{label}"] = _ms(percentile(ttfts, 0.99), time_scale)
+        out[f"ttft_p99_ms_{label}"] = _ms(percentile(ttfts, 99), time_scale)
     model_s = wall_s / time_scale if time_scale else wall_s
     out["model_seconds"] = round(model_s, 3)
     out["output_tokens_per_s"] = round(out["output_tokens"] / model_s, 2) if model_s else None

@@ -31,7 +31,7 @@ import orjson
 
 from lab.bench.instant import latencies, post_bytes, throughput
 from lab.toolkit.launch import HOST, POLICIES, EngineOptions, LaunchError, Proc, ProcessGroup, free_port, process_group
-from lab.toolkit.replay import percentile
+from lab.toolkit.stats import percentile
 
 TARGETS = ("direct", "ours", "vllm-router-cache_aware", "vllm-router-round_robin")
 """Rows of the proxy table: straight to the engine, then each router in front of it."""
@@ -74,7 +74,7 @@ def _measure(port: int, requests: list[bytes], samples: int, seconds: float, con
     async def run() -> dict[str, Any]:
         await latencies(HOST, port, requests, min(samples, 50))  # warm-up: connections, caches
         lat = await latencies(HOST, port, requests, samples)
-        p99 = percentile(lat, 0.99)
+        p99 = percentile(lat, 99)
         assert p99 is not None, "no latency samples"
         await throughput(HOST, port, requests, min(seconds, 0.5), connections)
         ok, bad, elapsed = await throughput(HOST, port, requests, seconds, connections)

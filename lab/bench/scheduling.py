@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import time
 from pathlib import Path
 
+from lab.toolkit.stats import percentile
 from router.scheduling import DEFAULT_CONFIG_PATH
 from router.scheduling.config import build_scheduler, load_config
 from router.scheduling.interfaces import PluginHandle
 from router.scheduling.types import Endpoint, LLMRequest
 
 _VOCAB = 150_000
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
 
 
 def decision_latency(
@@ -115,9 +112,9 @@ def decision_latency(
         "prompt_tokens": prompt_tokens,
         "iterations": iterations,
         "decision_p50_ms": statistics.median(decide),
-        "decision_p99_ms": _percentile(decide, 0.99),
+        "decision_p99_ms": percentile(decide, 99, default=math.nan),
         "learn_p50_ms": statistics.median(learn),
-        "learn_p99_ms": _percentile(learn, 0.99),
+        "learn_p99_ms": percentile(learn, 99, default=math.nan),
         "chosen_prefix_score_mean": statistics.fmean(hit) if hit else 0.0,
     }
 

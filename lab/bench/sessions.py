@@ -40,7 +40,8 @@ import yaml
 
 from common.executable import backfill_executable
 from lab.toolkit.launch import EngineOptions, LaunchError, Policy, fleet_with_router
-from lab.toolkit.replay import percentile, replay_async
+from lab.toolkit.replay import replay_async
+from lab.toolkit.stats import percentile
 from lab.toolkit.workloads import TimedRequest, agentic_sessions
 from router.scheduling import DEFAULT_CONFIG_PATH
 from router.trust import TOKEN_HEADER
@@ -133,8 +134,8 @@ async def _run(router: str, trace: list[TimedRequest], token: str, workers: int,
     later = [r.ttft_s for r, t in zip(replayed.results, trace) if t.turn >= 1 and r.ttft_s is not None]
     first = [r.ttft_s for r, t in zip(replayed.results, trace) if t.turn == 0 and r.ttft_s is not None]
     return {
-        "later_turns": len(later), "later_ttft_p50_s": percentile(later, 0.5), "later_ttft_p99_s": percentile(later, 0.99),
-        "first_turns": len(first), "first_ttft_p50_s": percentile(first, 0.5), "first_ttft_p99_s": percentile(first, 0.99),
+        "later_turns": len(later), "later_ttft_p50_s": percentile(later, 50), "later_ttft_p99_s": percentile(later, 99),
+        "first_turns": len(first), "first_ttft_p50_s": percentile(first, 50), "first_ttft_p99_s": percentile(first, 99),
         "errors": replayed.errors, "wall_s": wall, "batch_done": counts["done"], "batch_refused": counts["refused"],
         "batch_per_s": counts["done"] / (wall + warmup_s) if wall + warmup_s else 0.0,
         "first_error": next((r.error for r in replayed.results if r.error), None),

@@ -40,10 +40,11 @@ from typing import Any
 
 import click
 
-from lab.simulate.sim import POLICIES, SimConfig, Simulation, percentile
+from lab.simulate.sim import POLICIES, SimConfig, Simulation
 from lab.simulate.workload import synthetic_requests
 from lab.toolkit.charts import scale_plot
 from lab.toolkit.cli_common import fmt_cell as _fmt
+from lab.toolkit.stats import percentile
 
 DEFAULT_ENGINES = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_POLICIES = ("round-robin", "approximate", "precise")

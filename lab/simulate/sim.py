@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import random
 import resource
 import time
@@ -83,6 +82,7 @@ from engine_twin.settings import EngineSimSettings, build_settings
 from lab.simulate.clock import EventQueue, VirtualClock
 from lab.simulate.fleet import FleetEngine, Role, VirtualPool, to_router_events
 from lab.simulate.workload import PieceTokens, PromptMemo, SimRequest
+from lab.toolkit.stats import LogHistogram, percentile
 from router.app import RouterRuntime
 from router.director import Director, uncached_tokens
 from router.flow_control import FlowControlConfig, FlowControlCore, FlowItem, RequestDropped, Ticket
@@ -274,45 +274,6 @@ def _run_now(coro: Any) -> None:
     raise RuntimeError("a simulated coroutine tried to wait")
 
 
-class _Histogram:
-    """Log-binned values (1 % bins from 10 µs): percentiles of millions of ITLs in constant memory."""
-
-    BASE = 1e-5
-    RATIO = math.log(1.01)
-
-    def __init__(self) -> None:
-        self.bins: Counter[int] = Counter()
-        self.count = 0
-
-    def add(self, value: float) -> None:
-        self.bins[int(math.log(max(value, self.BASE) / self.BASE) / self.RATIO)] += 1
-        self.count += 1
-
-    def add_many(self, value: float, n: int) -> None:
-        self.bins[int(math.log(max(value, self.BASE) / self.BASE) / self.RATIO)] += n
-        self.count += n
-
-    def percentile(self, q: float) -> float | None:
-        if not self.count:
-            return None
-        want = q / 100 * self.count
-        seen = 0
-        for b in sorted(self.bins):
-            seen += self.bins[b]
-            if seen >= want:
-                return self.BASE * math.exp((b + 0.5) * self.RATIO)
-        return None
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q``-th percentile (nearest rank on the sorted values); None when empty."""
-    data = sorted(values)
-    if not data:
-        return None
-    k = max(0, min(len(data) - 1, math.ceil(q / 100 * len(data)) - 1))
-    return data[k]
-
-
 class Simulation:
     """One run of ``arrivals`` through the fleet under one policy (module docstring).
 
@@ -424,8 +385,8 @@ class Simulation:
         self.finished_at = array("d")
         self.groups: list[tuple[str, str]] = []
         self.group_of = array("H")
-        self.itl = _Histogram()
-        self.itl_by_workload: dict[str, _Histogram] = {}
+        self.itl = LogHistogram()
+        self.itl_by_workload: dict[str, LogHistogram] = {}
         self.ttft_by_workload: dict[str, array[float]] = {}
         # P/D
         self.pd_reasons: Counter[str] = Counter()
@@ -865,10 +826,10 @@ class Simulation:
         self.events.at(self.clock.now + self.config.scrape_interval_s, self._scrape, background=True)
 
     # ---- figures -----------------------------------------------------------------------------
-    def _itl_of(self, workload: str) -> _Histogram:
+    def _itl_of(self, workload: str) -> LogHistogram:
         hist = self.itl_by_workload.get(workload)
         if hist is None:
-            hist = self.itl_by_workload[workload] = _Histogram()
+            hist = self.itl_by_workload[workload] = LogHistogram()
         return hist
 
     def _group(self, req: SimRequest) -> int:

@@ -21,22 +21,12 @@ from typing import Any
 import orjson
 
 from lab.toolkit.prompts import ENDPOINT
+from lab.toolkit.stats import percentile
 
 SAMPLE_SECONDS = 0.25
 """How often the router's admin state and the batch result count are read (s)."""
 RESULT_STREAM = "bench:isolation:results"
 """The Redis stream the benchmarks' batch requests name as their result queue."""
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values``, linear between closest ranks; NaN if empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 @dataclass
@@ -124,10 +114,10 @@ def summarize(samples: list[Sample], duration: float) -> dict[str, Any]:
     return {
         "requests": len(samples), "completed": len(ok), "errors": len(samples) - len(ok),
         "offered_rps": len(samples) / duration, "completed_rps": len(ok) / duration,
-        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
-        "ttft_ms_p99": percentile(ttft, 99), "ttft_ms_mean": statistics.fmean(ttft) if ttft else math.nan,
+        "ttft_ms_p50": percentile(ttft, 50, default=math.nan), "ttft_ms_p90": percentile(ttft, 90, default=math.nan),
+        "ttft_ms_p99": percentile(ttft, 99, default=math.nan), "ttft_ms_mean": statistics.fmean(ttft) if ttft else math.nan,
         "ttft_ms_max": max(ttft, default=math.nan),
-        "send_lag_ms_p99": percentile(lag, 99),
+        "send_lag_ms_p99": percentile(lag, 99, default=math.nan),
         "prompt_tokens_mean": statistics.fmean(s.prompt_tokens for s in ok) if ok else math.nan,
     }
 

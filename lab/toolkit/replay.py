@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from lab.toolkit.stats import percentile
 from lab.toolkit.workloads import TimedRequest
 
 
@@ -56,14 +57,6 @@ class ReplayResult:
         return sum(1 for r in self.results if r.error is not None)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile ``q`` in [0, 1] of ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def summarize(replay: ReplayResult, reusable_tokens: Sequence[int], indexes: Sequence[int] | None = None
               ) -> dict[str, float | int | None]:
     """Figures of a replay, over all calls or the calls at ``indexes`` (trace positions).
@@ -85,7 +78,7 @@ def summarize(replay: ReplayResult, reusable_tokens: Sequence[int], indexes: Seq
     return {
         "captured_reuse": cached / reusable if reusable else None,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
-        "ttft_p99_s": percentile(ttfts, 0.99),
+        "ttft_p99_s": percentile(ttfts, 99),
         "output_tokens_per_s": sum(r.completion_tokens for r in ok) / replay.wall_s if replay.wall_s else 0.0,
         "cached_tokens": cached,
         "reusable_tokens": reusable,

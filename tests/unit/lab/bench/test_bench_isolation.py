@@ -4,7 +4,6 @@ through the real stack (engines, router, processor, Redis) checked for the JSON'
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -14,7 +13,7 @@ import pytest
 from lab.bench.isolation import lane_rates
 from lab.toolkit.arrivals import poisson_arrivals
 from lab.toolkit.charts import svg_line_chart
-from lab.toolkit.interactive import LaneSampler, Sample, percentile, summarize
+from lab.toolkit.interactive import LaneSampler, Sample, summarize
 from lab.toolkit.prompts import prompt_text
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -26,14 +25,6 @@ def test_poisson_arrivals_are_seeded_ascending_and_near_the_rate():
     assert a != poisson_arrivals(50.0, 40.0, seed=4)
     assert all(0 < x < 40.0 for x in a) and a == sorted(a)
     assert 1800 < len(a) < 2200  # 2,000 expected; a Poisson count's sd is about 45
-
-
-def test_percentile_interpolates_between_ranks():
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 50) == pytest.approx(50.5)
-    assert percentile(values, 99) == pytest.approx(99.01)
-    assert percentile([7.0], 99) == 7.0
-    assert math.isnan(percentile([], 50))
 
 
 def test_prompts_have_the_asked_length_and_never_repeat():

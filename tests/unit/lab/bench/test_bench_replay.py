@@ -6,7 +6,7 @@ import pytest
 
 from engine_twin.launch import sim_engine_argv
 from lab.toolkit.launch import HOST, free_port, process_group
-from lab.toolkit.replay import ReplayResult, RequestResult, percentile, replay, summarize
+from lab.toolkit.replay import ReplayResult, RequestResult, replay, summarize
 from lab.toolkit.workloads import TimedRequest, chat_tokens, oracle_reusable_tokens
 
 SYSTEM = "you are a careful assistant that answers in short sentences " * 8  # 480 bytes = 120 tokens
@@ -79,9 +79,3 @@ def test_summarize_counts_successful_calls_only_and_breaks_down_by_index():
     odd = summarize(replayed, reusable, [1, 3])
     assert odd["captured_reuse"] == pytest.approx(48 / 64) and odd["errors"] == 1
     assert summarize(replayed, [0, 0, 0, 0])["captured_reuse"] is None
-
-
-def test_percentile_is_nearest_rank():
-    assert percentile([], 0.5) is None
-    assert percentile([3.0, 1.0, 2.0], 0.0) == 1.0
-    assert percentile(list(range(101)), 0.99) == 99
