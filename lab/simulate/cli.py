@@ -165,18 +165,64 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
                      processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, seed: int, json_path: Path | None, progress: bool) -> None:
     """Run the fleet in virtual time with the production router, flow control and processor code."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(stderr=True)
-    out = Console()
     if write_trace is not None:
-        records = wl.long_context_records(seed, conversations=conversations, duration_s=duration_s)
-        wl.write_mooncake(records, write_trace)
-        console.print(f"wrote {write_trace}: {len(records):,} records over {duration_s:g} s, "
-                      f"{wl.reusable_share(records):.3f} of prompt tokens reusable within 5 min")
+        _write_trace(write_trace, seed, conversations, duration_s, console)
         return
     if not (trace_path or synthetic_requests or workload_names or batch_files):
         raise click.UsageError("give a workload: --trace, --synthetic-requests, --workload or --batch")
+    layouts = _layouts(layout_specs, engines, prefill_engines, decode_engines, policies)
+    if system_pieces[0] < 1 or system_pieces[1] < system_pieces[0]:
+        raise click.BadParameter("MIN must be >= 1 and MAX >= MIN", param_hint="--system-pieces")
+    config = SimConfig(engines=layouts[0][0], prefill_engines=layouts[0][1], decode_engines=layouts[0][2],
+                       kv_transfer_bandwidth_gb_s=kv_transfer_bandwidth, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
+                       block_size=block_size,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       max_model_len=max_model_len, scheduling_policy=scheduling_policy, seed=seed,
+                       kv_event_delay_s=kv_event_delay_ms / 1000, processor_concurrency=processor_concurrency,
+                       processor_tenant_limit=tenant_limit)
+    _finish_config(config, flow_path)
+    fleet_engines = sum(layouts[0])
+    model_len = config.model_len()
+    sources: list[Callable[[], Iterator[SimRequest]]] = []
+    total = 0
+    if trace_path is not None:
+        total += _add_trace(sources, trace_path, start_min, minutes, speed, model_len, max_output_tokens, console)
+    if synthetic_requests:
+        syn_rate = rate or 6.0 * fleet_engines
+        n = synthetic_requests
+        sources.append(lambda: synthetic_requests_iter(n, seed, syn_rate, tenants, system_pieces))
+        total += n
+    for name in workload_names:
+        gen, count = _generator(name, seed, conversations, duration_s, model_len, fleet_engines)
+        total += count
+        sources.append(gen)
+    for batch_path in batch_files:
+        total += _add_batch(sources, batch_path, block_size)
+    results = _run_layouts(config, layouts, policies, config_path, sources, total, progress, console)
+    comparison = pd_comparison(results)
+    _print_tables(results, comparison, layouts, gpu_blocks, cpu_blocks, total)
+    if json_path is not None:
+        payload = {"engines": fleet_engines, "layouts": [layout_name(*lay) for lay in layouts],
+                   "gpu_blocks": gpu_blocks, "cpu_blocks": cpu_blocks, "seed": seed,
+                   "requests": total, "runs": results, "pd_comparison": comparison}
+        json_path.write_text(json.dumps(payload, indent=2))
+        console.print(f"wrote {json_path}")
+
+
+def _write_trace(path: Path, seed: int, conversations: int, duration_s: float, console: Any) -> None:
+    """``--write-trace``: the long-context conversations as a Mooncake trace file."""
+    records = wl.long_context_records(seed, conversations=conversations, duration_s=duration_s)
+    wl.write_mooncake(records, path)
+    console.print(f"wrote {path}: {len(records):,} records over {duration_s:g} s, "
+                  f"{wl.reusable_share(records):.3f} of prompt tokens reusable within 5 min")
+
+
+def _layouts(layout_specs: tuple[str, ...], engines: int | None, prefill_engines: int, decode_engines: int,
+             policies: tuple[str, ...]) -> list[tuple[int, int, int]]:
+    """The fleets to run, ``(both, prefill, decode)`` each: the ``--layout`` specs, else the one of
+    ``--engines`` / ``--prefill-engines`` / ``--decode-engines``. Raises ``click.UsageError``."""
     if layout_specs:
         layouts = [parse_layout(spec) for spec in layout_specs]
     else:
@@ -188,21 +234,17 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
         layouts = [(both, prefill_engines, decode_engines)]
     if "pd" in policies and not any(p for _, p, _ in layouts):
         raise click.UsageError("--policy pd needs prefill engines (--prefill-engines or a --layout P:D)")
-    fleet_engines = sum(layouts[0])
-    if system_pieces[0] < 1 or system_pieces[1] < system_pieces[0]:
-        raise click.BadParameter("MIN must be >= 1 and MAX >= MIN", param_hint="--system-pieces")
+    return layouts
+
+
+def _finish_config(config: SimConfig, flow_path: Path | None) -> None:
+    """The processor's reserve (none at 12 slots or fewer), ``--flow-control``, and a check of the
+    engine settings. Raises ``click.BadParameter``."""
     try:
         flow = FlowControlConfig.from_file(flow_path) if flow_path else None
     except (ValueError, OSError, pydantic.ValidationError) as exc:
         raise click.BadParameter(str(exc), param_hint="--flow-control") from exc
-    config = SimConfig(engines=layouts[0][0], prefill_engines=layouts[0][1], decode_engines=layouts[0][2],
-                       kv_transfer_bandwidth_gb_s=kv_transfer_bandwidth, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
-                       block_size=block_size,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       max_model_len=max_model_len, scheduling_policy=scheduling_policy, seed=seed,
-                       kv_event_delay_s=kv_event_delay_ms / 1000, processor_concurrency=processor_concurrency,
-                       processor_tenant_limit=tenant_limit)
-    if processor_concurrency <= 12:
+    if config.processor_concurrency <= 12:
         config.processor_reserved = {}
     if flow is not None:
         config.flow_control = flow
@@ -210,40 +252,42 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
         config.engine_settings()
     except pydantic.ValidationError as exc:
         raise click.BadParameter(str(exc.errors()[0].get("msg", exc)), param_hint="--gpu-blocks / --max-model-len") from exc
-    model_len = config.model_len()
 
-    sources: list[Callable[[], Iterator[SimRequest]]] = []
-    total = 0
-    if trace_path is not None:
-        try:
-            records = wl.read_mooncake(trace_path)
-        except (ValueError, OSError, UnicodeDecodeError) as exc:
-            raise click.BadParameter(str(exc), param_hint="--trace") from exc
-        window = list(mooncake_requests(records, start_min, minutes, speed, model_len, max_output_tokens))
-        if not window:
-            raise click.BadParameter(f"{trace_path}: no record in the window (--start-min {start_min}, "
-                                     f"--minutes {minutes})", param_hint="--trace")
-        total += len(window)
-        console.print(f"{trace_path}: {len(records):,} records, {len(window):,} in the window, "
-                      f"{wl.reusable_share(records):.3f} of prompt tokens reusable within 5 min")
-        sources.append(lambda: mooncake_requests(records, start_min, minutes, speed, model_len, max_output_tokens))
-    if synthetic_requests:
-        syn_rate = rate or 6.0 * fleet_engines
-        n = synthetic_requests
-        sources.append(lambda: synthetic_requests_iter(n, seed, syn_rate, tenants, system_pieces))
-        total += n
-    for name in workload_names:
-        gen, count = _generator(name, seed, conversations, duration_s, model_len, fleet_engines)
-        total += count
-        sources.append(gen)
-    for batch_path in batch_files:
-        try:
-            backlog = list(batch_file_requests(batch_path, block_size=block_size))
-        except (ValueError, OSError, UnicodeDecodeError) as exc:
-            raise click.BadParameter(str(exc), param_hint="--batch") from exc
-        total += len(backlog)
-        sources.append(_replayer(backlog))
 
+def _add_trace(sources: list[Callable[[], Iterator[SimRequest]]], trace_path: Path, start_min: float,
+               minutes: float | None, speed: float, model_len: int, max_output_tokens: int | None,
+               console: Any) -> int:
+    """Add the ``--trace`` window to ``sources``; returns its request count. Raises ``click.BadParameter``."""
+    try:
+        records = wl.read_mooncake(trace_path)
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--trace") from exc
+    window = list(mooncake_requests(records, start_min, minutes, speed, model_len, max_output_tokens))
+    if not window:
+        raise click.BadParameter(f"{trace_path}: no record in the window (--start-min {start_min}, "
+                                 f"--minutes {minutes})", param_hint="--trace")
+    console.print(f"{trace_path}: {len(records):,} records, {len(window):,} in the window, "
+                  f"{wl.reusable_share(records):.3f} of prompt tokens reusable within 5 min")
+    sources.append(lambda: mooncake_requests(records, start_min, minutes, speed, model_len, max_output_tokens))
+    return len(window)
+
+
+def _add_batch(sources: list[Callable[[], Iterator[SimRequest]]], batch_path: Path, block_size: int) -> int:
+    """Add one ``--batch`` file's backlog to ``sources``; returns its request count. Raises ``click.BadParameter``."""
+    try:
+        backlog = list(batch_file_requests(batch_path, block_size=block_size))
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--batch") from exc
+    sources.append(_replayer(backlog))
+    return len(backlog)
+
+
+def _run_layouts(config: SimConfig, layouts: list[tuple[int, int, int]], policies: tuple[str, ...],
+                 config_path: Path | None, sources: list[Callable[[], Iterator[SimRequest]]], total: int,
+                 progress: bool, console: Any) -> list[dict[str, Any]]:
+    """Every policy (``pd`` on a fleet with prefill engines, plus ``--config``) on every layout, each
+    on a fresh fleet and fresh arrivals; the figures of each run, with ``ttft_p50_vs_round_robin``.
+    Raises ``click.BadParameter`` for a config the scheduler refuses."""
     names = list(POLICIES) if not policies or "all" in policies else \
         [p for p in dict.fromkeys(policies) if p != PD_POLICY] or ["approximate"]
     results: list[dict[str, Any]] = []
@@ -270,7 +314,16 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
     for r in results:
         if baseline is not None and baseline["ttft_p50_s"] and r["ttft_p50_s"] is not None:
             r["ttft_p50_vs_round_robin"] = r["ttft_p50_s"] / baseline["ttft_p50_s"]
+    return results
 
+
+def _print_tables(results: list[dict[str, Any]], comparison: dict[str, dict[str, Any]],
+                  layouts: list[tuple[int, int, int]], gpu_blocks: int, cpu_blocks: int, total: int) -> None:
+    """The runs, TTFT by lane and tenant, and (with P/D runs) the disaggregation table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
     table = Table(title=f"simulate: {' / '.join(layout_name(*lay) + f' ({sum(lay)})' for lay in layouts)} engines x "
                         f"{gpu_blocks} GPU + {cpu_blocks} CPU blocks, {total:,} requests")
     for col in ("policy", "answered", "captured reuse", "TTFT p50 s", "TTFT p99 s", "ITL p99 s", "req/s",
@@ -294,15 +347,8 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
             cells.append("-" if g is None else f"{_fmt(g['ttft_p50_s'])} / {_fmt(g['ttft_p99_s'])} ({g['requests']:,})")
         lanes.add_row(key, *cells)
     out.print(lanes)
-    comparison = pd_comparison(results)
     if any(r["pd"] for r in results):
         out.print(_pd_table(results, comparison))
-    if json_path is not None:
-        payload = {"engines": fleet_engines, "layouts": [layout_name(*lay) for lay in layouts],
-                   "gpu_blocks": gpu_blocks, "cpu_blocks": cpu_blocks, "seed": seed,
-                   "requests": total, "runs": results, "pd_comparison": comparison}
-        json_path.write_text(json.dumps(payload, indent=2))
-        console.print(f"wrote {json_path}")
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
