@@ -21,12 +21,10 @@ command.
 | ``router_ha`` | ``backfill bench router-ha``: several precise routers on one fleet (index agreement, reuse) |
 | ``pd`` | ``backfill bench pd``: prefill/decode disaggregation vs aggregated at equal engine count (ITL, TTFT, throughput, every P:D split) |
 | ``simulate_scale`` | ``backfill bench simulate-scale``: the virtual-time fleet (``backfill simulate``) from 4 to 256 engines: decision cost, index memory, reuse, TTFT vs round-robin, lane isolation, plots |
-| ``workloads`` | seeded traces (agentic sessions, llm-d shared-prefix groups, tool agents, a shared-prefix batch, long-context conversations), Mooncake-format traces, the oracle-reusable tokens |
-| ``replay`` | async replayer: sessions closed-loop, arrivals open-loop, TTFT, cached tokens, captured reuse |
-| ``launch`` | subprocess fleet of simulated engines and the routers (ours, ``vllm-router``, ``sglang-router``) |
 | ``instant`` | an OpenAI-compatible server that answers at once, and a raw keep-alive load client |
 | ``scheduling`` | ``python -m lab.bench.scheduling``: the scheduler's decision time in process |
 | ``kv_index`` | ``python -m lab.bench.kv_index``: the KV block index's bytes per block and lookup time |
 
+The workloads, replay clients, process launch, stats and charts they share are in :mod:`lab.toolkit`.
 Goals and definitions of the router rows: shared/PERFORMANCE.md (``prefix`` and ``router-overhead``).
 """

@@ -1,6 +1,6 @@
-"""``backfill bench mixed``: the mix issue 12 measured, in one run, beside each of its parts alone.
+"""``backfill bench mixed``: interactive, queued and batch traffic of several tenants mixed, in one run, beside each of its parts alone.
 
-The fleet is the one the issue measured on: two ``backfill engine-sim --max-num-seqs 4`` with a 40 ms idle decode step (``--itl-ms``)
+The fleet is a small one where the mix contends: two ``backfill engine-sim --max-num-seqs 4`` with a 40 ms idle decode step (``--itl-ms``)
 (vLLM's default ``fcfs`` policy, serving ``sim-model`` and the batch file's model names) started
 apart from the stack, and the stack in front of them as an operator runs it:
 ``backfill up --engine-url A --engine-url B`` (a ``backfill up`` child process, :func:`lab.toolkit.stack.backfill_up`, with ``engine_urls``:
@@ -12,7 +12,7 @@ worker and beat, the gateway). The parts of the mix:
   shared system prompt, one movie description per line); the file's own lines come first, the rest
   are copies of its first line with a generated description (seeded, each one different);
 * **tenants B and C**: a 5-line batch each in the same shape, created ``--prelude`` seconds after
-  A's (the issue: 10 s), each tenant with its own API key, through the gateway with the ``openai``
+  A's (10 s), each tenant with its own API key, through the gateway with the ``openai``
   SDK;
 * **queued interactive**: one request every ``--probe-interval`` s put on the queue's
   ``interactive`` lane and waited for, as ``backfill enqueue --lane interactive --wait`` does
@@ -35,7 +35,7 @@ Steps, on one stack, each alone step waiting for the engines to drain before the
    ``--small-timeout`` s after they were created); A's batch is then cancelled (it is a standing
    backlog, never drained: at 6 requests/s its 1,000 lines need about 3 minutes).
 
-Figures (goals from the issue): queued-interactive latency p50 mixed ÷ idle (≤ 1.5); direct TTFT
+Figures (goals in docs/benchmarks.md): queued-interactive latency p50 mixed ÷ idle (≤ 1.5); direct TTFT
 p99 mixed ÷ alone (≤ 1.2); each small tenant's completion time (create → ``completed``) mixed ÷
 alone (≤ 2); per-engine balance while A runs, from A's ``in_progress`` to the window's end: min ÷
 max of the requests each engine served (``vllm:request_success_total`` deltas) (≥ 0.8); batch
@@ -79,7 +79,7 @@ DEFAULT_SOURCE = (Path(__file__).resolve().parents[2].parent / "shared" / "data"
 """The cookbook batch file beside the repository (``../shared/data/batches``, first 5 lines)."""
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")
 SMALL_LINES = 5
-"""Lines of tenant B's and C's batches (the issue's small batches)."""
+"""Lines of tenant B's and C's batches (the small batches of the mix)."""
 CAPACITY_WARMUP_SECONDS = 2.0
 """Completions of the capacity run's first seconds are not counted (every slot fills first)."""
 PROBE_TIMEOUT_SECONDS = 60.0

@@ -78,7 +78,7 @@ from lab.toolkit.workloads import (
 )
 
 ITL_GOAL = 1.5
-"""ITL p99 aggregated ÷ P/D to reach (issue 15's goal table)."""
+"""ITL p99 aggregated ÷ P/D to reach (the goal table of docs/benchmarks.md)."""
 BEST_MIN_THROUGHPUT = 0.95
 """A layout counts for the best ratio only if it serves the open-loop trace about as fast as the
 aggregated fleet (its throughput is the offered load unless its queues grow)."""

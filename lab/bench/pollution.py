@@ -1,4 +1,4 @@
-"""``backfill bench pollution``: does a batch sweep wipe the interactive prefix cache? (issue 13's
+"""``backfill bench pollution``: does a batch sweep wipe the interactive prefix cache? (the engine's
 cache-pollution guard, in model time on the engine twin's core).
 
 The user story (ddalcu/mlx-serve#378): a 25.5k-token conversation answered in 0.54 s warm took 44 s

@@ -15,7 +15,7 @@ and streams the answer (``max_output_tokens`` ``--output-tokens``).
 Both send the model the same prompts. Figures per mode: bytes from the client (Σ request body
 bytes), TTFT p50 / p99 (send → first ``response.output_text.delta``), captured reuse (Σ
 ``cached_tokens`` ÷ Σ oracle-reusable tokens of :func:`~lab.toolkit.workloads.
-oracle_reusable_tokens`, computed on the conversations as sent), input tokens. The goal (issue 16):
+oracle_reusable_tokens`, computed on the conversations as sent), input tokens. The goal (docs/benchmarks.md):
 captured reuse with ``previous_response_id`` not lower than resending.
 """
 

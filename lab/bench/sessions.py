@@ -17,7 +17,7 @@ The interactive band keeps its bypass of saturation up to ``--interactive-bound`
 (default: the fleet's slots); past it, its requests wait in the router's queue, the one place flow
 control orders them, which is where turn priority acts. Per run: TTFT p50 and p99 of later turns
 (turn ≥ 2 of a session: what turn priority favours) and of first turns (what it costs), and the batch
-requests done per second. Goal (issue 16): later turns' TTFT p99 lower with turn priority on.
+requests done per second. Goal (docs/benchmarks.md): later turns' TTFT p99 lower with turn priority on.
 """
 
 from __future__ import annotations
