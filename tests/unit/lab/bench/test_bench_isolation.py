@@ -42,7 +42,7 @@ def test_summarize_counts_failures_and_measures_ttft_from_the_send():
     failed = Sample(scheduled=0.0, sent=0.002, status=429)
     out = summarize(ok + [failed], duration=10.0)
     assert (out["requests"], out["completed"], out["errors"]) == (101, 100, 1)
-    assert out["ttft_ms_p50"] == pytest.approx(50.5)
+    assert out["ttft_ms_p50"] == pytest.approx(50.0)  # nearest rank: the 50th of 100 TTFTs (1 … 100 ms)
     assert out["ttft_ms_max"] == pytest.approx(100.0)
     assert out["completed_rps"] == pytest.approx(10.0) and out["offered_rps"] == pytest.approx(10.1)
     assert out["send_lag_ms_p99"] == pytest.approx(1.0)  # 100 sends 1 ms late, one 2 ms: rank 100 of 101
