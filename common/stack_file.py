@@ -16,9 +16,11 @@ The file is one JSON object (mode 0600: it holds the API key of the ``default`` 
      "redis_url": "unix:///…/redis/redis.sock", "celery_broker_url": "redis+socket:///…/redis/redis.sock",
      "database_url": "postgresql://…", "metrics": {"gateway": "http://…/metrics", …},
      "health": {"gateway": "http://…/health", "processor": "http://…/health", …},
-     "data_dir": "/abs/data", "logs": "/abs/data/logs"}
+     "data_dir": "/abs/data", "logs": "/abs/data/logs",
+     "children": {"engine-0": 1240, "router": 1242, "processor": 1243, "worker": 1244, …}}
 
-A file whose ``pid`` no longer runs (the stack was killed with SIGKILL), or now belongs to another
+``children``: the pid of each child ``up`` started, as the file was written (a child ``up``
+restarts later gets a new one). A file whose ``pid`` no longer runs (the stack was killed with SIGKILL), or now belongs to another
 process (``pid_started``, the process's start time, differs), is reported as stale, never used.
 """
 

@@ -41,9 +41,8 @@ class RunningStack:
     info: dict[str, Any]
     data_dir: Path
     children: dict[str, Any] = field(default_factory=dict)
-    """``{service: psutil.Process}`` of ``up``'s service children (``gateway``, ``worker``,
-    ``beat``, ``processor``, ``router``, ``engine-sim``, ``engine-sim-1`` …), by the ``backfill``
-    subcommand on each one's command line."""
+    """``{child: psutil.Process}`` of ``up``'s children as its stack file names them (``gateway``,
+    ``worker``, ``beat``, ``processor``, ``router``, ``engine-0`` …; those that exited are left out)."""
 
     @property
     def gateway_url(self) -> str:
@@ -99,7 +98,7 @@ def backfill_up(data_dir: Path, host: str, port: int, *, engines: int | None = N
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         info = _wait_for_stack_file(process, data_dir, log, ready_timeout_s)
-        yield RunningStack(process, info, data_dir, _service_children(process.pid))
+        yield RunningStack(process, info, data_dir, _children(info))
     finally:
         _stop(process)
 
@@ -118,32 +117,15 @@ def _wait_for_stack_file(process: subprocess.Popen, data_dir: Path, log: Path, t
     raise StackError(f"backfill up wrote no stack file within {timeout_s:.0f} s:\n{_tail(log)}")
 
 
-def _service_children(pid: int) -> dict[str, Any]:
-    """``{service: psutil.Process}`` of ``pid``'s direct children that run a ``backfill`` subcommand."""
+def _children(info: dict[str, Any]) -> dict[str, Any]:
+    """``{child: psutil.Process}`` of the stack file's ``children`` (name → pid)."""
     import psutil
 
     out: dict[str, Any] = {}
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(pid).children():
-            with contextlib.suppress(psutil.Error):
-                name = _subcommand(child.cmdline())
-                if name is None:
-                    continue
-                key, n = name, 0
-                while key in out:
-                    n += 1
-                    key = f"{name}-{n}"
-                out[key] = child
+    for name, pid in (info.get("children") or {}).items():
+        with contextlib.suppress(psutil.Error):
+            out[name] = psutil.Process(pid)
     return out
-
-
-def _subcommand(cmdline: list[str]) -> str | None:
-    """The ``backfill`` subcommand of a command line (``… -m backfill gateway …`` or
-    ``…/backfill gateway …``); None for another program."""
-    for i, part in enumerate(cmdline[:-1]):
-        if part == "backfill" or part.endswith("/backfill"):
-            return cmdline[i + 1]
-    return None
 
 
 def _stop(process: subprocess.Popen) -> None:
