@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "batches": ("backfill.batches:batches_group", "List, show, cancel and download batches."),
     "files": ("backfill.batches:files_group", "List, show, download and delete files."),
     "bench": ("backfill.bench:bench_group", "Run a benchmark."),
-    "simulate": ("backfill.simulate.cli:simulate_command", "Run the whole fleet in virtual time (real scheduler)."),
+    "simulate": ("lab.simulate.cli:simulate_command", "Run the whole fleet in virtual time (real scheduler)."),
     "router": ("router.cli:router_command", "Serve the router (flow control + prefix-aware scheduling)."),
     "engine-sim": ("engine_twin.cli:engine_sim_command", "Serve one simulated vLLM engine."),
     "engine": ("engine_twin.cli:engine_command", "Run a real vLLM engine for the fleet."),

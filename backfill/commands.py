@@ -124,8 +124,8 @@ def _multiprocess_metrics_dir() -> str:
               type=click.Choice(["prefork", "threads", "solo"]))
 @click.option("--log-level", default="WARNING", show_default=True)
 def worker_command(concurrency: int, pool: str, log_level: str) -> None:
-    """Run a Celery worker of the batch lifecycle; with ``BACKFILL_WORKER_METRICS_PORT`` (or
-    ``BACKFILL_METRICS_PORT``) set, serve ``/metrics`` and ``/health`` on that port."""
+    """Run a Celery worker of the batch lifecycle; with BACKFILL_WORKER_METRICS_PORT (or
+    BACKFILL_METRICS_PORT) set, serve /metrics and /health on that port."""
     from workers.settings import load_settings
 
     settings = load_settings()
@@ -202,9 +202,9 @@ def keys_create(tenant: str, data_dir: Path) -> None:
 @DATA_DIR_OPTION
 def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
     """List API keys as a table: tenant, key (its first 12 characters — fewer for a short key, so a
-    key is never shown whole), state, and when it was created and revoked (UTC); ``--json``: the
-    same as objects (``tenant_name``, ``key_prefix``, ``state``, ``created_at``, ``revoked_at``: Unix
-    seconds or null)."""
+    key is never shown whole), state, and when it was created and revoked (UTC); --json: the
+    same as objects (tenant_name, key_prefix, state, created_at, revoked_at: Unix seconds or
+    null)."""
     from backfill.output import echo_table, format_time
     from batch_gateway.store import queries
 

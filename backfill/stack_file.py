@@ -1,21 +1,6 @@
-"""``DATA_DIR/stack.json``: where a running ``backfill up`` can be reached.
-
-``backfill up`` writes it once the stack is ready and removes it when it stops; client commands
-(``submit``, ``batches``, ``files``, ``enqueue``, ``keys`` …) read it to find the gateway, the API
-key, Redis and the database of the stack on their ``--data-dir`` (default ``.data``, as ``up``'s).
-
-The file is one JSON object (mode 0600: it holds the API key of the ``default`` tenant)::
-
-    {"status": "running", "pid": 1234, "pid_started": 1764626400.12, "started_at": "2026-12-01T22:00:00+00:00",
-     "gateway_url": "http://127.0.0.1:8000/v1", "admin_url": "http://127.0.0.1:8000/admin" | null,
-     "api_key": "sk-bf-…", "router_url": "http://127.0.0.1:…" | null, "engine_urls": [...],
-     "redis_url": "unix:///…/redis/redis.sock", "celery_broker_url": "redis+socket:///…/redis/redis.sock",
-     "database_url": "postgresql://…", "metrics": {"gateway": "http://…/metrics", …},
-     "health": {"gateway": "http://…/health", "processor": "http://…/health", …},
-     "data_dir": "/abs/data", "logs": "/abs/data/logs"}
-
-A file whose ``pid`` no longer runs (the stack was killed with SIGKILL), or now belongs to another
-process (``pid_started``, the process's start time, differs), is reported as stale, never used.
+"""``DATA_DIR/stack.json``, the writing side: ``backfill up`` writes it once the stack is ready and
+removes it when it stops. The format and the reading side (:func:`load_stack`, used by the client
+commands and the benchmarks) are in :mod:`common.stack_file`.
 """
 
 from __future__ import annotations
@@ -25,16 +10,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-STACK_FILE = "stack.json"
+from common.stack_file import STACK_FILE, NoStack, load_stack, stack_path, started
 
-
-class NoStack(Exception):
-    """No running stack is recorded in the data directory; the message says why and what to do."""
-
-
-def stack_path(data_dir: Path) -> Path:
-    """``DATA_DIR/stack.json``."""
-    return Path(data_dir) / STACK_FILE
+__all__ = ["STACK_FILE", "NoStack", "load_stack", "remove_stack", "stack_path", "write_stack"]
 
 
 def write_stack(data_dir: Path, info: dict[str, Any]) -> Path:
@@ -44,7 +22,7 @@ def write_stack(data_dir: Path, info: dict[str, Any]) -> Path:
     tmp = path.with_name(f".{STACK_FILE}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
-        json.dump({"status": "running", "pid": os.getpid(), "pid_started": _started(os.getpid()), **info},
+        json.dump({"status": "running", "pid": os.getpid(), "pid_started": started(os.getpid()), **info},
                   handle, indent=2)
         handle.write("\n")
     os.replace(tmp, path)
@@ -60,36 +38,3 @@ def remove_stack(data_dir: Path) -> None:
     except (FileNotFoundError, ValueError, AttributeError):
         return
     path.unlink(missing_ok=True)
-
-
-def load_stack(data_dir: Path) -> dict[str, Any]:
-    """The stack recorded in ``DATA_DIR/stack.json``.
-
-    Raises :class:`NoStack` when the file is missing, unreadable, not marked running, or names a
-    process that no longer runs."""
-    import psutil
-
-    path = stack_path(data_dir)
-    start = f"start one with `backfill up --data-dir {data_dir}`"
-    try:
-        info = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise NoStack(f"no running stack in {Path(data_dir).resolve()} ({path} not found); {start}") from None
-    except (OSError, ValueError) as exc:
-        raise NoStack(f"cannot read {path}: {exc}") from None
-    if not isinstance(info, dict) or info.get("status") != "running":
-        raise NoStack(f"{path} does not describe a running stack; {start}")
-    pid = info.get("pid")
-    if not isinstance(pid, int) or not psutil.pid_exists(pid) or info.get("pid_started") not in (None, _started(pid)):
-        raise NoStack(f"{path} is stale: the stack that wrote it (pid {pid}) is not running; {start}")
-    return info
-
-
-def _started(pid: int) -> float | None:
-    """When process ``pid`` started (``psutil``'s ``create_time``), to tell a reused pid apart."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None

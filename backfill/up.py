@@ -124,6 +124,7 @@ class Stack:
             "redis_url": self.env["REDIS_URL"], "celery_broker_url": self.broker_url,
             "database_url": database_url, "metrics": self.metrics(), "health": self.health_urls(),
             "data_dir": str(self.data_dir), "logs": str(self.data_dir / "logs"),
+            "children": {name: proc.pid for name, proc in self.children.items()},
         }
 
     def dead_child(self) -> str | None:

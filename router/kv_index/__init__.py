@@ -4,7 +4,7 @@
 * :mod:`router.kv_index.index` — :class:`KVBlockIndex`: our block keys → endpoints and tiers
   (the scheduler's ``PrefixIndex`` port, with speculative entries).
 * :mod:`router.kv_index.subscriber` — :class:`KVEventSubscriber`: the asyncio ZMQ consumer.
-* its benchmark, :mod:`backfill.bench.kv_index` (outside the router) — bytes per block and lookup latency.
+* its benchmark, :mod:`lab.bench.kv_index` (outside the router) — bytes per block and lookup latency.
 """
 
 from router.kv_index.events import (

@@ -44,7 +44,7 @@ ENGINE_BLOCKS_PER_BLOCK = 4
 REMOVED_BLOCKS_KEPT = 4096
 
 #: Bytes per our-key entry and per engine block state, measured with tracemalloc by
-#: :func:`backfill.bench.kv_index.measure_bytes` (CPython 3.11, 16 endpoints, 64-token keys; engine
+#: :func:`lab.bench.kv_index.measure_bytes` (CPython 3.11, 16 endpoints, 64-token keys; engine
 #: blocks of 16 tokens, whose average includes the pending tokens of 3 in 4 blocks: 170-175 bytes
 #: with 64- or 128-token engine blocks); used for ``stats()["approx_bytes"]``.
 BYTES_PER_BLOCK = 173
@@ -142,7 +142,7 @@ class KVBlockIndex:
     complete event streams the engines' own evictions keep the index at the fleet's cache size;
     the caps guard against missed removals (``seq_gaps``).
 
-    Memory (tracemalloc, :func:`backfill.bench.kv_index.measure_bytes`, CPython 3.11, 16
+    Memory (tracemalloc, :func:`lab.bench.kv_index.measure_bytes`, CPython 3.11, 16
     endpoints): 173 bytes per our key (:data:`BYTES_PER_BLOCK`) plus 257 bytes per 16-token engine
     block state (:data:`BYTES_PER_ENGINE_BLOCK`; 175 with 128-token engine blocks), i.e. about
     1.2 KB per 64-token key held by one GPU-vLLM endpoint (4 engine blocks per key) and 0.26 KB

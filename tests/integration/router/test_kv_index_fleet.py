@@ -20,9 +20,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from backfill.bench.engine_sim import free_port
-from backfill.bench.launch import ProcessGroup
 from engine_twin.launch import sim_engine_argv
+from lab.toolkit.launch import ProcessGroup, free_port
 from router.kv_index.index import KVBlockIndex
 from router.kv_index.subscriber import KVEventSubscriber
 from router.scheduling.config import build_scheduler, parse_config

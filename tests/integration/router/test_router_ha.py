@@ -16,9 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backfill.bench.engine_sim import free_port
-from backfill.bench.launch import ProcessGroup
 from engine_twin.launch import sim_engine_argv
+from lab.toolkit.launch import ProcessGroup, free_port
 from router.cli import router_argv
 
 MODEL = "sim-model"

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from backfill.bench.batchfile import write_batch_file
+from lab.bench.batchfile import write_batch_file
 from workers.validation import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     MAX_N,
