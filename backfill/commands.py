@@ -201,37 +201,38 @@ def keys_create(tenant: str, data_dir: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array instead of the table (for scripts).")
 @DATA_DIR_OPTION
 def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
-    """List API keys as a table: tenant, key (its first 12 characters — fewer for a short key, so a
-    key is never shown whole), state, and when it was created and revoked (UTC); ``--json``: the
-    same as objects (``tenant_name``, ``key_prefix``, ``state``, ``created_at``, ``revoked_at``: Unix
-    seconds or null)."""
+    """List API keys as a table: id (``key_17``, what ``keys revoke`` accepts), tenant, key (its
+    first 12 characters — fewer for a short key, so a key is never shown whole), state, and when it
+    was created and revoked (UTC); ``--json``: the same as objects (``id``, ``tenant_name``,
+    ``key_prefix``, ``state``, ``created_at``, ``revoked_at``: Unix seconds or null)."""
     from backfill.output import echo_table, format_time
     from batch_gateway.store import queries
 
     rows = []
     with _session(data_dir) as session:
-        for name, prefix, created_at, revoked_at in queries.list_api_keys(session, tenant):
+        for key_id, name, prefix, created_at, revoked_at in queries.list_api_keys(session, tenant):
             shown = prefix if len(prefix) >= 12 else prefix[: len(prefix) // 2]  # a short key is stored whole
-            rows.append((name, shown, "revoked" if revoked_at else "active", created_at, revoked_at))
+            rows.append((key_id, name, shown, "revoked" if revoked_at else "active", created_at, revoked_at))
     if as_json:
         def unix(value: datetime | float | None) -> int | None:
             if isinstance(value, datetime):
                 return int((value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp())
             return None if value is None else int(value)
 
-        click.echo(json.dumps([{"tenant_name": name, "key_prefix": shown, "state": state, "created_at": unix(created),
-                                "revoked_at": unix(revoked)} for name, shown, state, created, revoked in rows]))
+        click.echo(json.dumps([{"id": key_id, "tenant_name": name, "key_prefix": shown, "state": state,
+                                "created_at": unix(created), "revoked_at": unix(revoked)}
+                               for key_id, name, shown, state, created, revoked in rows]))
         return
-    echo_table(("TENANT", "KEY", "STATE", "CREATED", "REVOKED"),
-               [(name, f"{shown}…", state, format_time(created), format_time(revoked))
-                for name, shown, state, created, revoked in rows])
+    echo_table(("ID", "TENANT", "KEY", "STATE", "CREATED", "REVOKED"),
+               [(key_id, name, f"{shown}…", state, format_time(created), format_time(revoked))
+                for key_id, name, shown, state, created, revoked in rows])
 
 
 @keys_group.command("revoke")
 @click.argument("key")
 @DATA_DIR_OPTION
 def keys_revoke(key: str, data_dir: Path) -> None:
-    """Revoke KEY."""
+    """Revoke KEY: the key itself, or its id as ``keys list`` shows it (``key_17``)."""
     from batch_gateway.store import queries
 
     with _session(data_dir) as session:
