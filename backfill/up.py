@@ -36,6 +36,8 @@ from pathlib import Path
 import click
 import httpx
 
+from common.private import PRIVATE_UMASK, open_private, private_dir
+
 GRACE_SECONDS = 15.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_SECONDS = 60.0
@@ -179,7 +181,7 @@ def _die_with_parent() -> None:
 
 
 def _spawn(argv: list[str], env: dict, log_dir: Path, name: str) -> subprocess.Popen:
-    with open(log_dir / f"{name}.log", "ab") as log:
+    with os.fdopen(open_private(log_dir / f"{name}.log", os.O_WRONLY | os.O_APPEND), "ab") as log:
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
@@ -350,12 +352,24 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 @contextlib.contextmanager
+def _private_umask() -> Iterator[None]:
+    """Run the block under umask ``0077`` (:data:`common.private.PRIVATE_UMASK`), restoring the
+    caller's after: the stores and children started in it inherit it, so what they create under the
+    data directory (PostgreSQL's and Redis's files, Celery's schedule, engines' logs) is private."""
+    previous = os.umask(PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+@contextlib.contextmanager
 def _data_dir_lock(data_dir: Path) -> Iterator[None]:
     """Hold ``DATA_DIR/backfill.lock`` (an exclusive ``flock``) while a stack runs: a second stack on
     the same directory would share, and on exit stop, the first one's embedded stores."""
     import fcntl
 
-    handle = open(data_dir / "backfill.lock", "a+")
+    handle = os.fdopen(open_private(data_dir / "backfill.lock", os.O_RDWR | os.O_APPEND), "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -420,10 +434,10 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
     check_pd_counts(prefill_engines, decode_engines, bool(engine_urls))
     _check_port_free(host, port)  # before anything is written: a refused start leaves no data dir
     data_dir = data_dir.resolve()
-    logs = data_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir)
+    private_dir(data_dir / "logs")
     api_key = api_key or "sk-bf-" + secrets.token_urlsafe(24)
-    with _data_dir_lock(data_dir), _stores(data_dir) as stores:
+    with _private_umask(), _data_dir_lock(data_dir), _stores(data_dir) as stores:
         upgrade(stores.database_url)
         _register_key(stores.database_url, api_key)
         env = dict(os.environ, DATABASE_URL=stores.database_url, REDIS_URL=stores.redis_url,
