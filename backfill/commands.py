@@ -125,7 +125,8 @@ def _multiprocess_metrics_dir() -> str:
 @click.option("--log-level", default="WARNING", show_default=True)
 def worker_command(concurrency: int, pool: str, log_level: str) -> None:
     """Run a Celery worker of the batch lifecycle; with ``BACKFILL_WORKER_METRICS_PORT`` (or
-    ``BACKFILL_METRICS_PORT``) set, serve ``/metrics`` and ``/health`` on that port."""
+    ``BACKFILL_METRICS_PORT``) set, serve ``/metrics`` and ``/health`` on that port (``/health``
+    503 while the broker does not answer: :func:`workers.metrics.broker_health`)."""
     from workers.settings import load_settings
 
     settings = load_settings()
@@ -139,12 +140,13 @@ def worker_command(concurrency: int, pool: str, log_level: str) -> None:
     if settings.metrics_port:  # served once the pool runs (no fork while its thread runs)
         from celery.signals import worker_ready
 
-        from workers.metrics import multiprocess_registry, serve_metrics
+        from workers.metrics import broker_health, multiprocess_registry, serve_metrics
 
         registry = (multiprocess_registry(os.environ["PROMETHEUS_MULTIPROC_DIR"]) if pool == "prefork"
                     else celery.backfill.metrics.registry)
-        worker_ready.connect(lambda **_: serve_metrics(registry, settings.metrics_port, settings.metrics_host),
-                             weak=False)
+        health = broker_health(settings.redis_url, settings.health_broker_timeout_seconds)
+        worker_ready.connect(lambda **_: serve_metrics(registry, settings.metrics_port, settings.metrics_host,
+                                                       health), weak=False)
     try:
         celery.worker_main(["worker", f"--loglevel={log_level}", f"--concurrency={concurrency}",
                             f"--pool={pool}", "--without-gossip", "--without-mingle"])
