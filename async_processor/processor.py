@@ -25,6 +25,9 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
   attempt that timed out after reaching the router is not run again: it ends with
   ``INFERENCE_TIMEOUT`` (or the router's 504 ``upstream_timeout``).
 - **settler**: publishes results in batches (which marks their ids done), then acks (never before).
+  A publish that fails (Redis down, restarting) keeps its results and is tried again, backing off
+  from :data:`PUBLISH_RETRY_MIN_S` to :data:`PUBLISH_RETRY_MAX_S`: an answer is never run again on
+  an engine for want of Redis. Only on stop are results still unpublished handed back.
 - **lease keeper** and **gate refresher**: extend leases of held messages every ``lease/3`` seconds,
   re-read gate signals every ``saturation_poll_s``.
 - **cancel watcher**: every ``cancel_poll_s``, held work of batches whose cancel marker appeared
@@ -101,6 +104,11 @@ log = logging.getLogger(__name__)
 RECHECK_AFTER = 0.5
 """Held work whose lease was last renewed longer ago than this fraction of the lease (the keeper
 renews at a third) has its claim confirmed before dispatch and before its result is published."""
+
+PUBLISH_RETRY_MIN_S = 0.5
+PUBLISH_RETRY_MAX_S = 5.0
+"""Waits between tries of a result publish that failed (doubling from the first to the second): a
+Redis restart takes a second or two, and a longer outage is not hammered."""
 
 NOT_NOW = frozenset({429, 503})
 """The router's "not now" answers: retried until the deadline, never counted against
@@ -531,10 +539,21 @@ class Processor:
         self._settle_event.set()
 
     async def _settler(self) -> None:
+        """Publish and ack settled work as it comes; while publishing fails (Redis down or
+        restarting), keep the results and try again after :data:`PUBLISH_RETRY_MIN_S`, doubling up
+        to :data:`PUBLISH_RETRY_MAX_S`, until they are out or the processor closes."""
+        delay = 0.0
         while not self._closed.is_set():
-            await self._settle_event.wait()
-            self._settle_event.clear()
-            await self._flush()
+            if delay:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closed.wait(), delay)
+                if self._closed.is_set():
+                    return
+            else:
+                await self._settle_event.wait()
+                self._settle_event.clear()
+            published = await self._flush(hand_back_on_failure=False)
+            delay = 0.0 if published else min(max(2 * delay, PUBLISH_RETRY_MIN_S), PUBLISH_RETRY_MAX_S)
 
     async def _still_ours(self, batch: list[_Settle]) -> list[_Settle]:
         """``batch`` less the results of work taken over by another processor (claims re-checked
@@ -549,7 +568,12 @@ class Processor:
             keep.append(s)
         return keep
 
-    async def _flush(self) -> None:
+    async def _flush(self, *, hand_back_on_failure: bool = True) -> bool:
+        """Publish the settled results, then ack their messages. Returns False when a publish failed
+        and ``hand_back_on_failure`` is False: the results are kept (``_settle``) to be published
+        again, as the engines' answers cost far more than waiting for Redis (a Redis restarted
+        empty has lost the messages, so a hand-back would only run them again after the workers'
+        lease). With ``hand_back_on_failure`` (the last flush, on stop) they are handed back."""
         while self._settle:
             batch, self._settle = self._settle, []
             batch = await self._still_ours(batch)
@@ -558,6 +582,11 @@ class Processor:
                 published = await self.backend.publish_results([(s.result, s.queue) for s in publishing
                                                                 if s.result is not None])
             except ProcessorError as exc:
+                if not hand_back_on_failure:
+                    log.warning("result publish failed; holding the results to publish again",
+                                extra={"action": "publish_failed", "results": len(publishing), "error": str(exc)})
+                    self._settle = batch + self._settle
+                    return False
                 log.warning("result publish failed; handing back", extra={"action": "publish_failed",
                                                                           "error": str(exc)})
                 with contextlib.suppress(ProcessorError):
@@ -581,6 +610,7 @@ class Processor:
                     await self.backend.dead_letter(deliveries, reason)
             except ProcessorError as exc:  # results are out and ids done: a redelivery is acked as duplicate
                 log.warning("ack failed", extra={"action": "ack_failed", "error": str(exc)})
+        return True
 
     # ---------------------------------------------------------------- leases and gates
 
@@ -593,6 +623,8 @@ class Processor:
             cutoff = time.monotonic() - lease / 3
             held = [w.delivery for w in (*self.buffer, *self.in_flight)
                     if w.delivery.extended_at <= cutoff and not w.taken_over]
+            held += [s.delivery for s in self._settle  # results kept while their publish fails
+                     if s.work is not None and not s.work.taken_over and s.delivery.extended_at <= cutoff]
             lost = await self._confirm(held)
             if lost:
                 self._drop_taken_over(lost)

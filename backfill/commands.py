@@ -125,7 +125,8 @@ def _multiprocess_metrics_dir() -> str:
 @click.option("--log-level", default="WARNING", show_default=True)
 def worker_command(concurrency: int, pool: str, log_level: str) -> None:
     """Run a Celery worker of the batch lifecycle; with BACKFILL_WORKER_METRICS_PORT (or
-    BACKFILL_METRICS_PORT) set, serve /metrics and /health on that port."""
+    BACKFILL_METRICS_PORT) set, serve /metrics and /health on that port (/health is 503 while the
+    broker does not answer)."""
     from workers.settings import load_settings
 
     settings = load_settings()
@@ -139,12 +140,13 @@ def worker_command(concurrency: int, pool: str, log_level: str) -> None:
     if settings.metrics_port:  # served once the pool runs (no fork while its thread runs)
         from celery.signals import worker_ready
 
-        from workers.metrics import multiprocess_registry, serve_metrics
+        from workers.metrics import broker_health, multiprocess_registry, serve_metrics
 
         registry = (multiprocess_registry(os.environ["PROMETHEUS_MULTIPROC_DIR"]) if pool == "prefork"
                     else celery.backfill.metrics.registry)
-        worker_ready.connect(lambda **_: serve_metrics(registry, settings.metrics_port, settings.metrics_host),
-                             weak=False)
+        health = broker_health(settings.redis_url, settings.health_broker_timeout_seconds)
+        worker_ready.connect(lambda **_: serve_metrics(registry, settings.metrics_port, settings.metrics_host,
+                                                       health), weak=False)
     try:
         celery.worker_main(["worker", f"--loglevel={log_level}", f"--concurrency={concurrency}",
                             f"--pool={pool}", "--without-gossip", "--without-mingle"])
@@ -201,37 +203,38 @@ def keys_create(tenant: str, data_dir: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array instead of the table (for scripts).")
 @DATA_DIR_OPTION
 def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
-    """List API keys as a table: tenant, key (its first 12 characters — fewer for a short key, so a
-    key is never shown whole), state, and when it was created and revoked (UTC); --json: the
-    same as objects (tenant_name, key_prefix, state, created_at, revoked_at: Unix seconds or
-    null)."""
+    """List API keys as a table: id (key_17, what keys revoke accepts), tenant, key (its first 12
+    characters — fewer for a short key, so a key is never shown whole), state, and when it was
+    created and revoked (UTC); --json: the same as objects (id, tenant_name, key_prefix, state,
+    created_at, revoked_at: Unix seconds or null)."""
     from backfill.output import echo_table, format_time
     from batch_gateway.store import queries
 
     rows = []
     with _session(data_dir) as session:
-        for name, prefix, created_at, revoked_at in queries.list_api_keys(session, tenant):
+        for key_id, name, prefix, created_at, revoked_at in queries.list_api_keys(session, tenant):
             shown = prefix if len(prefix) >= 12 else prefix[: len(prefix) // 2]  # a short key is stored whole
-            rows.append((name, shown, "revoked" if revoked_at else "active", created_at, revoked_at))
+            rows.append((key_id, name, shown, "revoked" if revoked_at else "active", created_at, revoked_at))
     if as_json:
         def unix(value: datetime | float | None) -> int | None:
             if isinstance(value, datetime):
                 return int((value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp())
             return None if value is None else int(value)
 
-        click.echo(json.dumps([{"tenant_name": name, "key_prefix": shown, "state": state, "created_at": unix(created),
-                                "revoked_at": unix(revoked)} for name, shown, state, created, revoked in rows]))
+        click.echo(json.dumps([{"id": key_id, "tenant_name": name, "key_prefix": shown, "state": state,
+                                "created_at": unix(created), "revoked_at": unix(revoked)}
+                               for key_id, name, shown, state, created, revoked in rows]))
         return
-    echo_table(("TENANT", "KEY", "STATE", "CREATED", "REVOKED"),
-               [(name, f"{shown}…", state, format_time(created), format_time(revoked))
-                for name, shown, state, created, revoked in rows])
+    echo_table(("ID", "TENANT", "KEY", "STATE", "CREATED", "REVOKED"),
+               [(key_id, name, f"{shown}…", state, format_time(created), format_time(revoked))
+                for key_id, name, shown, state, created, revoked in rows])
 
 
 @keys_group.command("revoke")
 @click.argument("key")
 @DATA_DIR_OPTION
 def keys_revoke(key: str, data_dir: Path) -> None:
-    """Revoke KEY."""
+    """Revoke KEY: the key itself, or its id as ``keys list`` shows it (``key_17``)."""
     from batch_gateway.store import queries
 
     with _session(data_dir) as session:

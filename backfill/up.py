@@ -16,7 +16,10 @@ the ``metrics=`` URLs. On SIGINT, SIGTERM or SIGHUP it stops every child (SIGTER
 the grace period) and the stores, and exits 0; children also get SIGTERM from the
 kernel if ``backfill up`` itself is killed. One stack at a time may use a data directory (a lock
 file), and a busy port is refused before anything starts. A child that dies on its own is
-restarted; one that keeps dying (more than 5 times a minute) stops everything with exit code 1.
+restarted; one that keeps dying (more than 5 times a minute) stops everything with exit code 1, and
+so does the embedded PostgreSQL dying or being restarted underneath the stack (its children's
+connections, their locks and in-flight transactions went with it; an operator restarts the stack).
+Everything written under the data directory is private to the service user (0600/0700).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from pathlib import Path
 
 import click
 import httpx
+
+from common.private import PRIVATE_UMASK, open_private, private_dir
 
 GRACE_SECONDS = 15.0
 MAX_RESTARTS = 5
@@ -66,6 +71,9 @@ class Stack:
     child_env: dict[str, dict[str, str]] = field(default_factory=dict)
     """Environment of the children started with their own (the P/D engines' NIXL side channels)."""
     restarts: dict[str, list[float]] = field(default_factory=dict)
+    postgres_pid: int | None = None
+    """The postmaster's pid of the embedded PostgreSQL this stack started (None: ``DATABASE_URL``
+    names an external one); :meth:`postgres_lost` watches it."""
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start child ``name`` (output to ``logs/NAME.log``) with ``env`` (default: the stack's),
@@ -134,6 +142,21 @@ class Stack:
                 return name
         return None
 
+    def postgres_lost(self) -> str | None:
+        """Why the embedded PostgreSQL is no longer the one this stack started (it exited, or
+        ``DATA_DIR/postgres/postmaster.pid`` names another process: restarted underneath), or None
+        while it runs (and always with an external database)."""
+        if self.postgres_pid is None:
+            return None
+        import psutil
+
+        now = postmaster_pid(self.data_dir / "postgres")
+        if now != self.postgres_pid or not psutil.pid_exists(self.postgres_pid):
+            if now is not None and psutil.pid_exists(now):
+                return f"the embedded PostgreSQL was restarted underneath (pid {self.postgres_pid} -> {now})"
+            return f"the embedded PostgreSQL (pid {self.postgres_pid}) exited"
+        return None
+
     def restart_dead(self) -> str | None:
         """Restart every child that exited; returns the name of one that exited more than
         :data:`MAX_RESTARTS` times within :data:`RESTART_WINDOW_SECONDS` (not restarted), or None."""
@@ -180,7 +203,7 @@ def _die_with_parent() -> None:
 
 
 def _spawn(argv: list[str], env: dict, log_dir: Path, name: str) -> subprocess.Popen:
-    with open(log_dir / f"{name}.log", "ab") as log:
+    with os.fdopen(open_private(log_dir / f"{name}.log", os.O_WRONLY | os.O_APPEND), "ab") as log:
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
@@ -351,12 +374,24 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 @contextlib.contextmanager
+def _private_umask() -> Iterator[None]:
+    """Run the block under umask ``0077`` (:data:`common.private.PRIVATE_UMASK`), restoring the
+    caller's after: the stores and children started in it inherit it, so what they create under the
+    data directory (PostgreSQL's and Redis's files, Celery's schedule, engines' logs) is private."""
+    previous = os.umask(PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+@contextlib.contextmanager
 def _data_dir_lock(data_dir: Path) -> Iterator[None]:
     """Hold ``DATA_DIR/backfill.lock`` (an exclusive ``flock``) while a stack runs: a second stack on
     the same directory would share, and on exit stop, the first one's embedded stores."""
     import fcntl
 
-    handle = open(data_dir / "backfill.lock", "a+")
+    handle = os.fdopen(open_private(data_dir / "backfill.lock", os.O_RDWR | os.O_APPEND), "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -373,6 +408,16 @@ def _data_dir_lock(data_dir: Path) -> Iterator[None]:
         yield
     finally:
         handle.close()
+
+
+def postmaster_pid(pgdata: Path) -> int | None:
+    """The pid on the first line of ``PGDATA/postmaster.pid`` (PostgreSQL writes it at start and
+    removes it at a clean stop), or None without a readable one."""
+    try:
+        first = (pgdata / "postmaster.pid").read_text().split("\n", 1)[0].strip()
+    except OSError:
+        return None
+    return int(first) if first.isdigit() else None
 
 
 @contextlib.contextmanager
@@ -421,10 +466,10 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
     check_pd_counts(prefill_engines, decode_engines, bool(engine_urls))
     _check_port_free(host, port)  # before anything is written: a refused start leaves no data dir
     data_dir = data_dir.resolve()
-    logs = data_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir)
+    private_dir(data_dir / "logs")
     api_key = api_key or "sk-bf-" + secrets.token_urlsafe(24)
-    with _data_dir_lock(data_dir), _stores(data_dir) as stores:
+    with _private_umask(), _data_dir_lock(data_dir), _stores(data_dir) as stores:
         upgrade(stores.database_url)
         _register_key(stores.database_url, api_key)
         env = dict(os.environ, DATABASE_URL=stores.database_url, REDIS_URL=stores.redis_url,
@@ -437,7 +482,8 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         env.setdefault("BACKFILL_METRICS_HOST", host)
         if admin_key:
             env["BACKFILL_ADMIN_KEY"] = admin_key
-        stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env)
+        stack = Stack(gateway_url=f"http://{host}:{port}/v1", api_key=api_key, data_dir=data_dir, env=env,
+                      postgres_pid=None if os.environ.get("DATABASE_URL") else postmaster_pid(data_dir / "postgres"))
         try:
             start_engines(stack, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [],
                           prefill=prefill_engines, decode=decode_engines)
@@ -549,6 +595,11 @@ def up_command(ctx: click.Context, data_dir: Path, host: str, port: int, api_key
                        f"metrics={stack.metrics_urls()} stack_file={stack.data_dir / 'stack.json'}", err=False)
             sys.stdout.flush()
             while True:
+                lost = stack.postgres_lost()
+                if lost:  # the children's connections and the stack's state went with it
+                    click.echo(f"backfill: {lost}; stopping (start backfill up again)", err=True)
+                    code = 1
+                    break
                 failing = stack.restart_dead()
                 if failing:
                     click.echo(f"backfill: {failing} keeps exiting; stopping", err=True)

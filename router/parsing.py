@@ -10,7 +10,8 @@ The proxy forwards the client's ORIGINAL bytes (``ParsedRequest.raw``) unless it
 body: :func:`with_engine_priority` (vLLM's scheduling priority, :func:`engine_priority` of the
 objective's) and :func:`with_stream_usage` (ask the engine for the final usage chunk);
 :func:`engine_body` does both in one serialisation, and drops the fields only the router may set
-(:data:`ROUTER_ONLY_FIELDS`: a client's ``kv_transfer_params`` never reaches an engine).
+(:data:`ROUTER_ONLY_FIELDS`: a client's ``kv_transfer_params`` and ``priority`` never reach an
+engine).
 
 Paths and what the prompt is:
 
@@ -455,8 +456,11 @@ def engine_priority(objective_priority: int) -> int:
 #: blocks for ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s, and answer with its engine id, host, port
 #: and block ids; ``do_remote_prefill`` makes it read the blocks named there from any engine). vLLM's
 #: server accepts it from whoever calls; the router runs the P/D flow itself (:mod:`router.disagg`
-#: sets it on both legs), so a client's value is dropped on every request.
-ROUTER_ONLY_FIELDS = frozenset({"kv_transfer_params"})
+#: sets it on both legs), so a client's value is dropped on every request. ``priority`` is vLLM's
+#: scheduling priority (``--scheduling-policy priority`` runs lower values first): a client's
+#: ``-1000`` would jump every queue, so it is dropped too, and only the router sets it, from the
+#: trusted objective (``--engine-priority``; without it engines get none).
+ROUTER_ONLY_FIELDS = frozenset({"kv_transfer_params", "priority"})
 
 
 def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_usage: bool = False) -> bytes:
@@ -466,8 +470,8 @@ def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_us
     Args:
         parsed: the request.
         priority: vLLM's ``priority`` value to write (ENGINE convention, lower runs first: pass
-            :func:`engine_priority` of the objective's priority), or None to leave the body's
-            ``priority`` alone. A client's own ``priority`` field is overwritten: the trusted
+            :func:`engine_priority` of the objective's priority), or None to send none. A client's
+            own ``priority`` field is never sent (:data:`ROUTER_ONLY_FIELDS`): the trusted
             objective decides. With 0 and no ``priority`` in the body nothing changes (0 is vLLM's
             default).
         stream_usage: ensure ``stream_options.include_usage = true`` on a streaming chat /

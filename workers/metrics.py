@@ -20,15 +20,20 @@ So with the prefork pool the values go through prometheus-client's multiprocess 
 ``PROMETHEUS_MULTIPROC_DIR``, set by the command before anything imports prometheus-client) and the
 parent process serves them all (:func:`serve_metrics`, :func:`multiprocess_registry`); with the
 ``threads`` or ``solo`` pool the context's own registry is served.
+
+``/health`` follows the broker (:func:`broker_health`): 503 while Redis does not answer a ``PING``
+within ``health_broker_timeout_seconds``, as the processor's turns 503 while its receives fail.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import orjson
 from celery import Celery
 from celery.signals import task_postrun, task_prerun
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app, multiprocess
@@ -172,13 +177,46 @@ class _QuietHandler(WSGIRequestHandler):
         return None
 
 
-def metrics_app(registry: CollectorRegistry):
-    """WSGI app: ``/metrics`` in Prometheus' text format, ``/health`` -> ``{"status": "ok"}``, else 404."""
+Health = Callable[[], tuple[bool, str]]
+"""``() -> (healthy, why not)``, as :meth:`async_processor.processor.Processor.health`."""
+
+
+def always_healthy() -> tuple[bool, str]:
+    """A :data:`Health` that is always healthy (a metrics server with nothing to watch)."""
+    return True, ""
+
+
+def broker_health(redis_url: str, timeout_s: float) -> Health:
+    """A :data:`Health` that ``PING``s the Redis at ``redis_url`` (the Celery broker) on each call:
+    unhealthy, with the error, when it does not answer within ``timeout_s`` seconds (stopped,
+    unreachable, or frozen: a SIGSTOPped Redis accepts connections but never answers)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    def health() -> tuple[bool, str]:
+        try:
+            client.ping()
+        except (redis.RedisError, OSError) as exc:
+            return False, f"broker not answering: {type(exc).__name__}: {exc}"
+        return True, ""
+
+    return health
+
+
+def metrics_app(registry: CollectorRegistry, health: Health = always_healthy):
+    """WSGI app: ``/metrics`` in Prometheus' text format; ``/health``: 200 ``{"status": "ok"}``
+    while ``health()`` says healthy, else 503 ``{"status": "unhealthy", "reason": …}`` (the
+    processor's shape); anything else 404."""
     exposition = make_wsgi_app(registry)
 
-    def app(environ, start_response):
+    def app(environ, start_response) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/health":
+            healthy, reason = health()
+            if not healthy:
+                start_response("503 Service Unavailable", [("Content-Type", "application/json")])
+                return [orjson.dumps({"status": "unhealthy", "reason": reason})]
             start_response("200 OK", [("Content-Type", "application/json")])
             return [b'{"status": "ok"}']
         if path != "/metrics":
@@ -189,10 +227,12 @@ def metrics_app(registry: CollectorRegistry):
     return app
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> WSGIServer:
-    """Serve :func:`metrics_app` on ``host:port`` from a daemon thread; returns the server (its
-    ``server_address`` holds the bound port; ``shutdown()`` stops it). Raises ``OSError`` when the
-    port is taken."""
-    server = make_server(host, port, metrics_app(registry), server_class=_Server, handler_class=_QuietHandler)
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
+                  health: Health = always_healthy) -> WSGIServer:
+    """Serve :func:`metrics_app` (``/health`` from ``health``) on ``host:port`` from a daemon
+    thread; returns the server (its ``server_address`` holds the bound port; ``shutdown()`` stops
+    it). Raises ``OSError`` when the port is taken."""
+    server = make_server(host, port, metrics_app(registry, health), server_class=_Server,
+                         handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
     return server

@@ -99,6 +99,10 @@ files older than ``temp_file_max_age_seconds``); ``validation_stale_seconds``: a
     """Port of ``/metrics`` and ``/health`` served by ``backfill worker`` (0: none; the Kubernetes
     manifests use 9090). ``BACKFILL_WORKER_METRICS_PORT`` wins over the shared
     ``BACKFILL_METRICS_PORT`` so ``backfill up`` can give the worker and the processor their own."""
+    health_broker_timeout_seconds: float = Field(default=2.0, gt=0)
+    """Bound of the broker ``PING`` behind the worker's ``/health``: past it (Redis stopped or
+    frozen) ``/health`` answers 503. Well under a Kubernetes probe's default 1 s period × failure
+    threshold, and far above a healthy Redis's sub-millisecond answer."""
     metrics_host: str = Field(default="0.0.0.0", validation_alias=AliasChoices(
         "BACKFILL_WORKER_METRICS_HOST", "BACKFILL_METRICS_HOST"))
     """Address the metrics port binds (all interfaces, so Prometheus can scrape the pod)."""

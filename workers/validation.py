@@ -10,7 +10,10 @@ checks every line the way OpenAI's Batch API does before a batch leaves ``valida
 - ``method`` is ``"POST"``; ``url`` equals the batch endpoint (``invalid_request`` / ``url_mismatch``;
   an absolute URL is a mismatch and is never fetched);
 - ``body`` is an object with a string ``model``; one model per file (``model_mismatch``);
-  no ``"stream": true`` (``invalid_request``, param ``body.stream``);
+  no ``"stream": true`` (``invalid_request``, param ``body.stream``); no ``priority``, vLLM's
+  scheduling priority, which only the router sets (``invalid_request``, param ``body.priority``,
+  OpenAI's message for an argument it does not know: "Unrecognized request argument supplied:
+  priority");
 - ``body.n``, when given, is an integer from 1 to :data:`MAX_N` (128, OpenAI's cap); each output
   token limit given (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) is an integer
   of at least 1; and ``n`` × that limit is at most ``max_output_tokens`` (default
@@ -519,6 +522,10 @@ class _Checker:
                 line_no,
                 "body.stream",
             )
+            return
+        if "priority" in body:  # vLLM's scheduling priority: the router's alone (router.parsing)
+            self.error("invalid_request", "Unrecognized request argument supplied: priority", line_no,
+                       "body.priority")
             return
         if limit := self._output_problem(body):
             self.error("invalid_request", limit[1], line_no, limit[0])

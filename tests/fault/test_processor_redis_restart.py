@@ -209,3 +209,64 @@ def test_batch_completes_with_each_custom_id_once_after_redis_restarts_empty(red
     assert done.status == "completed"
     assert sorted(row["custom_id"] for row in output + errors) == ids  # every custom_id exactly once
     assert errors == [] and done.request_counts.completed == len(ids)
+
+
+def test_answers_finished_while_redis_is_down_are_held_and_published_once_it_is_back(redis_server, caplog):
+    """Issue 26 item 15: answers that come back while Redis is down are kept and published when it
+    is back (restarted empty), not handed back to run on the engines again (each request reaches the
+    router once) nor lost."""
+    import logging
+
+    ns = f"t{secrets.token_hex(4)}"
+    streams = dict(stream_prefix=f"{ns}:requests", result_stream=f"{ns}:results", consumer_group=f"{ns}-group")
+    settings = build_settings(backend="redis", redis_url=redis_server.url, lanes=["batch"], lease_s=1.0,
+                              router_url="http://target", poll_interval_s=0.01, **streams)
+    hits: collections.Counter[str] = collections.Counter()
+    killed = asyncio.Event()
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        job = req.headers["x-request-id-hint"]
+        hits[job] += 1
+        await killed.wait()  # answered while Redis is down
+        return httpx.Response(200, json={"ok": True})
+
+    def results() -> collections.Counter[str]:
+        reader = redis.Redis.from_url(redis_server.url)
+        try:
+            entries: Any = reader.xrange(f"{ns}:results")
+            return collections.Counter(decode_result(f[b"result"]).id for _, f in entries)
+        finally:
+            reader.close()
+
+    async def main() -> None:
+        backend = RedisStreamsBackend(aioredis.Redis.from_url(redis_server.url), lanes=["batch"],
+                                      group=streams["consumer_group"], stream_prefix=streams["stream_prefix"],
+                                      result_stream=streams["result_stream"])
+        await backend.start()
+        processor = Processor(settings, backend, mock_target(handler))
+        stop = asyncio.Event()
+        task = asyncio.create_task(processor.run(stop))
+        messages = [request(id=f"held-{i}", headers={"x-request-id-hint": f"held-{i}"}) for i in range(3)]
+        try:
+            producer = redis.Redis.from_url(redis_server.url)
+            for m in messages:
+                producer.xadd(f"{ns}:requests:default:batch", {"message": encode_request(m)})
+            producer.close()
+            await eventually(lambda: _true(all(hits[m.id] for m in messages)), 15)
+
+            redis_server.kill()
+            killed.set()  # the answers come back now, with Redis down: their publish fails
+            await eventually(lambda: _true(any(getattr(r, "action", "") == "publish_failed"
+                                               for r in caplog.records)), 15)
+            redis_server.start()  # empty: the request entries are gone
+            expected = {m.id for m in messages}
+            await eventually(lambda: _true(set(results()) == expected), 15)
+            assert results() == collections.Counter(dict.fromkeys(expected, 1))  # once each
+            assert hits == collections.Counter(dict.fromkeys(expected, 1))  # never run again
+        finally:
+            stop.set()
+            await task
+            await backend.close()
+
+    with caplog.at_level(logging.WARNING, logger="async_processor.processor"):
+        asyncio.run(main())

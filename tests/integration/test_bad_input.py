@@ -191,6 +191,19 @@ def line(custom_id="r1", *, model="m", url=ENDPOINT, method="POST", **body) -> b
     return json.dumps(obj).encode()
 
 
+def test_a_line_carrying_priority_fails_validation_in_openai_s_words(gateway):
+    """vLLM's ``priority`` is the router's alone (issue 26 item 14): a batch line's own is refused,
+    as OpenAI refuses an argument it does not know, naming the line."""
+    client = gateway.client()
+    content = line("r1") + b"\n" + line("r2", priority=-1000) + b"\n"
+    uploaded = client.files.create(file=("in.jsonl", content), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h")
+    failed = gateway.wait_status(batch.id, ("failed", "in_progress"))
+    assert failed.status == "failed"
+    assert [(e.code, e.line, e.param, e.message) for e in failed.errors.data] == [
+        ("invalid_request", 2, "body.priority", "Unrecognized request argument supplied: priority")]
+
+
 def request_rows(gateway, batch_id: str) -> int:
     with gateway.session() as session:
         return session.execute(text("SELECT count(*) FROM batch_requests WHERE batch_id = :b"),
@@ -431,6 +444,7 @@ def test_jsonl_content_classes_reach_the_right_batch_state(gateway):
                          "invalid_request", 1, "body"),
         "two models": (l1 + b"\n" + line("r2", model="other") + b"\n", "model_mismatch", 2, "body.model"),
         "stream true": (line("r1", stream=True) + b"\n", "invalid_request", 1, "body.stream"),
+        "priority": (l1 + b"\n" + line("r2", priority=-1000) + b"\n", "invalid_request", 2, "body.priority"),
         "empty file": (b"", "empty_file", None, None),
         "only blank lines": (b"\n\r\n   \n", "empty_file", None, None),
         "too many tasks": (b"".join(line(f"r{i}") + b"\n" for i in range(MAX_REQUESTS + 1)),

@@ -177,13 +177,14 @@ def test_keys_list_uses_the_stacks_database_and_prints_a_table(cli):
     listed = cli("keys", "list", "--tenant", "acme")
     assert listed.exit_code == 0, listed.output
     header, row = listed.stdout.splitlines()[:2]
-    assert header.split() == ["TENANT", "KEY", "STATE", "CREATED", "REVOKED"]
-    assert row.split()[0] == "acme" and row.split()[2] == "active" and row.rstrip().endswith("-")
-    assert row.split()[5] == "UTC"  # CREATED as YYYY-MM-DD HH:MM:SS UTC
+    assert header.split() == ["ID", "TENANT", "KEY", "STATE", "CREATED", "REVOKED"]
+    assert row.split()[0].startswith("key_") and row.split()[1] == "acme" and row.split()[3] == "active"
+    assert row.rstrip().endswith("-") and row.split()[6] == "UTC"  # CREATED as YYYY-MM-DD HH:MM:SS UTC
     as_json = cli("keys", "list", "--tenant", "acme", "--json")
     assert as_json.exit_code == 0, as_json.output
     [key] = json.loads(as_json.stdout)[-1:]
-    assert key["tenant_name"] == "acme" and key["state"] == "active" and key["revoked_at"] is None
+    assert key["id"] == row.split()[0] and key["tenant_name"] == "acme" and key["state"] == "active"
+    assert key["revoked_at"] is None
     assert isinstance(key["created_at"], int) and len(key["key_prefix"]) == 12
 
 

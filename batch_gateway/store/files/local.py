@@ -6,6 +6,9 @@ unlinks, even when closing the file raises, e.g. ``ENOSPC`` flushing its buffer,
 any number of times); what a killed process left there is removed by :meth:`LocalFileStore.sweep_temp`
 once untouched for ``temp_max_age_s`` (default one hour), when the store is opened and, in the
 workers, every purge interval.
+
+Tenants' bytes are private to the service user: folders ``0700``, files ``0600``, whatever the
+process umask (:mod:`common.private`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from batch_gateway.store.files.port import CHUNK_BYTES
+from common.private import open_private, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,7 @@ class _LocalUpload:
     def __init__(self, final: Path, tmp: Path):
         self.final = final
         self.tmp = tmp
-        self.handle = open(tmp, "wb")
+        self.handle = os.fdopen(open_private(tmp, os.O_WRONLY | os.O_EXCL), "wb")
 
     def write(self, chunk: bytes) -> None:
         """See :meth:`Upload.write`."""
@@ -44,7 +48,7 @@ class _LocalUpload:
             self.handle.flush()
             os.fsync(self.handle.fileno())
             self.handle.close()
-            self.final.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.final.parent)
             os.replace(self.tmp, self.final)
         except BaseException:
             self.abort()
@@ -72,7 +76,8 @@ class LocalFileStore:
     def __init__(self, root: Path, *, temp_max_age_s: float = DEFAULT_TEMP_MAX_AGE_S):
         self.root = Path(root)
         self.tmp = self.root / "tmp"
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
+        private_dir(self.tmp)
         self.temp_max_age_s = temp_max_age_s
         self.sweep_temp()
 

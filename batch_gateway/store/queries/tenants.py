@@ -65,23 +65,38 @@ def add_api_key(session: Session, tenant_name: str, key: str | None = None) -> s
     return key
 
 
+KEY_ID_PREFIX = "key_"
+
+
+def key_id(row_id: int) -> str:
+    """The id ``backfill keys list`` shows for the ``api_keys`` row ``row_id`` (``key_17``), which
+    :func:`revoke_api_key` accepts in place of the key itself."""
+    return f"{KEY_ID_PREFIX}{row_id}"
+
+
 def list_api_keys(session: Session, tenant_name: str | None = None) -> list:
-    """Rows ``(tenant name, key prefix, created_at, revoked_at)``, oldest first."""
-    stmt = (select(Tenant.name, ApiKey.prefix, ApiKey.created_at, ApiKey.revoked_at)
+    """Rows ``(key id, tenant name, key prefix, created_at, revoked_at)``, oldest first; the key id
+    is :func:`key_id`'s."""
+    stmt = (select(ApiKey.id, Tenant.name, ApiKey.prefix, ApiKey.created_at, ApiKey.revoked_at)
             .join(Tenant, Tenant.id == ApiKey.tenant_id).order_by(ApiKey.id))
     if tenant_name is not None:
         stmt = stmt.where(Tenant.name == tenant_name)
-    return list(session.execute(stmt).all())
+    return [(key_id(row_id), *rest) for row_id, *rest in session.execute(stmt).all()]
 
 
 def revoke_api_key(session: Session, key: str) -> bool:
-    """Revoke ``key``; returns whether an active key was revoked."""
-    result = session.execute(
-        update(ApiKey)
-        .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
-        .values(revoked_at=EPOCH_NOW)
-    )
-    return rowcount(result) > 0
+    """Revoke ``key``: the key itself, or else its id as :func:`list_api_keys` shows it
+    (``key_17``); returns whether an active key was revoked. A whole key wins over an id."""
+    matches = [ApiKey.key_hash == hash_key(key)]
+    row_id = key.removeprefix(KEY_ID_PREFIX)
+    if key.startswith(KEY_ID_PREFIX) and row_id.isdigit():
+        matches.append(ApiKey.id == int(row_id))
+    for match in matches:
+        result = session.execute(update(ApiKey).where(match, ApiKey.revoked_at.is_(None))
+                                 .values(revoked_at=EPOCH_NOW))
+        if rowcount(result) > 0:
+            return True
+    return False
 
 
 def lock_tenant(session: Session, tenant_id: str) -> Tenant:
