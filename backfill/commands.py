@@ -234,7 +234,7 @@ def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
 @click.argument("key")
 @DATA_DIR_OPTION
 def keys_revoke(key: str, data_dir: Path) -> None:
-    """Revoke KEY: the key itself, or its id as ``keys list`` shows it (``key_17``)."""
+    """Revoke KEY: the key itself, or its id as keys list shows it (key_17)."""
     from batch_gateway.store import queries
 
     with _session(data_dir) as session:

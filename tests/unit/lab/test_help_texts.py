@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from backfill.cli import main
 
-MARKUP = re.compile(r"``|:(func|mod|class|meth|data|attr):|\bissue \d")
+MARKUP = re.compile(r"``|:(?:func|mod|class|meth|data|attr):|\bissue \d")
 
 
 def _command_paths(group: click.Group, prefix: list[str]) -> list[list[str]]:
