@@ -188,8 +188,9 @@ class Gateway:
         return make_sessionmaker(make_engine(self.settings.database_url, pool_size=1))()
 
     def wait_status(self, batch_id: str, statuses: tuple[str, ...], tenant: str = "default",
-                    timeout: float = 30.0):
-        """Poll until the batch is in one of ``statuses``; returns it (raises on time-out)."""
+                    timeout: float = 60.0):
+        """Poll until the batch is in one of ``statuses``; returns it (raises ``AssertionError``
+        after ``timeout`` s: generous, as a passing test waits only as long as the batch takes)."""
         client = self.client(tenant)
         deadline = time.monotonic() + timeout
         while True:
