@@ -29,6 +29,40 @@ from backfill.up import free_port
 
 SHARED_BATCHES = Path(__file__).resolve().parents[2] / "shared" / "data" / "batches"
 
+#: A busy loop that ends when its parent (pytest) is gone, so a killed run leaves no hog behind:
+#: it checks its parent's pid once per million iterations (a few hundredths of a second).
+CPU_HOG = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:
+    for _ in range(1_000_000):
+        pass
+"""
+_HOGS = pytest.StashKey[list[subprocess.Popen]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--cpu-hogs N``: N busy-loop processes beside the whole run, to prove the verdicts do not
+    depend on how busy the machine is (issue 23)."""
+    parser.addoption("--cpu-hogs", type=int, default=0, metavar="N",
+                     help="start N busy-loop processes (one core each) for the session and stop them at its end")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Start ``--cpu-hogs`` processes once, in the controlling process (not in each xdist worker)."""
+    count = config.getoption("cpu_hogs")
+    if count and not hasattr(config, "workerinput"):
+        config.stash[_HOGS] = [subprocess.Popen([sys.executable, "-c", CPU_HOG]) for _ in range(count)]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the ``--cpu-hogs`` processes."""
+    hogs = config.stash.get(_HOGS, [])
+    for hog in hogs:
+        hog.kill()
+    for hog in hogs:
+        hog.wait()
+
 
 def xdist_worker_index() -> int | None:
     """This pytest-xdist worker's number (``gw3`` → 3), or None outside xdist."""
@@ -154,8 +188,9 @@ class Gateway:
         return make_sessionmaker(make_engine(self.settings.database_url, pool_size=1))()
 
     def wait_status(self, batch_id: str, statuses: tuple[str, ...], tenant: str = "default",
-                    timeout: float = 30.0):
-        """Poll until the batch is in one of ``statuses``; returns it (raises on time-out)."""
+                    timeout: float = 60.0):
+        """Poll until the batch is in one of ``statuses``; returns it (raises ``AssertionError``
+        after ``timeout`` s: generous, as a passing test waits only as long as the batch takes)."""
         client = self.client(tenant)
         deadline = time.monotonic() + timeout
         while True:

@@ -31,8 +31,9 @@ from batch_gateway.store.outbox import TaskPublisher
 from tests.conftest import SHARED_BATCHES, serve
 
 #: What "answers within a few seconds" means here: the broker timeout (1 s below) plus slack for a
-#: 2-core machine shared with other runs.
-FAST_S = 5.0
+#: 2-core machine shared with other runs and CPU hogs; still under the clients' 15-s timeout, past
+#: which the old behaviour (blocked until SIGCONT) would have failed anyway.
+FAST_S = 10.0
 
 
 @pytest.fixture
@@ -128,7 +129,7 @@ def test_create_and_cancel_answer_fast_on_a_frozen_broker(gateway, broker):
     # the gateway's own hand-off works again without a restart
     later = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
-    assert gateway.wait_status(later.id, ("in_progress",), timeout=20).status == "in_progress"
+    assert gateway.wait_status(later.id, ("in_progress",)).status == "in_progress"
     publisher.close()
 
 
@@ -139,7 +140,7 @@ def test_create_on_a_healthy_broker_is_handed_over_without_the_relay(gateway):
                                    purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
-    assert gateway.wait_status(batch.id, ("in_progress",), timeout=20).status == "in_progress"
+    assert gateway.wait_status(batch.id, ("in_progress",)).status == "in_progress"
 
 
 def _allow_connections(database_url: str, allowed: bool) -> None:

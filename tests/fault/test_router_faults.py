@@ -166,9 +166,9 @@ bands:
 
 
 async def _send(client: httpx.AsyncClient, url: str, tenant: str, objective: str, tag: str,
-                done: list[tuple[str, str, int, str | None]]) -> None:
+                done: list[tuple[str, str, int, str | None]], max_tokens: int = 16) -> None:
     # no shared prefix: the requests spread over both engines
-    r = await client.post(f"{url}/v1/chat/completions", json=_body(tag, 16, system=f"{tag} "),
+    r = await client.post(f"{url}/v1/chat/completions", json=_body(tag, max_tokens, system=f"{tag} "),
                           headers={"x-llm-d-inference-fairness-id": tenant, "x-llm-d-inference-objective": objective,
                                    TOKEN_HEADER: ROUTER_STACK_TOKEN})
     done.append((tenant, objective, r.status_code, r.headers.get("x-llm-d-request-dropped-reason")))
@@ -179,7 +179,8 @@ async def _send(client: httpx.AsyncClient, url: str, tenant: str, objective: str
 def test_f11_flood_in_the_batch_band(tmp_path: Path) -> None:
     flow = tmp_path / "flow.yaml"
     flow.write_text(F11_FLOW)
-    # two slow engines, two sequences each: ~0.25 s per request, so the pool saturates at once
+    # two slow engines, two sequences each: ~0.25 s per request, so the pool saturates at once; the
+    # flood's ~0.8 s each (64 tokens), so its backlog outlasts the test's own steps on a busy machine
     slow = {"time_scale": 1.0, "max_num_seqs": 2}
     with RouterStack(tmp_path, engines=2, engine_options=[slow, slow],
                      router_options={"flow_control": str(flow)}) as s:
@@ -188,7 +189,7 @@ def test_f11_flood_in_the_batch_band(tmp_path: Path) -> None:
         async def scenario() -> None:
             limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
             async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-                flood = [asyncio.create_task(_send(client, s.url, "tenant-a", "batch", f"a{i}", done))
+                flood = [asyncio.create_task(_send(client, s.url, "tenant-a", "batch", f"a{i}", done, 64))
                          for i in range(80)]
                 deadline = time.monotonic() + 20
                 while True:  # the admin JSON read off the loop, so the flood keeps going

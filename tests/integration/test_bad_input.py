@@ -26,6 +26,8 @@ from sqlalchemy import text
 BATCH_CAP = 64 * 1024
 MAX_REQUESTS = 5
 IDLE_TIMEOUT = 1.0
+#: Slack past the idle timeout for the 408 on a loaded machine (the test's socket gives up at 10 s).
+LATE_S = 8.0
 ENDPOINT = "/v1/chat/completions"
 BOUNDARY = "bf-test-boundary"
 
@@ -172,7 +174,7 @@ def file_rows(gateway) -> int:
         return session.execute(text("SELECT count(*) FROM files")).scalar_one()
 
 
-def assert_nothing_stored(gateway, *, keep: set[str] = frozenset(), rows: int = 0, wait: float = 2.0):
+def assert_nothing_stored(gateway, *, keep: set[str] = frozenset(), rows: int = 0, wait: float = 15.0):
     """No file row beyond ``rows`` and nothing on disk beyond ``keep`` (waiting up to ``wait`` s for
     a request still being torn down)."""
     deadline = time.monotonic() + wait
@@ -269,7 +271,7 @@ def test_lying_content_length(gateway):
     # Declares more than it sends, then stalls: 408 after the idle timeout.
     status, _, payload, elapsed = raw_exchange(gateway, [upload_head(gateway, len(body) + 500), body])
     assert_envelope(json.loads(payload), 408, status)
-    assert IDLE_TIMEOUT * 0.8 <= elapsed < IDLE_TIMEOUT + 3
+    assert IDLE_TIMEOUT * 0.8 <= elapsed < IDLE_TIMEOUT + LATE_S
     assert_nothing_stored(gateway)
 
     # No Content-Length at all (chunked): accepted, counted while streaming.
@@ -469,7 +471,7 @@ def test_jsonl_content_classes_reach_the_right_batch_state(gateway):
 
     problems = []
     for name, (_, code, line_no, param) in failing.items():
-        batch = gateway.wait_status(batches[name], ("failed", "in_progress"), timeout=20)
+        batch = gateway.wait_status(batches[name], ("failed", "in_progress"))
         if batch.status != "failed" or not batch.errors or not batch.errors.data:
             problems.append(f"{name}: {batch.status} {batch.errors}")
             continue
@@ -481,7 +483,7 @@ def test_jsonl_content_classes_reach_the_right_batch_state(gateway):
         if request_rows(gateway, batch.id):
             problems.append(f"{name}: a failed batch wrote batch_requests rows")
     for name, (_, count) in passing.items():
-        batch = gateway.wait_status(batches[name], ("failed", "in_progress"), timeout=20)
+        batch = gateway.wait_status(batches[name], ("failed", "in_progress"))
         if batch.status != "in_progress" or batch.errors is not None:
             problems.append(f"{name}: {batch.status} {batch.errors}")
             continue
@@ -510,7 +512,7 @@ def test_nul_characters_in_jsonl_fail_the_batch_instead_of_wedging_it(gateway):
         f = client.files.create(file=(f"{name}.jsonl", content), purpose="batch")
         ids[name] = client.batches.create(input_file_id=f.id, endpoint=ENDPOINT, completion_window="24h").id
     for name, (_, code, line_no, param) in cases.items():
-        batch = gateway.wait_status(ids[name], ("failed", "in_progress"), timeout=15)
+        batch = gateway.wait_status(ids[name], ("failed", "in_progress"))
         assert batch.status == "failed", (name, batch.status)
         error = batch.errors.data[0]
         assert (error.code, error.line, error.param) == (code, line_no, param), (name, error)
@@ -644,7 +646,7 @@ def test_stalled_upload_is_408_and_leaves_nothing(gateway):
     # Headers and part of the body, then silence.
     status, _, payload, elapsed = raw_exchange(gateway, [upload_head(gateway, len(body)), body[:20_000]])
     assert_envelope(json.loads(payload), 408, status)
-    assert elapsed < IDLE_TIMEOUT + 3
+    assert elapsed < IDLE_TIMEOUT + LATE_S
     assert_nothing_stored(gateway)
     # Headers only, no body byte at all.
     status, _, payload, _ = raw_exchange(gateway, [upload_head(gateway, len(body))])
@@ -765,10 +767,10 @@ def test_cancel_of_ended_batches_and_cancel_twice(gateway):  # every ended statu
     client, http = gateway.client(), gateway.http()
     bad = client.files.create(file=("bad.jsonl", b"not json\n"), purpose="batch")
     failed = client.batches.create(input_file_id=bad.id, endpoint=ENDPOINT, completion_window="24h")
-    failed = gateway.wait_status(failed.id, ("failed",), timeout=15)
+    failed = gateway.wait_status(failed.id, ("failed",))
     good = client.files.create(file=("good.jsonl", line() + b"\n"), purpose="batch")
     done = client.batches.create(input_file_id=good.id, endpoint=ENDPOINT, completion_window="24h")
-    gateway.wait_status(done.id, ("in_progress",), timeout=15)
+    gateway.wait_status(done.id, ("in_progress",))
     with gateway.session() as session:  # no processor yet: finish it by hand
         session.execute(text("UPDATE batches SET status = 'completed', finalizing_at = created_at, "
                              "completed_at = created_at WHERE id = :b"), {"b": done.id})

@@ -34,6 +34,7 @@ import pytest
 from sqlalchemy import text
 
 from backfill.up import free_port
+from tests.waiting import wait_for
 
 ENDPOINT = "/v1/chat/completions"
 GENERATED_ID = re.compile(r"req_[0-9a-f]{32}")
@@ -50,12 +51,15 @@ def _envelope(body: dict) -> dict:
     return body["error"]
 
 
-def _logged(caplog, method: str, path: str, *, settle: float = 0.3) -> list[logging.LogRecord]:
-    """The gateway's ``http_request`` log records of ``method path`` (after the server had
-    ``settle`` seconds to write the line it writes once the answer is sent)."""
-    time.sleep(settle)
-    return [r for r in caplog.records if getattr(r, "action", None) == "http_request"
-            and r.method == method and r.path == path]
+def _logged(caplog, method: str, path: str, request_id: str | None = None) -> list[logging.LogRecord]:
+    """The gateway's ``http_request`` log records of ``method path`` (of ``request_id`` only, when
+    given), once there is one: the server writes the line after the answer is sent, so the client
+    may read the answer first."""
+    def records() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if getattr(r, "action", None) == "http_request"
+                and r.method == method and r.path == path and request_id in (None, r.request_id)]
+
+    return wait_for(records, f"the gateway's log line of {method} {path}")
 
 
 def _sdk(gateway, **kwargs) -> openai.OpenAI:
@@ -94,14 +98,15 @@ def test_every_answer_carries_a_request_id_and_processing_time(gateway, caplog, 
 
     from batch_gateway.store import queries
     monkeypatch.setattr(queries, "list_files", boom)
-    answers[500] = http.get("/v1/files")
+    with gateway.http() as own:  # a connection of its own: the server closes it after an unhandled error
+        answers[500] = own.get("/v1/files")
     for status, response in answers.items():
         assert response.status_code == status, response.text
         _envelope(response.json())
         assert GENERATED_ID.fullmatch(response.headers["x-request-id"]), (status, response.headers)
         assert response.headers["openai-processing-ms"].isdigit()
     failed = answers[500].headers["x-request-id"]
-    assert [r.status for r in _logged(caplog, "GET", "/v1/files") if r.request_id == failed] == [500]
+    assert [r.status for r in _logged(caplog, "GET", "/v1/files", failed)] == [500]
     unhandled = [r for r in caplog.records if getattr(r, "action", None) == "unhandled_error"]
     assert [r.request_id for r in unhandled] == [failed]
     monkeypatch.undo()
@@ -201,6 +206,13 @@ def _stalled_upload(base_url: str, api_key: str) -> socket.socket:
     return sock
 
 
+def _wait_uploads_running(files_dir: Path, n: int) -> None:
+    """Wait until ``n`` uploads are running their handler: past the credential check, each has its
+    temporary file in the store's ``tmp/`` (opened before the first body byte is read)."""
+    tmp = files_dir / "tmp"
+    wait_for(lambda: tmp.is_dir() and len(list(tmp.iterdir())) >= n, f"{n} uploads in progress")
+
+
 def _answered(sock: socket.socket) -> bool:
     """Whether the server has answered (or closed) ``sock``, without waiting."""
     sock.setblocking(False)
@@ -244,7 +256,7 @@ def test_64_concurrent_uploads_all_succeed(gateway):
 def test_no_database_connection_is_held_while_uploads_stream(gateway):
     stalled = [_stalled_upload(gateway.base_url, gateway.api_key) for _ in range(25)]  # > the pool's 10 + 10
     try:
-        time.sleep(1.0)  # each has passed its credential check and waits for body bytes
+        _wait_uploads_running(gateway.settings.files_dir, 25)  # each passed its credential check, waits for bytes
         listed = gateway.client(timeout=20).files.list()
         assert listed.data == []
     finally:
@@ -456,20 +468,21 @@ def test_slow_sockets_do_not_starve_normal_requests(served):
             for _ in range(10):
                 assert client.files.list().data == []
                 time.sleep(0.2)
-            assert slow.still_open(wait=10) == []  # trickling a byte a second does not extend the deadline
+            assert slow.still_open(wait=30) == []  # trickling a byte a second does not extend the deadline
             assert client.files.list().data == []
         finally:
             slow.close()
 
 
-def test_the_connection_cap_closes_idle_connections_first(served):
+def test_the_connection_cap_closes_idle_connections_first(served, tmp_path):
+    files_dir = tmp_path / "data" / "files"
     with served(max_connections="50", header_timeout_seconds="60") as address:
         older = SlowClients(address, 30)
         busy = _stalled_upload(f"http://{address[0]}:{address[1]}", KEY)  # a request in progress
-        time.sleep(0.5)
+        _wait_uploads_running(files_dir, 1)
         newer = SlowClients(address, 60)
         try:
-            assert older.still_open(wait=3) == []  # the idle ones that waited longest went first
+            assert older.still_open(wait=15) == []  # the idle ones that waited longest went first
             assert len(newer.still_open(wait=0.5)) >= 40  # the newest idle ones stay, within the cap
             _finish_upload(busy)  # the rest of the body...
             status, body = _read_answer_until_complete(busy)
@@ -493,12 +506,13 @@ def _read_answer_until_complete(sock: socket.socket) -> tuple[int, bytes]:
     return int(head.split()[1]), body
 
 
-def test_a_connection_past_the_cap_with_none_idle_gets_503(served):
+def test_a_connection_past_the_cap_with_none_idle_gets_503(served, tmp_path):
+    files_dir = tmp_path / "data" / "files"
     with served(max_connections="3") as (host, port):
         base_url = f"http://{host}:{port}"
         busy = [_stalled_upload(base_url, KEY) for _ in range(3)]
         try:
-            time.sleep(0.5)  # all three are running their request: none is idle
+            _wait_uploads_running(files_dir, 3)  # all three are running their request: none is idle
             status, headers, body = _raw((host, port), b"")  # answered as it connects, closed at once
             assert _check_protocol_answer(status, headers, body, 503)["code"] == "service_unavailable"
             assert int(headers["retry-after"]) > 0

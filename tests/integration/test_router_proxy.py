@@ -82,12 +82,13 @@ def test_new_prefixes_spread_over_the_pool(client: openai.OpenAI, stack: RouterS
     assert per_engine == [2, 2, 2], per_engine  # no-hit LRU: each cold prefix to the least recently used
 
 
-def _hog(url: str, n: int) -> list[threading.Thread]:
-    """``n`` long requests straight to one engine (not through the router), in threads."""
+def _hog(url: str, n: int, max_tokens: int = 400) -> list[threading.Thread]:
+    """``n`` long requests (400 tokens: ~5 s at the simulator's ~12 ms a token) straight to one
+    engine (not through the router), in threads."""
     def hog() -> None:
         with contextlib.suppress(httpx.HTTPError):  # the engine is stopped under it at the end
-            httpx.post(f"{url}/v1/completions", timeout=60,
-                       json={"model": "sim-model", "prompt": "x", "max_tokens": 400})
+            httpx.post(f"{url}/v1/completions", timeout=120,
+                       json={"model": "sim-model", "prompt": "x", "max_tokens": max_tokens})
 
     threads = [threading.Thread(target=hog, daemon=True) for _ in range(n)]
     for t in threads:

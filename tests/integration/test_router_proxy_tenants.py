@@ -14,9 +14,13 @@ from pathlib import Path
 import httpx
 
 from tests.router_stack import RouterStack
+from tests.waiting import wait_for
 
 #: ~5 s per request at the simulator's ~12 ms a token: a flood stays in flight while the test looks.
 SLOW_TOKENS = 400
+#: ~48 s per request: a flood that outlasts anything the test waits for however busy the machine
+#: (the twin keeps wall time, the test's own steps slow down), cancelled once the test has looked.
+ENDLESS_TOKENS = 4000
 FAIRNESS = "x-llm-d-inference-fairness-id"
 
 
@@ -27,6 +31,12 @@ async def _post_all(url: str, headers: list[dict[str, str]], max_tokens: int) ->
             f"{url}/v1/completions", headers=h,
             json={"model": "sim-model", "prompt": f"flood {i}", "max_tokens": max_tokens})
             for i, h in enumerate(headers)))
+
+
+async def _post(client: httpx.AsyncClient, url: str, headers: dict[str, str], max_tokens: int,
+                i: int) -> httpx.Response:
+    return await client.post(f"{url}/v1/completions", headers=headers,
+                             json={"model": "sim-model", "prompt": f"flood {i}", "max_tokens": max_tokens})
 
 
 def _band(s: RouterStack, objective: str) -> dict:
@@ -70,20 +80,34 @@ def test_random_fairness_ids_without_the_token_are_one_tenant_and_get_429s(tmp_p
 def test_one_tenants_flood_is_refused_while_another_tenant_is_served(tmp_path: Path) -> None:
     with RouterStack(tmp_path, engines=2, engine_options=[{"time_scale": 1.0}] * 2) as s:
         async def scenario() -> tuple[list[httpx.Response], list[httpx.Response], dict]:
-            flood = asyncio.create_task(_post_all(s.url, [s.trusted({FAIRNESS: "tenant-a"})] * 100, SLOW_TOKENS))
-            deadline = time.monotonic() + 20
-            while (await asyncio.to_thread(_band, s, "interactive"))["queued_requests"] < 16:
-                assert time.monotonic() < deadline, "tenant-a never reached its quota"
-                await asyncio.sleep(0.05)
-            other = await _post_all(s.url, [s.trusted({FAIRNESS: "tenant-b"})] * 8, 4)
-            during = await asyncio.to_thread(_band, s, "interactive")
-            return await flood, other, during
+            limits = httpx.Limits(max_connections=120, max_keepalive_connections=120)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+                a, b = s.trusted({FAIRNESS: "tenant-a"}), s.trusted({FAIRNESS: "tenant-b"})
+                flood = [asyncio.create_task(_post(client, s.url, a, ENDLESS_TOKENS, i)) for i in range(100)]
+                await asyncio.to_thread(wait_for, lambda: _band(s, "interactive")["queued_requests"] >= 16,
+                                        "tenant-a reaching its quota")
+                other = await asyncio.gather(*(_post(client, s.url, b, 4, i) for i in range(8)))
+                during = await asyncio.to_thread(_band, s, "interactive")
+
+                def refusals_answered() -> bool:  # each flood request admitted or refused, each refusal back
+                    band = _band(s, "interactive")
+                    refused = band["shed_total"].get("rejected-quota", 0)
+                    return (band["in_flight"] + band["queued_requests"] + refused == 100
+                            and sum(t.done() for t in flood) == refused)
+
+                await asyncio.to_thread(wait_for, refusals_answered, "the flood's refusals")
+                answered = [t.result() for t in flood if t.done()]
+                for t in flood:  # the admitted ones would run ~48 s: the client goes away instead
+                    t.cancel()
+                await asyncio.gather(*flood, return_exceptions=True)
+                return answered, other, during
 
         flood, other, during = asyncio.run(scenario())
     # tenant-b: all answered, while tenant-a still had its quota's worth waiting behind its own work
     assert [a.status_code for a in other] == [200] * 8
     assert during["queued_requests"] >= 1 and during["in_flight"] >= 16
     refused = [a for a in flood if a.status_code == 429]
+    assert refused == flood  # the flood's only answers before it was cancelled: refusals
     assert len(refused) >= 100 - 2 * 32
     assert {a.headers["x-llm-d-request-dropped-reason"] for a in refused} == {"rejected-quota"}
     assert all(a.headers["retry-after"] == "30" and a.json()["error"]["code"] == "rejected-quota" for a in refused)

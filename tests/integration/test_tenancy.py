@@ -58,8 +58,8 @@ def two_tenants(gateway):
                                metadata={"owner": "b"}, extra_headers={"Idempotency-Key": "shared-key"})
     a_file = a.files.create(file=("a.jsonl", _line("a1")), purpose="batch")
     a_batch = a.batches.create(input_file_id=a_file.id, endpoint=ENDPOINT, completion_window="24h")
-    gateway.wait_status(b_batch.id, ("in_progress",), tenant="tenant-b", timeout=15)
-    gateway.wait_status(a_batch.id, ("in_progress",), tenant="tenant-a", timeout=15)
+    gateway.wait_status(b_batch.id, ("in_progress",), tenant="tenant-b")
+    gateway.wait_status(a_batch.id, ("in_progress",), tenant="tenant-a")
     return a, b, a_file, a_batch, b_file, b_batch
 
 

@@ -304,12 +304,12 @@ def test_one_error_per_line_and_requests_dropped_on_error() -> None:
     ],
 )
 def test_hostile_line_is_invalid_json_line(line: bytes) -> None:
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: what other processes do does not count
     data = jsonl(req("a"), line, req("b"))
     for chunk in (None, 977):
         error = only_error(run(data, chunk))
         assert error == LineError("invalid_json_line", INVALID_JSON, 2, None)
-    assert time.perf_counter() - start < 2
+    assert time.process_time() - start < 2
 
 
 def test_deep_but_parseable_body_is_fine_on_any_endpoint() -> None:
