@@ -483,6 +483,14 @@ class Simulation:
         if from_stream:
             self._pending_arrivals -= 1
             self._next_arrival()
+        live = self._new_live(req)
+        if req.via_queue:
+            self.queues[req.objective if req.objective in self.queues else "batch"].append(live)
+            self._pump()
+        else:
+            self._admit(live)
+
+    def _new_live(self, req: SimRequest) -> _Live:
         now = self.clock.now
         if self.first_arrival is None:
             self.first_arrival = now
@@ -490,11 +498,17 @@ class Simulation:
         self._ids += 1
         live = _Live(req, f"req-{self._ids}", now, self.memo.oracle(req))
         self.live[live.rid] = live
-        if req.via_queue:
-            self.queues[req.objective if req.objective in self.queues else "batch"].append(live)
-            self._pump()
-        else:
-            self._admit(live)
+        return live
+
+    def dispatch(self, req: SimRequest) -> str:
+        """Forward ``req`` now, as if flow control had just released it (no processor, no
+        admission): the director's decision, make-room, the pool's shares and the engines'
+        requests (:meth:`_forward`); its request id (``req-<n>``). The steps it starts end only
+        when :meth:`run` processes the events. The agreement test of the router's and the
+        simulator's decisions (``tests/unit/lab/simulate/test_router_agreement.py``) drives it."""
+        live = self._new_live(req)
+        self._forward(live)
+        return live.rid
 
     def _admit(self, live: _Live) -> None:
         """Flow control: enqueue and step (the router's admission)."""
@@ -553,15 +567,16 @@ class Simulation:
             self._running(live)
             self._forward_pd(live, decision)
             return
+        live.share = self.pool.started(result.endpoint, decode_share_tokens(decision, llm), sheddable=llm.sheddable)
         core = self._core_request(live, req.max_tokens)
         try:
             live.engine.core.add(core, self.clock.now)
-        except ValueError:
+        except ValueError:  # the engine's 400 (too long): an answer, so the try ends completed, as the director counts it
+            self.pool.finished(live.share, completed=True)
             self.scheduler.response_complete(llm, result, None)
             self._end(live, "too_long")
             return
         live.core = core
-        live.share = self.pool.started(result.endpoint, decode_share_tokens(decision, llm), sheddable=llm.sheddable)
         self._running(live)
         if not live.engine.busy:
             self._start_step(live.engine)
@@ -702,9 +717,9 @@ class Simulation:
                 engine.core.add_remote(core, self.clock.now)
             else:
                 engine.core.add(core, self.clock.now)
-        except ValueError:
+        except ValueError:  # the engine's 400 (too long): an answer, the try ends completed (the director's count)
             self._stopped(live)
-            self.pool.finished(live.share, completed=False)
+            self.pool.finished(live.share, completed=True)
             self.scheduler.response_complete(live.llm, live.result, None)
             self._release_held(live)
             self._end(live, "too_long")
