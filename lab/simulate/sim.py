@@ -2,17 +2,16 @@
 
 What runs (the same classes as production, never copies):
 
-* **Router**: the :class:`~router.scheduling.scheduler.Scheduler` built by
-  :func:`~router.scheduling.config.build_scheduler` from a shipped config (``default-config.yaml``,
-  ``precise-config.yaml``) or ``--config``, with a :class:`~router.scheduling.interfaces.PluginHandle`
-  whose clock is the virtual clock, rng seeded, prefix index the router's
-  :class:`~router.kv_index.index.KVBlockIndex` (precise) and saturation the router runtime's
-  (:class:`router.app.RouterRuntime`, on the virtual clock); decisions through
-  :meth:`router.director.Director.schedule` (schedule → ``pre_request``), the pool's in-flight
-  counters (:meth:`~router.pool.EndpointPool.started`, ``first_chunk``, ``finished``),
-  ``response_complete`` with the engine's cached tokens; admission by the pure
-  :class:`~router.flow_control.core.FlowControlCore` gated on ``RouterRuntime.gate_saturation`` /
-  ``unreserved_gate_saturation``.
+* **Router**: built by :func:`router.assembly.build_router` — the one assembly ``router/app.py``
+  calls — from the router's settings for this fleet (:func:`router_settings`: its engines by role,
+  the policy's scheduling config and profile, flow control off) with the virtual clock, a seeded
+  rng and the KV index when the config reads it; no I/O attached. Decisions through
+  :meth:`router.director.Director.decide` (schedule → ``pre_request``) and the director's rules of
+  :mod:`router.decisions` (the decode share, make-room's reason and victim, the P/D legs' retries
+  and fallback); the pool's in-flight counters (:meth:`~router.pool.PoolState.started`,
+  ``first_chunk``, ``finished``), ``response_complete`` with the engine's cached tokens; admission
+  by the pure :class:`~router.flow_control.core.FlowControlCore` gated on
+  ``RouterRuntime.gate_saturation`` / ``unreserved_gate_saturation``.
 * **Processor** (requests with ``via_queue``): per-lane queues read into the processor's
   :class:`~async_processor.lanes.LaneBuffer` (fair shares per tenant and batch) and popped through
   :class:`~async_processor.gates.AllGates` of the :class:`~async_processor.gates.ConcurrencyGate`,
@@ -23,7 +22,7 @@ What runs (the same classes as production, never copies):
 * **Engines**: :class:`~lab.simulate.fleet.FleetEngine` (the twin's pure core); a step starts
   when the previous one ends, its duration from the twin's step model; its KV events reach the
   index when it ends (plus ``kv_event_delay_s``); "scrapes" every ``scrape_interval_s`` go through
-  :meth:`~router.pool.EndpointPool.record_metrics`.
+  :meth:`~router.pool.PoolState.record_metrics`.
 
 The per-request flow is in one place: :meth:`Simulation._arrive` → (processor) →
 :meth:`Simulation._admit` (flow control) → :meth:`Simulation._forward` (schedule, pool, engine) →
@@ -45,9 +44,13 @@ modelled transfer time after the step's start (:meth:`Simulation._kv_arrived`:
 the decode engine then computes the last prompt token and streams every output token, so TTFT is
 arrival → the decode engine's first token and ITL its gaps. The client's ``cached_tokens`` is the
 prefill leg's (:class:`router.disagg.ClientUsage`), the decode pick's ``response_complete`` gets
-the decode engine's. A prefill leg the prefill engine refuses (too long for it) is tried once on
-another prefill pick (``Scheduler.schedule_prefill``), then the decode engine runs the request
-whole (``EndpointPool.add_prefill``; reason ``prefill_failed``), as the director falls back.
+the decode engine's. A prefill leg the prefill engine refuses (too long for it: vLLM's 400,
+``client_error``) is not tried on another prefill engine
+(:func:`router.decisions.should_retry_prefill`): the decode engine runs the request whole
+(``PoolState.add_prefill`` of :func:`router.decisions.fallback_prefill_tokens`), as the director
+falls back.
+
+**Make-room** (:attr:`SimConfig.make_room`, the router's default on): :meth:`Simulation._make_room`.
 
 Nothing here sleeps or reads ``time.monotonic``: the only real clock read is ``perf_counter``
 around each decision (the director's own timing, reported as ``decision_p50_ms``) and the run's

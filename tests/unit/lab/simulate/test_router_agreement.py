@@ -259,9 +259,10 @@ def _router(config: SimConfig, policy: str, steps: list[Step]) -> Outcome:
 
 # ---- the sequences --------------------------------------------------------------------------------
 def _aggregated_steps(precise: bool) -> list[Step]:
-    """Three engines: shared prefixes, a session, batch requests filling two engines' learned slots,
-    then interactive requests that make room, and a refusal when every engine is gone."""
-    doc_a, doc_b = _tokens(1, 1024), _tokens(2, 1024)
+    """Three engines: shared prefixes, sessions, batch requests, scrapes that teach the engines'
+    slots (full with requests waiting), then interactive requests that make room, and a refusal
+    when every engine is gone."""
+    doc_b = _tokens(2, 1024)
     steps: list[Step] = [Scrape(i, 0, 0) for i in range(3)]
     if precise:
         steps += [Stored(2, doc_b + _tokens(99, 64), 64)]  # engine 2 holds doc_b's 1,024 tokens
