@@ -345,7 +345,8 @@ class Simulation:
     Raises:
         KeyError: an unknown policy without ``config_path``.
         ValueError: prefill engines without decode-capable ones, no engine at all, or a fleet
-            with prefill engines under a shipped policy other than :data:`PD_POLICY`.
+            with prefill engines under a shipped policy other than :data:`PD_POLICY`; a
+            ``profile`` not in the config (:func:`router.assembly.build_router`).
         router.scheduling.errors.ConfigError, OSError: a bad or unreadable config.
     """
 
