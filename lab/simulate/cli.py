@@ -150,6 +150,9 @@ def _generator(name: str, seed: int, conversations: int, duration_s: float,
               help="The processor's in flight per tenant (0: no tenant gate).")
 @click.option("--kv-event-delay-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="From a step's end to its KV events reaching the index.")
+@click.option("--make-room/--no-make-room", default=True, show_default=True,
+              help="The router's make-room: a non-sheddable request bound for an engine with no free slot "
+                   "evicts a sheddable one there (the router's default: on).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on long runs.")
@@ -162,7 +165,8 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
                      max_num_seqs: int,
                      max_num_batched_tokens: int, max_model_len: int | None, scheduling_policy: str,
                      policies: tuple[str, ...], config_path: Path | None, flow_path: Path | None,
-                     processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, seed: int, json_path: Path | None, progress: bool) -> None:
+                     processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, make_room: bool, seed: int,
+                     json_path: Path | None, progress: bool) -> None:
     """Run the fleet in virtual time with the production router, flow control and processor code."""
     from rich.console import Console
 
@@ -181,7 +185,7 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len, scheduling_policy=scheduling_policy, seed=seed,
                        kv_event_delay_s=kv_event_delay_ms / 1000, processor_concurrency=processor_concurrency,
-                       processor_tenant_limit=tenant_limit)
+                       processor_tenant_limit=tenant_limit, make_room=make_room)
     _finish_config(config, flow_path)
     fleet_engines = sum(layouts[0])
     model_len = config.model_len()

@@ -1,7 +1,7 @@
 """The discrete-event virtual clock: a heap of timed callbacks, never a sleep.
 
 :class:`VirtualClock` is a callable returning the simulated time (seconds), injected wherever
-production code takes a ``clock`` (``PluginHandle.clock``, ``KVBlockIndex``, ``EndpointPool``, the
+production code takes a ``clock`` (``PluginHandle.clock``, ``KVBlockIndex``, ``PoolState``, the
 router runtime, the processor's saturation gate). :class:`EventQueue` runs callbacks in time order
 (ties in scheduling order, so a run is deterministic) and moves the clock to each one's time.
 """

@@ -1,4 +1,4 @@
-"""The simulated fleet: engine twins in virtual time, the router's pool and its KV-event feed.
+"""The simulated fleet: engine twins in virtual time and their KV-event feed to the router's index.
 
 Each :class:`FleetEngine` is the twin's pure :class:`~engine_twin.core.EngineCore` over its own
 :class:`~engine_twin.kv_cache.TieredPrefixCache` (the classes the ``engine-sim`` server drives in
@@ -17,16 +17,15 @@ carries for vLLM's map layout (:func:`engine_twin.kv_events.encode_event`: ``ext
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from engine_twin import kv_events as twin
 from engine_twin.core import EngineCore, StepOutcome
 from engine_twin.kv_cache import TieredPrefixCache
 from engine_twin.settings import EngineSimSettings
 from router.kv_index import events as wire
-from router.pool import EndpointPool, EndpointState, EngineMetrics
+from router.pool import EndpointState, EngineMetrics
 from router.scheduling.types import Endpoint
 
 Role = Literal["both", "prefill", "decode"]
@@ -103,19 +102,3 @@ class FleetEngine:
                              prefix_cache_queries=float(stats.queries_tokens), prefix_cache_hits=float(stats.hits_tokens),
                              external_prefix_cache_hits=float(stats.external_hits_tokens),
                              num_preemptions=float(core.num_preemptions))
-
-
-class VirtualPool(EndpointPool):
-    """The router's :class:`~router.pool.EndpointPool` without probes: endpoints join healthy at
-    once (:meth:`add_engine`) and scrapes are pushed by the simulation (``record_metrics``). The
-    in-flight counters, slot learning and EWMAs are the pool's own code."""
-
-    def __init__(self, clock: Callable[[], float], **kwargs: Any) -> None:
-        super().__init__(None, clock=clock, **kwargs)  # type: ignore[arg-type]  # no HTTP session: no probes
-
-    def add_engine(self, state: EndpointState) -> None:
-        """Add a healthy endpoint serving ``state.models``."""
-        if self.max_num_seqs is not None:
-            state.endpoint.max_num_seqs = self.max_num_seqs
-        self.states[state.name] = state
-        self._rebuild()

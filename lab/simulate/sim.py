@@ -2,17 +2,16 @@
 
 What runs (the same classes as production, never copies):
 
-* **Router**: the :class:`~router.scheduling.scheduler.Scheduler` built by
-  :func:`~router.scheduling.config.build_scheduler` from a shipped config (``default-config.yaml``,
-  ``precise-config.yaml``) or ``--config``, with a :class:`~router.scheduling.interfaces.PluginHandle`
-  whose clock is the virtual clock, rng seeded, prefix index the router's
-  :class:`~router.kv_index.index.KVBlockIndex` (precise) and saturation the router runtime's
-  (:class:`router.app.RouterRuntime`, on the virtual clock); decisions through
-  :meth:`router.director.Director.schedule` (schedule → ``pre_request``), the pool's in-flight
-  counters (:meth:`~router.pool.EndpointPool.started`, ``first_chunk``, ``finished``),
-  ``response_complete`` with the engine's cached tokens; admission by the pure
-  :class:`~router.flow_control.core.FlowControlCore` gated on ``RouterRuntime.gate_saturation`` /
-  ``unreserved_gate_saturation``.
+* **Router**: built by :func:`router.assembly.build_router` — the one assembly ``router/app.py``
+  calls — from the router's settings for this fleet (:func:`router_settings`: its engines by role,
+  the policy's scheduling config and profile, flow control off) with the virtual clock, a seeded
+  rng and the KV index when the config reads it; no I/O attached. Decisions through
+  :meth:`router.director.Director.decide` (schedule → ``pre_request``) and the director's rules of
+  :mod:`router.decisions` (the decode share, make-room's reason and victim, the P/D legs' retries
+  and fallback); the pool's in-flight counters (:meth:`~router.pool.PoolState.started`,
+  ``first_chunk``, ``finished``), ``response_complete`` with the engine's cached tokens; admission
+  by the pure :class:`~router.flow_control.core.FlowControlCore` gated on
+  ``RouterRuntime.gate_saturation`` / ``unreserved_gate_saturation``.
 * **Processor** (requests with ``via_queue``): per-lane queues read into the processor's
   :class:`~async_processor.lanes.LaneBuffer` (fair shares per tenant and batch) and popped through
   :class:`~async_processor.gates.AllGates` of the :class:`~async_processor.gates.ConcurrencyGate`,
@@ -23,7 +22,7 @@ What runs (the same classes as production, never copies):
 * **Engines**: :class:`~lab.simulate.fleet.FleetEngine` (the twin's pure core); a step starts
   when the previous one ends, its duration from the twin's step model; its KV events reach the
   index when it ends (plus ``kv_event_delay_s``); "scrapes" every ``scrape_interval_s`` go through
-  :meth:`~router.pool.EndpointPool.record_metrics`.
+  :meth:`~router.pool.PoolState.record_metrics`.
 
 The per-request flow is in one place: :meth:`Simulation._arrive` → (processor) →
 :meth:`Simulation._admit` (flow control) → :meth:`Simulation._forward` (schedule, pool, engine) →
@@ -45,9 +44,13 @@ modelled transfer time after the step's start (:meth:`Simulation._kv_arrived`:
 the decode engine then computes the last prompt token and streams every output token, so TTFT is
 arrival → the decode engine's first token and ITL its gaps. The client's ``cached_tokens`` is the
 prefill leg's (:class:`router.disagg.ClientUsage`), the decode pick's ``response_complete`` gets
-the decode engine's. A prefill leg the prefill engine refuses (too long for it) is tried once on
-another prefill pick (``Scheduler.schedule_prefill``), then the decode engine runs the request
-whole (``EndpointPool.add_prefill``; reason ``prefill_failed``), as the director falls back.
+the decode engine's. A prefill leg the prefill engine refuses (too long for it: vLLM's 400,
+``client_error``) is not tried on another prefill engine
+(:func:`router.decisions.should_retry_prefill`): the decode engine runs the request whole
+(``PoolState.add_prefill`` of :func:`router.decisions.fallback_prefill_tokens`), as the director
+falls back.
+
+**Make-room** (:attr:`SimConfig.make_room`, the router's default on): :meth:`Simulation._make_room`.
 
 Nothing here sleeps or reads ``time.monotonic``: the only real clock read is ``perf_counter``
 around each decision (the director's own timing, reported as ``decision_p50_ms``) and the run's
@@ -63,7 +66,7 @@ import resource
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,22 +83,31 @@ from engine_twin.kv_cache import DEFAULT_RETENTION, LOWEST_RETENTION, none_hash
 from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, FLEET_RETENTION_PRIORITY_THRESHOLD
 from engine_twin.settings import EngineSimSettings, build_settings
 from lab.simulate.clock import EventQueue, VirtualClock
-from lab.simulate.fleet import FleetEngine, Role, VirtualPool, to_router_events
+from lab.simulate.fleet import FleetEngine, to_router_events
 from lab.simulate.workload import PieceTokens, PromptMemo, SimRequest
 from lab.toolkit.stats import LogHistogram, percentile
-from router.app import RouterRuntime
-from router.director import Director, uncached_tokens
+from router.assembly import build_router
+from router.decisions import (
+    MAX_PREFILL_TRIES,
+    PREFILL_CLIENT_ERROR,
+    decode_share_tokens,
+    fallback_prefill_tokens,
+    make_room_reason,
+    pick_victim,
+    should_retry_prefill,
+    uncached_tokens,
+)
+from router.director import Director
 from router.flow_control import FlowControlConfig, FlowControlCore, FlowItem, RequestDropped, Ticket
-from router.kv_index.index import KVBlockIndex
 from router.parsing import engine_priority
-from router.scheduling import DEFAULT_CONFIG_PATH, PD_CONFIG_PATH
-from router.scheduling.config import build_scheduler, load_config
-from router.scheduling.interfaces import PluginHandle
+from router.runtime import RouterRuntime
+from router.scheduling import DEFAULT_CONFIG_PATH
+from router.scheduling.config import load_config
 from router.scheduling.plugins.disagg import PDReason
-from router.scheduling.plugins.session import working_set_of
 from router.scheduling.scheduler import Scheduler
-from router.scheduling.types import LLMRequest, SchedulingResult
-from router.settings import build_settings as router_settings_of
+from router.scheduling.types import LLMRequest, PDDecision, SchedulingResult
+from router.settings import RouterSettings
+from router.settings import build_settings as build_router_settings
 
 PRECISE_CONFIG_PATH = DEFAULT_CONFIG_PATH.with_name("precise-config.yaml")
 
@@ -175,6 +187,11 @@ class SimConfig:
     processor_saturation_poll_s: float = 0.25
     processor_buffer: int = 1024
     retry_after_s: float = 1.0
+    make_room: bool = True
+    """The router's make-room (``router/settings.py``, on by default): a non-sheddable request
+    bound for an engine with no free slot evicts a sheddable one there (:meth:`Simulation._make_room`)."""
+    evict_on_wait: bool = False
+    """The router's ``evict_on_wait`` (off by default): make-room also when the request would wait."""
 
     @property
     def total_engines(self) -> int:
@@ -205,6 +222,35 @@ class SimConfig:
         return self.max_model_len or min(131_072, self.gpu_blocks * self.block_size)
 
 
+def router_settings(config: SimConfig, config_path: Path | None, profile: str | None) -> RouterSettings:
+    """The router's settings for a simulated fleet, the rest from the environment and the defaults
+    (``router/settings.py``): its engines by role (``http://sim-<i>:8000``, ``http://sim-p<i>:8000``,
+    ``http://sim-d<i>:8000``), the scheduling config ``config_path`` (None: the router's choice, the
+    P/D config when prefill engines are given) and ``profile``, the scrape interval, the engines'
+    token budget, make-room, and flow control off (the simulation steps its own
+    :class:`~router.flow_control.FlowControlCore`, :func:`router.assembly.build_router`).
+
+    Raises:
+        pydantic.ValidationError: a value the router's settings refuse.
+    """
+    return build_router_settings(
+        engines=[f"http://sim-{i}:8000" for i in range(config.engines)],
+        prefill_engines=[f"http://sim-p{i}:8000" for i in range(config.prefill_engines)],
+        decode_engines=[f"http://sim-d{i}:8000" for i in range(config.decode_engines)],
+        config=config_path, profile=profile, scrape_interval_s=config.scrape_interval_s,
+        max_num_batched_tokens=config.max_num_batched_tokens, make_room=config.make_room,
+        evict_on_wait=config.evict_on_wait, flow_control_enabled=False)
+
+
+def uses_kv_events(config_path: Path) -> bool:
+    """The scheduling config reads the KV-event index (it has a ``precise-prefix-cache-producer``).
+
+    Raises:
+        router.scheduling.errors.ConfigError, OSError: a bad or unreadable config.
+    """
+    return any(p.type == "precise-prefix-cache-producer" for p in load_config(config_path).plugins)
+
+
 @dataclass(eq=False, slots=True)
 class _Live:
     """One request between its arrival and its end."""
@@ -229,6 +275,17 @@ class _Live:
     prefill_core: CoreRequest | None = None
     prefill_engine: FleetEngine | None = None
     client_cached: int | None = None
+
+    @property
+    def priority(self) -> int:
+        """Its band's priority (make-room's victim order, :func:`router.decisions.pick_victim`)."""
+        assert self.llm is not None
+        return self.llm.priority
+
+    @property
+    def started_at(self) -> float:
+        """When its decode pick's share started (the pool's clock)."""
+        return self.share.started_at
 
 
 class _Observer:
@@ -288,7 +345,8 @@ class Simulation:
     Raises:
         KeyError: an unknown policy without ``config_path``.
         ValueError: prefill engines without decode-capable ones, no engine at all, or a fleet
-            with prefill engines under a shipped policy other than :data:`PD_POLICY`.
+            with prefill engines under a shipped policy other than :data:`PD_POLICY`; a
+            ``profile`` not in the config (:func:`router.assembly.build_router`).
         router.scheduling.errors.ConfigError, OSError: a bad or unreadable config.
     """
 
@@ -304,7 +362,7 @@ class Simulation:
             if policy == PD_POLICY:
                 if not config.disaggregated:
                     raise ValueError(f"policy {PD_POLICY!r} needs prefill engines")
-                config_path, profile = PD_CONFIG_PATH, None
+                profile = None  # the router's settings pick the P/D config (prefill engines given)
             else:
                 config_path, profile = POLICIES[policy]
                 if config.disaggregated:
@@ -315,46 +373,30 @@ class Simulation:
         settings = config.engine_settings()
         self.settings = settings
         self.priority_policy = settings.scheduling_policy == "priority"
-        self.pool = VirtualPool(self.clock, scrape_interval_s=config.scrape_interval_s)
-        router_settings = router_settings_of(scrape_interval_s=config.scrape_interval_s,
-                                         max_num_batched_tokens=config.max_num_batched_tokens)
-        self.runtime = RouterRuntime(router_settings, clock=self.clock)
-        self.runtime.pool = self.pool
-        scheduler_config = load_config(config_path)
-        precise = any(p.type == "precise-prefix-cache-producer" for p in scheduler_config.plugins)
-        self.index = KVBlockIndex(block_size_tokens=64, max_blocks=router_settings.index_max_blocks,
-                                  clock=self.clock) if precise else None
-        handle = PluginHandle(rng=random.Random(config.seed), clock=self.clock, prefix_index=self.index,
-                              saturation=self.runtime.scheduling_saturation)
-        self.scheduler: Scheduler = build_scheduler(scheduler_config, handle)
-        if profile is not None and profile not in self.scheduler.profiles:
-            raise KeyError(f"profile {profile!r} is not in {config_path} (profiles: {', '.join(self.scheduler.profiles)})")
+        fc = config.flow_control or bench_flow_control(config.total_engines)
+        self.observer = _Observer()
+        self.router_settings = router_settings(config, config_path, profile)
+        self.parts = build_router(self.router_settings, self.clock, observer=self.observer,
+                                  flow_config=fc, kv_index=uses_kv_events(self.router_settings.scheduling_config),
+                                  rng=random.Random(config.seed))
+        self.pool, self.runtime, self.index = self.parts.pool, self.parts.runtime, self.parts.index
+        self.scheduler: Scheduler = self.parts.scheduler
+        self.director: Director = self.parts.director
         self.profile = profile or self.scheduler.default_profile
         #: the P/D decision (the config's profile handler, no profile named), as the router runs it
         self.pd = self.scheduler.profile_handler is not None and profile is None
-        plugins = self.plugins()
-        self.runtime.working_set = working_set_of(plugins)
-        self.key_shapes = sorted({(p.block_size_tokens, p.max_blocks) for p in plugins
+        self.key_shapes = sorted({(p.block_size_tokens, p.max_blocks) for p in self.plugins()
                                   if hasattr(p, "block_size_tokens") and hasattr(p, "max_blocks")})
-        fc = config.flow_control or bench_flow_control(config.total_engines)
         self.flow = FlowControlCore(fc)
         self.runtime.flow = self.flow  # type: ignore[assignment]  # reads in_flight_requests only
-        self.objective_priority = {band.objective: band.priority for band in fc.bands}
-        sheddable = frozenset(band.objective for band in fc.bands if band.sheddable)
-        self.observer = _Observer()
-        self.director = Director(pool=self.pool, scheduler=self.scheduler, profile=None if self.pd else self.profile,
-                                 flow=None,
-                                 observer=self.observer, objective_priority=self.objective_priority,
-                                 default_objective=fc.default_objective, sheddable_objectives=sheddable)
-        self.director.decisions.clock = self.clock
+        self.objective_priority = self.director.objective_priority
         self.engines: list[FleetEngine] = []
-        layout: list[tuple[str, Role]] = [(f"http://sim-{i}:8000", "both") for i in range(config.engines)]
-        layout += [(f"http://sim-p{i}:8000", "prefill") for i in range(config.prefill_engines)]
-        layout += [(f"http://sim-d{i}:8000", "decode") for i in range(config.decode_engines)]
-        for name, role in layout:
-            engine = FleetEngine.build(name, settings, MODEL, role=role, collect_events=precise)
+        roles = self.router_settings.engine_roles
+        for name in self.router_settings.all_engines:
+            engine = FleetEngine.build(name, settings, MODEL, role=roles.get(name, "both"),  # type: ignore[arg-type]
+                                       collect_events=self.index is not None)
             self.engines.append(engine)
-            self.pool.add_engine(engine.state)
+            self.pool.add(engine.state)
         self.by_name = {e.name: e for e in self.engines}
         self.memo = PromptMemo(config.block_size, none_hash(settings.hash_seed), MODEL, PieceTokens(str(config.seed)))
         # processor
@@ -372,6 +414,7 @@ class Simulation:
         self._arrivals: Iterator[SimRequest] = iter(arrivals)
         self._pending_arrivals = 0
         self.live: dict[str, _Live] = {}
+        self.sheddable_on: dict[str, dict[_Live, None]] = {}  # endpoint → sheddable requests running there
         self._tickets: dict[int, _Live] = {}
         self._ids = 0
         self._flow_wake = False
@@ -400,6 +443,7 @@ class Simulation:
         self.held_released = 0
         self.held_expired = 0
         self.dropped: Counter[str] = Counter()
+        self.make_room_evictions = 0
         self.retries = 0
         self.arrived = 0
         self.first_arrival: float | None = None
@@ -408,11 +452,7 @@ class Simulation:
     # ---- introspection -----------------------------------------------------------------------
     def plugins(self) -> list[object]:
         """Every plugin instance of the scheduler, each once (the objects the decisions call)."""
-        seen: dict[int, object] = {}
-        for p in self.scheduler.profiles.values():
-            for plugin in (*p.producers, *p.filters, *(s for s, _ in p.scorers), p.picker):
-                seen[id(plugin)] = plugin
-        return list(seen.values())
+        return self.parts.plugins()
 
     # ---- driving -----------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -447,6 +487,14 @@ class Simulation:
         if from_stream:
             self._pending_arrivals -= 1
             self._next_arrival()
+        live = self._new_live(req)
+        if req.via_queue:
+            self.queues[req.objective if req.objective in self.queues else "batch"].append(live)
+            self._pump()
+        else:
+            self._admit(live)
+
+    def _new_live(self, req: SimRequest) -> _Live:
         now = self.clock.now
         if self.first_arrival is None:
             self.first_arrival = now
@@ -454,11 +502,17 @@ class Simulation:
         self._ids += 1
         live = _Live(req, f"req-{self._ids}", now, self.memo.oracle(req))
         self.live[live.rid] = live
-        if req.via_queue:
-            self.queues[req.objective if req.objective in self.queues else "batch"].append(live)
-            self._pump()
-        else:
-            self._admit(live)
+        return live
+
+    def dispatch(self, req: SimRequest) -> str:
+        """Forward ``req`` now, as if flow control had just released it (no processor, no
+        admission): the director's decision, make-room, the pool's shares and the engines'
+        requests (:meth:`_forward`); its request id (``req-<n>``). The steps it starts end only
+        when :meth:`run` processes the events. The agreement test of the router's and the
+        simulator's decisions (``tests/unit/lab/simulate/test_router_agreement.py``) drives it."""
+        live = self._new_live(req)
+        self._forward(live)
+        return live.rid
 
     def _admit(self, live: _Live) -> None:
         """Flow control: enqueue and step (the router's admission)."""
@@ -491,7 +545,10 @@ class Simulation:
         self._flow_step()
 
     def _forward(self, live: _Live) -> None:
-        """Schedule (the director's decision), count it in the pool, hand it to the engine."""
+        """The director's forward: decide (:meth:`Director.decide <router.director.Director.decide>`),
+        make room for a non-sheddable request, count the decode pick in the pool
+        (:func:`~router.decisions.decode_share_tokens`), then hand it to the engine (P/D: the
+        prefill leg first, :meth:`_forward_pd`)."""
         req = live.req
         priority = self.objective_priority.get(req.objective, 0)
         tokens = self.memo.lazy_tokens(req)
@@ -500,25 +557,94 @@ class Simulation:
                          sheddable=req.objective in self.director.sheddable_objectives)
         for shape in self.key_shapes:  # the memo hashes each shared block once for the whole run
             llm.block_key_cache[shape] = self.memo.router_keys(req, *shape)
-        if self.pd:
-            self._forward_pd(live, llm)
-            return
-        result = self.director.schedule(llm, set())
-        if result is None:
+        decision = self.director.decide(llm, set())
+        if decision is None:
             self._refused(live, "no_healthy_endpoints", self.config.retry_after_s)
             return
-        engine = self.by_name[result.endpoint.name]
+        result = decision.decode
+        live.llm, live.result, live.engine = llm, result, self.by_name[result.endpoint.name]
+        if not llm.sheddable and (self.director.make_room_enabled or self.director.evict_on_wait):
+            self._make_room(result.endpoint.name)
+        if self.pd:
+            self.pd_reasons[decision.reason] += 1
+            live.share = self.pool.started(result.endpoint, decode_share_tokens(decision, llm), sheddable=llm.sheddable)
+            self._running(live)
+            self._forward_pd(live, decision)
+            return
+        live.share = self.pool.started(result.endpoint, decode_share_tokens(decision, llm), sheddable=llm.sheddable)
         core = self._core_request(live, req.max_tokens)
         try:
-            engine.core.add(core, self.clock.now)
-        except ValueError:
+            live.engine.core.add(core, self.clock.now)
+        except ValueError:  # the engine's 400 (too long): an answer, so the try ends completed, as the director counts it
+            self.pool.finished(live.share, completed=True)
             self.scheduler.response_complete(llm, result, None)
             self._end(live, "too_long")
             return
-        live.llm, live.result, live.core, live.engine = llm, result, core, engine
-        live.share = self.pool.started(result.endpoint, uncached_tokens(result, llm), sheddable=llm.sheddable)
-        if not engine.busy:
-            self._start_step(engine)
+        live.core = core
+        self._running(live)
+        if not live.engine.busy:
+            self._start_step(live.engine)
+
+    # ---- make-room (the director's rule, router.decisions) ------------------------------------
+    def _running(self, live: _Live) -> None:
+        """``live``'s decode pick holds its endpoint's slot: a sheddable one may be evicted there."""
+        if live.llm is not None and live.llm.sheddable:
+            assert live.engine is not None
+            self.sheddable_on.setdefault(live.engine.name, {})[live] = None
+
+    def _stopped(self, live: _Live) -> None:
+        """``live``'s decode pick ended (answered, refused or evicted): no longer a victim."""
+        if live.engine is not None:
+            self.sheddable_on.get(live.engine.name, {}).pop(live, None)
+
+    def _make_room(self, name: str) -> None:
+        """:meth:`Director.make_room <router.director.Director.make_room>` for a non-sheddable request
+        bound for endpoint ``name``: :func:`~router.decisions.make_room_reason` over the sheddable
+        requests running there (in the order they started), :func:`~router.decisions.pick_victim`,
+        then :meth:`_evict`."""
+        running = self.sheddable_on.get(name)
+        if not running:
+            return
+        found = make_room_reason(self.by_name[name].state.endpoint, list(running),
+                                 make_room=self.director.make_room_enabled,
+                                 evict_on_wait=self.director.evict_on_wait, prefilling=self._in_prefill)
+        if found is not None:
+            self._evict(pick_victim(found[1]))
+
+    def _in_prefill(self, victims: Sequence[_Live]) -> list[_Live]:
+        """The requests among ``victims`` still counted as in prefill (expired ones first dropped)."""
+        self.pool.expire_prefills()
+        return [v for v in victims if self.pool.in_prefill(v.share)]
+
+    def _evict(self, live: _Live) -> None:
+        """Evict ``live`` as the director does: its ticket counted ``evicted`` by flow control, its
+        engine requests aborted (the prefill leg too, or its held blocks freed), its pool shares and
+        hooks ended with no cached tokens; its client gets 429 ``evicted`` (the processor re-sends
+        it after ``Retry-After``). It takes a new request id, so the steps running now ignore it."""
+        assert live.llm is not None and live.result is not None
+        self.make_room_evictions += 1
+        self._stopped(live)
+        if live.core is None and live.prefill_core is not None:  # still in its prefill leg
+            assert live.prefill_engine is not None and live.prefill is not None
+            live.prefill_engine.core.abort(live.rid)
+            self.pool.finished(live.prefill_share, completed=False)
+            self.scheduler.response_complete(live.llm, live.prefill, None)
+        if live.core is not None and live.engine is not None:
+            live.engine.core.abort(live.rid)
+        self._release_held(live)
+        self.pool.finished(live.share, completed=False)
+        self.scheduler.response_complete(live.llm, live.result, None)
+        if live.ticket is not None and not self.flow.evict(live.ticket):
+            self.flow.release(live.ticket, self.clock.now)
+        live.ticket = None
+        del self.live[live.rid]
+        live.rid = f"{live.rid}.{self.make_room_evictions}"
+        self.live[live.rid] = live
+        live.llm = live.result = live.share = live.core = live.engine = live.itl = None
+        live.prefill = live.prefill_share = live.prefill_core = live.prefill_engine = live.client_cached = None
+        live.first_token = None
+        live.last_token = 0.0
+        self._refused(live, "evicted", self.config.retry_after_s)
 
     def _core_request(self, live: _Live, max_tokens: int) -> CoreRequest:
         """The engine's request for ``live`` (vLLM priority and retention from its band)."""
@@ -534,27 +660,23 @@ class Simulation:
                            self.memo.engine_hashes(req), vllm_priority, retention)
 
     # ---- prefill/decode disaggregation (module docstring) ------------------------------------
-    def _forward_pd(self, live: _Live, llm: LLMRequest) -> None:
-        """The director's P/D forward: decide, the decode pick's share (no prefill tokens when a
-        prefill engine computes the prompt), then the prefill leg or the decode engine alone."""
-        decision = self.director.decide(llm, set())
-        if decision is None:
-            self._refused(live, "no_healthy_endpoints", self.config.retry_after_s)
-            return
-        self.pd_reasons[decision.reason] += 1
-        result = decision.decode
-        live.llm, live.result, live.engine = llm, result, self.by_name[result.endpoint.name]
-        tokens = 0 if decision.prefill is not None else decision.uncached_tokens
-        live.share = self.pool.started(result.endpoint, tokens, sheddable=llm.sheddable)
+    def _forward_pd(self, live: _Live, decision: PDDecision) -> None:
+        """The director's P/D legs after the decision: the prefill leg, tried on another prefill pick
+        while :func:`~router.decisions.should_retry_prefill` says so, else (or without a prefill
+        pick) the decode engine alone, the prompt's tokens joining its share
+        (:func:`~router.decisions.fallback_prefill_tokens`)."""
+        assert live.llm is not None
+        llm = live.llm
         prefill = decision.prefill
-        excluded = [result.endpoint.name]
-        for number in range(2):  # the director tries the prefill leg once more on another prefill pick
+        excluded = [decision.decode.endpoint.name]
+        for number in range(MAX_PREFILL_TRIES):
             if prefill is None:
                 break
-            if self._start_prefill(live, prefill):
+            failure = self._start_prefill(live, prefill)
+            if failure is None:
                 return
             excluded.append(prefill.endpoint.name)
-            if number > 0:
+            if not should_retry_prefill(failure, number + 1):
                 break
             prefill = self.scheduler.schedule_prefill(llm, self.pool.candidates_for(llm.model), excluded)
             if prefill is not None:
@@ -562,13 +684,14 @@ class Simulation:
                 self.scheduler.pre_request(llm, prefill)
         if decision.prefill is not None:  # aggregated after all: the decode engine computes the prompt
             self.pd_fallbacks += 1
-            self.pool.add_prefill(live.share, decision.uncached_tokens)
+            self.pool.add_prefill(live.share, fallback_prefill_tokens(decision))
         self._start_decode(live, remote=False)
 
-    def _start_prefill(self, live: _Live, prefill: SchedulingResult) -> bool:
+    def _start_prefill(self, live: _Live, prefill: SchedulingResult) -> str | None:
         """The prefill leg on ``prefill``'s engine: ``max_tokens`` 1, blocks held for the decode
-        engine (``remote_decode``), counted in that endpoint's pool share until its answer. False
-        (its hooks run, nothing stays counted) when the engine refuses it."""
+        engine (``remote_decode``), counted in that endpoint's pool share until its answer. None when
+        it started; the leg's failure when the engine refuses it (too long for it: vLLM's 400,
+        ``client_error``; its hooks run, nothing stays counted)."""
         assert live.llm is not None
         llm = live.llm
         engine = self.by_name[prefill.endpoint.name]
@@ -580,12 +703,12 @@ class Simulation:
         except ValueError:
             self.pool.finished(share, completed=False)
             self.scheduler.response_complete(llm, prefill, None)
-            return False
+            return PREFILL_CLIENT_ERROR
         self.prefill_legs += 1
         live.prefill, live.prefill_share, live.prefill_core, live.prefill_engine = prefill, share, core, engine
         if not engine.busy:
             self._start_step(engine)
-        return True
+        return None
 
     def _start_decode(self, live: _Live, remote: bool) -> None:
         """The decode engine's request: its prompt's KV read from the prefill engine (``remote``:
@@ -598,8 +721,9 @@ class Simulation:
                 engine.core.add_remote(core, self.clock.now)
             else:
                 engine.core.add(core, self.clock.now)
-        except ValueError:
-            self.pool.finished(live.share, completed=False)
+        except ValueError:  # the engine's 400 (too long): an answer, the try ends completed (the director's count)
+            self._stopped(live)
+            self.pool.finished(live.share, completed=True)
             self.scheduler.response_complete(live.llm, live.result, None)
             self._release_held(live)
             self._end(live, "too_long")
@@ -682,7 +806,9 @@ class Simulation:
         started = now - outcome.duration - 1e-12  # a token of the previous step ended at this step's start
         by_workload: Counter[Any] = Counter()
         for rid in outcome.sampled:
-            live = live_of[rid]
+            live = live_of.get(rid)
+            if live is None:  # evicted while the step ran
+                continue
             if live.prefill_engine is engine and live.core is None:  # the prefill leg's one token
                 self.prefill_generated += 1
                 continue
@@ -702,7 +828,9 @@ class Simulation:
             for hist, n in by_workload.items():
                 hist.add_many(outcome.duration, n)
         for rid in outcome.finished:
-            live = live_of[rid]
+            live = live_of.get(rid)
+            if live is None:
+                continue
             if live.prefill_engine is engine and live.core is None:
                 self._prefill_done(live)
             else:
@@ -721,6 +849,7 @@ class Simulation:
         """The answer ended: the pool's counters and EWMAs, the plugins' hooks, flow control and the
         processor's slots, the figures, and the session's next turn."""
         assert live.llm is not None and live.result is not None and live.core is not None
+        self._stopped(live)
         self.pool.finished(live.share, completed=True)
         engine_cached = max(live.core.num_cached_tokens, 0)
         self.scheduler.response_complete(live.llm, live.result, engine_cached)
@@ -873,6 +1002,7 @@ class Simulation:
             "completed": n,
             "dropped": dict(self.dropped),
             "processor_retries": self.retries,
+            "make_room_evictions": self.make_room_evictions,
             "prompt_tokens": sum(self.prompt_tokens),
             "cached_tokens": cached,
             "oracle_reusable_tokens": oracle,
