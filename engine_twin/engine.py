@@ -37,7 +37,7 @@ import httpx
 from engine_twin.core import CoreRequest, EngineCore, KVLoad, Status, StepOutcome
 from engine_twin.errors import BadRequestError, EngineSimError
 from engine_twin.faults import FaultState
-from engine_twin.kv_cache import DEFAULT_RETENTION, TieredPrefixCache, block_hashes, none_hash
+from engine_twin.kv_cache import TieredPrefixCache, block_hashes, none_hash
 from engine_twin.kv_events import KVEventPublisher
 from engine_twin.metrics import EngineMetrics
 from engine_twin.pd import (
@@ -50,6 +50,7 @@ from engine_twin.pd import (
     remote_prefill_of,
 )
 from engine_twin.protocol import GenerationSpec
+from engine_twin.retention import request_retention
 from engine_twin.settings import EngineSimSettings
 from engine_twin.tokenizer import load_tokenizer
 
@@ -176,14 +177,10 @@ class SimEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def retention_of(self, spec: GenerationSpec) -> int:
-        """The KV retention of a request: its ``kv_retention_priority``, else the lowest (0) when its
-        vLLM ``priority`` reaches ``--retention-priority-threshold``, else the default."""
-        if spec.retention is not None:
-            return spec.retention
-        threshold = self.settings.retention_priority_threshold
-        if threshold is not None and spec.priority >= threshold:
-            return 0
-        return DEFAULT_RETENTION
+        """The KV retention of a request (:func:`engine_twin.retention.request_retention`): its
+        ``kv_retention_priority``, else the lowest (0) when its vLLM ``priority`` reaches
+        ``--retention-priority-threshold``, else the default."""
+        return request_retention(spec.priority, self.settings.retention_priority_threshold, spec.retention)
 
     def submit(self, prompt: list[int], spec: GenerationSpec) -> RequestGroup:
         """Queue ``spec.n`` core requests for ``prompt``; raises BadRequestError when they can never fit."""

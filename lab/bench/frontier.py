@@ -3,7 +3,8 @@ TTFT p99 with a batch backlog ÷ alone, against the batch fraction (batch throug
 with and without each protection mechanism.
 
 This is the **engine-level** frontier: no router, processor or sockets. It drives one
-:class:`engine_twin.core.EngineCore` in virtual time (each step's duration from
+:class:`engine_twin.core.EngineCore` in virtual time through the lab's model-time driver
+(:class:`lab.toolkit.model_time.ModelTimeEngine`; each step's duration from
 :mod:`engine_twin.step_model`, Llama-3.1-8B bf16 on one H100 SXM, published figures, not a fit)
 and simulates the router-side policies at the level they act:
 
@@ -47,10 +48,11 @@ from typing import Any
 
 import click
 
-from engine_twin.core import CoreRequest, EngineCore
-from engine_twin.kv_cache import TieredPrefixCache, block_hashes, none_hash
+from engine_twin.core import CoreRequest, EngineCore, StepOutcome
+from engine_twin.kv_cache import block_hashes, none_hash
 from engine_twin.settings import build_settings
 from lab.toolkit.arrivals import poisson_arrivals
+from lab.toolkit.model_time import ModelTimeEngine
 from lab.toolkit.stats import percentile
 from router.flow_control.core import SHORT_RETRY_S
 
@@ -105,6 +107,33 @@ class _Batch:
 
 
 @dataclass
+class _Run:
+    """The clients' state during one run: interactive requests in flight (arrival, core request),
+    batch requests dispatched (and their core requests), evicted ones held until their retry
+    (ready at, seq, request), the next arrival ``k`` and the prompt generator."""
+
+    engine: ModelTimeEngine
+    arrivals: list[float]
+    prompt_rng: random.Random
+    prompt_tokens: int
+    limit: int
+    share_tokens: float
+    interactive: dict[str, tuple[float, CoreRequest]] = field(default_factory=dict)
+    batch: dict[str, _Batch] = field(default_factory=dict)
+    in_core: dict[str, CoreRequest] = field(default_factory=dict)
+    held: list[tuple[float, int, _Batch]] = field(default_factory=list)
+    seq: int = 0
+    k: int = 0
+    prompts: int = 0
+
+    def prompt(self) -> list[int]:
+        """A unique prompt of ``prompt_tokens`` token ids (seeded)."""
+        self.prompts += 1
+        base = self.prompt_rng.getrandbits(30)
+        return [base + k for k in range(self.prompt_tokens)]
+
+
+@dataclass
 class Sim:
     """One engine and its clients for one run (module docstring)."""
 
@@ -125,109 +154,107 @@ class Sim:
     wasted: int = 0
 
     def run(self) -> EngineCore:
+        """Run ``duration`` model seconds; returns the engine's core (its preemption count). The
+        figures land in :attr:`ttfts` (seconds), :attr:`batch_done`, :attr:`evictions`, :attr:`wasted`."""
         p = self.policy
         s = build_settings(scheduling_policy="priority", time_scale=0.0, max_num_seqs=self.max_num_seqs,
                            max_num_batched_tokens=self.budget, num_gpu_blocks=8192,
                            background_priority_threshold=BACKGROUND_THRESHOLD if p.bg_cap else None,
                            max_background_prefill_tokens=p.bg_cap or 512)
-        core = EngineCore(s, TieredPrefixCache(s.num_gpu_blocks, s.block_size))
-        arrivals = poisson_arrivals(self.rate, self.duration, self.seed) if self.rate > 0 else []
-        prompt_rng = random.Random(f"{self.seed}-prompts")
-        counter = [0]
-
-        def prompt() -> list[int]:
-            counter[0] += 1
-            base = prompt_rng.getrandbits(30)
-            return [base + k for k in range(self.prompt_tokens)]
-
-        interactive: dict[str, tuple[float, CoreRequest]] = {}
-        batch: dict[str, _Batch] = {}
-        in_core: dict[str, CoreRequest] = {}
-        held: list[tuple[float, int, _Batch]] = []  # (ready at, seq, request)
-        limit = self.concurrency
-        if p.reserve:
-            limit = min(limit, self.max_num_seqs - self.reserve)
-        share_tokens = p.share * self.budget if p.share is not None else math.inf
-        seq = 0
-        t = 0.0
-        k = 0
-        while t < self.duration:
-            # the processor tops the backlog up to its concurrency, subject to the router's bounds
-            in_prefill = sum(len(b.prompt) for b in batch.values() if not b.first)
-            while len(batch) < limit:
-                from_held = bool(held) and held[0][0] <= t
-                if from_held:
-                    item = heapq.heappop(held)[2]
-                else:
-                    toks = prompt()
-                    item = _Batch(f"b{counter[0]}", toks, block_hashes(toks, s.block_size, ROOT))
-                if in_prefill and in_prefill + len(item.prompt) > share_tokens:
-                    if from_held:
-                        heapq.heappush(held, (t, seq, item))
-                        seq += 1
-                    break
-                item.dispatched, item.first = t, False
-                creq = CoreRequest(item.rid, item.prompt, self.max_tokens, item.hashes, BATCH_PRIORITY)
-                core.add(creq, t)
-                in_core[item.rid] = creq
-                batch[item.rid] = item
-                in_prefill += len(item.prompt)
-            while k < len(arrivals) and arrivals[k] <= t:
-                rid = f"i{k}"
-                toks = prompt()
-                req = CoreRequest(rid, toks, self.max_tokens, block_hashes(toks, s.block_size, ROOT),
-                                  INTERACTIVE_PRIORITY)
-                if p.evict:
-                    self._evict(core, batch, held, t, seq)
-                    seq += 1
-                core.add(req, t)
-                interactive[rid] = (arrivals[k], req)
-                k += 1
-            if not core.has_work():
-                wake = [arrivals[k]] if k < len(arrivals) else []
-                if held:
-                    wake.append(held[0][0])
-                t = max(t, min(wake, default=self.duration))
+        engine = ModelTimeEngine(s, root=ROOT)
+        limit = min(self.concurrency, self.max_num_seqs - self.reserve) if p.reserve else self.concurrency
+        run = _Run(engine, poisson_arrivals(self.rate, self.duration, self.seed) if self.rate > 0 else [],
+                   random.Random(f"{self.seed}-prompts"), self.prompt_tokens, limit,
+                   p.share * self.budget if p.share is not None else math.inf)
+        while engine.now < self.duration:
+            self._top_up(run)
+            self._admit_interactive(run)
+            if not engine.core.has_work():
+                wake = [run.arrivals[run.k]] if run.k < len(run.arrivals) else []
+                if run.held:
+                    wake.append(run.held[0][0])
                 if not wake:
                     break
+                engine.now = max(engine.now, min(wake))
                 continue
-            out = core.step(t)
-            t += out.duration
-            for rid in out.sampled:
-                if rid in interactive:
-                    arrival, req = interactive[rid]
-                    if req.output_tokens == 1 and arrival >= self.warmup:
-                        self.ttfts.append(t - arrival)
-                elif rid in batch and not batch[rid].first:
-                    b = batch[rid]
-                    b.first = True
-                    if b.computed_at_abort:  # a redo: what it found cached was not wasted
-                        self.wasted -= in_core[rid].num_cached_tokens
-                        b.computed_at_abort = 0
-            for rid in out.finished:
-                if rid in interactive:
-                    del interactive[rid]
-                else:
-                    batch.pop(rid, None)
-                    in_core.pop(rid, None)
-                    if t >= self.warmup:
-                        self.batch_done += 1
-        return core
+            self._record(run, engine.advance())
+        return engine.core
 
-    def _evict(self, core: EngineCore, batch: dict[str, _Batch], held: list, t: float, seq: int) -> None:
+    def _top_up(self, run: _Run) -> None:
+        """The processor tops the backlog up to its concurrency, subject to the router's bounds
+        (module docstring: ``share``, ``reserve``); evicted requests first once their retry is due."""
+        engine, t = run.engine, run.engine.now
+        in_prefill = sum(len(b.prompt) for b in run.batch.values() if not b.first)
+        while len(run.batch) < run.limit:
+            from_held = bool(run.held) and run.held[0][0] <= t
+            if from_held:
+                item = heapq.heappop(run.held)[2]
+            else:
+                toks = run.prompt()
+                item = _Batch(f"b{run.prompts}", toks, block_hashes(toks, engine.settings.block_size, ROOT))
+            if in_prefill and in_prefill + len(item.prompt) > run.share_tokens:
+                if from_held:
+                    heapq.heappush(run.held, (t, run.seq, item))
+                    run.seq += 1
+                break
+            item.dispatched, item.first = t, False
+            run.in_core[item.rid] = engine.submit(engine.request(item.prompt, self.max_tokens, BATCH_PRIORITY,
+                                                                 request_id=item.rid, hashes=item.hashes))
+            run.batch[item.rid] = item
+            in_prefill += len(item.prompt)
+
+    def _admit_interactive(self, run: _Run) -> None:
+        """Interactive arrivals up to now join the next step (evicting a batch request first under
+        ``evict``)."""
+        engine, t = run.engine, run.engine.now
+        while run.k < len(run.arrivals) and run.arrivals[run.k] <= t:
+            rid = f"i{run.k}"
+            req = engine.request(run.prompt(), self.max_tokens, INTERACTIVE_PRIORITY, request_id=rid)
+            if self.policy.evict:
+                self._evict(run, t)
+                run.seq += 1
+            engine.submit(req, t)
+            run.interactive[rid] = (run.arrivals[run.k], req)
+            run.k += 1
+
+    def _record(self, run: _Run, out: StepOutcome) -> None:
+        """A step's first tokens (interactive TTFTs after the warmup, batch redo's cached tokens) and
+        finished requests."""
+        t = run.engine.now
+        for rid in out.sampled:
+            if rid in run.interactive:
+                arrival, req = run.interactive[rid]
+                if req.output_tokens == 1 and arrival >= self.warmup:
+                    self.ttfts.append(t - arrival)
+            elif rid in run.batch and not run.batch[rid].first:
+                b = run.batch[rid]
+                b.first = True
+                if b.computed_at_abort:  # a redo: what it found cached was not wasted
+                    self.wasted -= run.in_core[rid].num_cached_tokens
+                    b.computed_at_abort = 0
+        for rid in out.finished:
+            if rid in run.interactive:
+                del run.interactive[rid]
+            else:
+                run.batch.pop(rid, None)
+                run.in_core.pop(rid, None)
+                if t >= self.warmup:
+                    self.batch_done += 1
+
+    def _evict(self, run: _Run, t: float) -> None:
         """Evict-and-resume for one interactive arrival (module docstring)."""
-        prefilling = [b for b in batch.values() if not b.first]
+        prefilling = [b for b in run.batch.values() if not b.first]
         if not prefilling:  # nothing of batch's in this step's way (requests waiting are decoders' slots)
             return
         victim = max(prefilling, key=lambda b: b.dispatched)
-        creq = core.abort(victim.rid)
-        del batch[victim.rid]
+        creq = run.engine.core.abort(victim.rid)
+        del run.batch[victim.rid]
         if creq is None:
             return
         self.evictions += 1
         victim.computed_at_abort = max(1, creq.num_computed_tokens)
         self.wasted += creq.num_computed_tokens + creq.output_tokens
-        heapq.heappush(held, (t + RETRY_AFTER_S, seq, victim))
+        heapq.heappush(run.held, (t + RETRY_AFTER_S, run.seq, victim))
 
 
 def interactive_request_seconds(prompt_tokens: int, max_tokens: int) -> float:

@@ -1,15 +1,17 @@
 """``backfill bench interference``: prefill/decode interference and KV-pressure preemption on the
 engine twin, in model time.
 
-Both parts drive :class:`engine_twin.core.EngineCore` directly in virtual time (no sockets, no
-sleeping): each step's duration comes from :mod:`engine_twin.step_model` (Llama-3.1-8B bf16 on one
-H100 SXM, published figures), so the figures are model seconds, the same at any ``--time-scale``.
+Both parts drive the twin's :class:`engine_twin.core.EngineCore` in virtual time through the lab's
+model-time driver (:class:`lab.toolkit.model_time.ModelTimeEngine`; no sockets, no sleeping): each
+step's duration comes from :mod:`engine_twin.step_model` (Llama-3.1-8B bf16 on one H100 SXM,
+published figures), so the figures are model seconds, the same at any ``--time-scale``.
 
 1. **Interference**: one running stream (``--stream-prompt`` tokens, decoding) gets
    ``--idle-tokens`` tokens alone; then a ``--long-prompt``-token prompt (24k) arrives. The stream's
    token gaps while that prompt prefills are compared with its idle gap (the median gap before the
-   arrival), for each ``--budget`` (``--max-num-batched-tokens``). vLLM V1 puts the running decode
-   and a chunk of the long prompt into every step, so each of those steps is as long as the chunk:
+   arrival, nearest rank: :mod:`lab.toolkit.stats`), for each ``--budget``
+   (``--max-num-batched-tokens``). vLLM V1 puts the running decode and a chunk of the long prompt
+   into every step, so each of those steps is as long as the chunk:
    the largest gap ÷ the idle gap grows with the budget (goal: ≥ 3 at the default 8,192, smaller
    at 2,048).
 2. **KV pressure**: ``--requests`` requests of ``--pressure-prompt`` + ``--pressure-output`` tokens
@@ -21,16 +23,13 @@ H100 SXM, published figures), so the figures are model seconds, the same at any 
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import asdict, dataclass
 
 import click
 
-from engine_twin.core import CoreRequest, EngineCore
-from engine_twin.kv_cache import TieredPrefixCache, block_hashes, none_hash
 from engine_twin.settings import build_settings
-
-ROOT = none_hash("0")
+from lab.toolkit.model_time import ModelTimeEngine
+from lab.toolkit.stats import percentile
 
 
 @dataclass
@@ -59,39 +58,34 @@ class PressureResult:
     model_seconds: float
 
 
-def _request(rid: str, tokens: list[int], max_tokens: int, block_size: int, priority: int = 0) -> CoreRequest:
-    return CoreRequest(rid, tokens, max_tokens, block_hashes(tokens, block_size, ROOT), priority)
-
-
 def interference(budget: int, stream_prompt: int, long_prompt: int, idle_tokens: int) -> InterferenceResult:
     """The stream's gaps around a ``long_prompt`` arrival at one token budget (module docstring)."""
     s = build_settings(max_num_batched_tokens=budget, max_model_len=long_prompt + 4096, time_scale=0.0,
                        num_gpu_blocks=(long_prompt + stream_prompt + 8192) // 16 + 1)
-    core = EngineCore(s, TieredPrefixCache(s.num_gpu_blocks, s.block_size))
+    engine = ModelTimeEngine(s)
     # the stream must outlive the long prefill: at least one of its tokens per step, budget - 1 per step for it
     stream_tokens = idle_tokens + 10 + 2 * -(-long_prompt // max(1, budget - 1))
-    core.add(_request("stream", [1] * stream_prompt, stream_tokens, s.block_size), 0.0)
-    t = 0.0
+    engine.submit(engine.request([1] * stream_prompt, stream_tokens, request_id="stream"))
     stream_times: list[float] = []
     long_arrival = long_first = None
     prefill_steps = 0
     while long_first is None or len(stream_times) < idle_tokens + 5 + prefill_steps:
         if long_arrival is None and len(stream_times) >= idle_tokens:
-            long_arrival = t
-            core.add(_request("long", [2] * long_prompt, 16, s.block_size), t)
-        out = core.step(t)
-        t += out.duration
+            long_arrival = engine.now
+            engine.submit(engine.request([2] * long_prompt, 16, request_id="long"))
+        out = engine.advance()
+        t = engine.now
         if "stream" in out.sampled:
             stream_times.append(t)
         if "long" in out.scheduled and long_first is None:
             prefill_steps += 1
         if "long" in out.sampled and long_first is None:
             long_first = t
-        if not core.has_work():
+        if not engine.core.has_work():
             raise click.ClickException(f"the stream ended before the long prompt's first token (budget {budget})")
     assert long_arrival is not None and long_first is not None
     gaps = [b - a for a, b in zip(stream_times, stream_times[1:])]
-    idle = statistics.median(gaps[1:idle_tokens - 1])
+    idle = percentile(gaps[1:idle_tokens - 1], 50, default=0.0)
     during = [b - a for a, b in zip(stream_times, stream_times[1:]) if b > long_arrival]
     largest = max(during)
     return InterferenceResult(budget, round(idle * 1000, 2), round(largest * 1000, 2), round(largest / idle, 1),
@@ -102,25 +96,19 @@ def pressure(policy: str, requests: int, prompt: int, output: int, blocks: int) 
     """``requests`` requests at once on a ``blocks``-block cache, run until idle (module docstring)."""
     s = build_settings(num_gpu_blocks=blocks, max_model_len=min(blocks * 16, 32768), scheduling_policy=policy,
                        time_scale=0.0)
-    core = EngineCore(s, TieredPrefixCache(s.num_gpu_blocks, s.block_size))
+    engine = ModelTimeEngine(s)
     for i in range(requests):
         try:
-            core.add(_request(f"r{i}", [10 + i] * prompt, output, s.block_size, priority=i % 4), float(i))
+            engine.submit(engine.request([10 + i] * prompt, output, i % 4, request_id=f"r{i}"), float(i))
         except ValueError as exc:  # one request larger than the whole cache: the engine would refuse it
             raise click.BadParameter(str(exc), param_hint="--pressure-blocks") from None
-    t = 0.0
-    generated: dict[str, int] = {}
-    completed = 0
-    while core.has_work():
-        out = core.step(t)
-        t += out.duration
-        for rid in out.sampled:
-            generated[rid] = generated.get(rid, 0) + 1
-        completed += len(out.finished)
-        if core.steps > 1_000_000:
-            raise click.ClickException("the KV-pressure run did not finish in a million steps")
-    return PressureResult(policy, requests, completed, requests * output, sum(generated.values()),
-                          core.num_preemptions, core.steps, round(t, 2))
+    finished: list[str] = []
+    try:
+        engine.run_until_idle(on_finished=lambda rid, _at: finished.append(rid), max_steps=1_000_000)
+    except RuntimeError as exc:
+        raise click.ClickException(f"the KV-pressure run did not finish: {exc}") from None
+    return PressureResult(policy, requests, len(finished), requests * output, engine.generated,
+                          engine.core.num_preemptions, engine.core.steps, round(engine.now, 2))
 
 
 @click.command("interference")

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
-import statistics
 import time
 import tracemalloc
 from typing import Any
 
+from lab.toolkit.stats import percentile
 from router.kv_index.events import BlockStored
 from router.kv_index.index import KVBlockIndex
 from router.scheduling.hashing import chain_seed, chained_keys, tokens_to_bytes
@@ -84,9 +85,8 @@ def longest_prefix_latency(endpoints: int = 16, prompt_tokens: int = 8000, engin
         t0 = time.perf_counter()
         index.longest_prefix(MODEL, keys)
         times.append((time.perf_counter() - t0) * 1e6)
-    times.sort()
-    return {"blocks": len(keys), "p50_us": round(statistics.median(times), 1),
-            "p99_us": round(times[int(len(times) * 0.99)], 1)}
+    return {"blocks": len(keys), "p50_us": round(percentile(times, 50, default=math.nan), 1),
+            "p99_us": round(percentile(times, 99, default=math.nan), 1)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

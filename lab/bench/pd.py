@@ -54,7 +54,6 @@ import json
 import math
 import os
 import secrets
-import statistics
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -284,7 +283,7 @@ def call_figures(calls: Sequence[Call], wall_s: float, time_scale: float) -> dic
         ttfts = [c.ttft_s for c in picked if c.ttft_s is not None]
         out[f"itl_p50_ms_{label}"] = _ms(percentile(gaps, 50), time_scale)
         out[f"itl_p99_ms_{label}"] = _ms(percentile(gaps, 99), time_scale)
-        out[f"ttft_p50_ms_{label}"] = _ms(statistics.median(ttfts) if ttfts else None, time_scale)
+        out[f"ttft_p50_ms_{label}"] = _ms(percentile(ttfts, 50), time_scale)
         out[f"ttft_p99_ms_{label}"] = _ms(percentile(ttfts, 99), time_scale)
     model_s = wall_s / time_scale if time_scale else wall_s
     out["model_seconds"] = round(model_s, 3)

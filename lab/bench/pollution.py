@@ -34,8 +34,8 @@ Figures (model seconds from :mod:`engine_twin.step_model`: Llama-3.1-8B bf16 on 
   (``vllm:external_prefix_cache_hits_total``), what ``usage.prompt_tokens_details.cached_tokens`` reports;
 * **drop**: the reference's hit % over the same turns minus this run's (points); the goal is ≤ 2
   with the guard on;
-* **TTFT**: arrival to the end of the step that samples the first token, p50 over the turns before /
-  after, and the longest conversation's first turn after the sweep against its last one before;
+* **TTFT**: arrival to the end of the step that samples the first token, p50 (nearest rank,
+  :mod:`lab.toolkit.stats`) over the turns before / after, and the longest conversation's first turn after the sweep against its last one before;
 * **interactive blocks kept**: of the GPU blocks interactive requests had cached before the sweep,
   the share still on the GPU after it.
 
@@ -46,17 +46,16 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 from array import array
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import click
 
-from engine_twin.core import CoreRequest, EngineCore
-from engine_twin.kv_cache import DEFAULT_RETENTION, TieredPrefixCache, block_hashes, none_hash
+from engine_twin.kv_cache import block_hashes, none_hash
 from engine_twin.launch import FLEET_RETENTION_PRIORITY_THRESHOLD
-from engine_twin.settings import EngineSimSettings, build_settings
+from engine_twin.settings import build_settings
+from lab.toolkit.model_time import ModelTimeEngine
+from lab.toolkit.stats import percentile
 
 ROOT = none_hash("0")
 BLOCK_SIZE = 16
@@ -74,13 +73,6 @@ def band_engine_priorities() -> dict[str, int]:
 def tokens(seed: int, n: int) -> list[int]:
     """``n`` pseudo-random token ids (0 … 65,535) from ``seed``: distinct seeds never share a block."""
     return array("H", random.Random(seed).randbytes(2 * n)).tolist()
-
-
-def retention_for(priority: int, threshold: int | None) -> int:
-    """The engine's KV retention for a request without ``kv_retention_priority``: 0 when its vLLM
-    ``priority`` reaches ``--retention-priority-threshold``, else the default (as
-    ``engine_twin.engine.SimEngine.retention_of``)."""
-    return 0 if threshold is not None and priority >= threshold else DEFAULT_RETENTION
 
 
 @dataclass(frozen=True)
@@ -198,46 +190,6 @@ def _pct(part: float, whole: float) -> float:
     return round(100.0 * part / whole, 2) if whole else 0.0
 
 
-class VirtualEngine:
-    """One :class:`EngineCore` driven in virtual time: ``now`` advances by each step's model seconds."""
-
-    def __init__(self, settings: EngineSimSettings):
-        self.settings = settings
-        self.cache = TieredPrefixCache(settings.num_gpu_blocks, settings.block_size, settings.cpu_offload_blocks)
-        self.core = EngineCore(settings, self.cache)
-        self.now = 0.0
-        self._ids = 0
-
-    def request(self, prompt: list[int], hashes: list[bytes], max_tokens: int, priority: int) -> CoreRequest:
-        self._ids += 1
-        retention = retention_for(priority, self.settings.retention_priority_threshold)
-        return CoreRequest(f"r{self._ids}", prompt, max_tokens, hashes, priority, retention)
-
-    def run(self, on_finished: Callable[[str], None] | None = None,
-            on_sampled: Callable[[str, float], None] | None = None) -> None:
-        """Step until idle; callbacks get finished ids, and sampled ids with the step's end time."""
-        core = self.core
-        while core.has_work():
-            out = core.step(self.now)
-            if not out.scheduled:
-                raise RuntimeError("the engine has work but scheduled nothing")
-            self.now += out.duration
-            if on_sampled is not None:
-                for rid in out.sampled:
-                    on_sampled(rid, self.now)
-            if on_finished is not None:
-                for rid in out.finished:
-                    on_finished(rid)
-
-    def serve_alone(self, req: CoreRequest) -> float:
-        """Run ``req`` on an otherwise idle engine to its end; returns its TTFT in model seconds."""
-        start = self.now
-        first: list[float] = []
-        self.core.add(req, start)
-        self.run(on_sampled=lambda rid, t: first.append(t) if rid == req.request_id and not first else None)
-        return first[0] - start
-
-
 def run_scenario(work: Workload, gpu_blocks: int, cpu_blocks: int, *, sweep: bool, guard: bool,
                  docs: BatchDocs | None = None, systems: list[list[int]] | None = None) -> RunResult:
     """Cold turns, warm turns, the sweep (``sweep``), later turns on one engine (module docstring)."""
@@ -246,7 +198,7 @@ def run_scenario(work: Workload, gpu_blocks: int, cpu_blocks: int, *, sweep: boo
                               max_model_len=max(work.longest_prompt() + work.output_tokens, 2048),
                               scheduling_policy="priority", time_scale=0.0,
                               retention_priority_threshold=FLEET_RETENTION_PRIORITY_THRESHOLD if guard else None)
-    engine = VirtualEngine(settings)
+    engine = ModelTimeEngine(settings, root=ROOT)
     cache = engine.cache
     systems = systems or system_prompts(work)
     conversations = [Conversation(i, systems[i % work.tenants], work.first_prompt_tokens(i), work)
@@ -258,7 +210,7 @@ def run_scenario(work: Workload, gpu_blocks: int, cpu_blocks: int, *, sweep: boo
         hashes = block_hashes(prompt, BLOCK_SIZE, ROOT)
         stats = cache.stats
         hits, tier = stats.hits_tokens, stats.external_hits_tokens
-        req = engine.request(prompt, hashes, work.output_tokens, priorities["interactive"])
+        req = engine.request(prompt, work.output_tokens, priorities["interactive"], hashes=hashes)
         ttft = engine.serve_alone(req)
         turns.append(Turn(conv.index, phase, len(prompt), stats.hits_tokens - hits,
                           stats.external_hits_tokens - tier, round(ttft * 1000, 2)))
@@ -283,11 +235,11 @@ def run_scenario(work: Workload, gpu_blocks: int, cpu_blocks: int, *, sweep: boo
             nonlocal submitted
             assert docs is not None
             prompt = docs.prompt(submitted)
-            engine.core.add(engine.request(prompt, docs.hashes(submitted, prompt), work.batch_output_tokens,
-                                           priorities["batch"]), engine.now)
+            engine.submit(engine.request(prompt, work.batch_output_tokens, priorities["batch"],
+                                         hashes=docs.hashes(submitted, prompt)))
             submitted += 1
 
-        def finished(_rid: str) -> None:
+        def finished(_rid: str, _at: float) -> None:
             nonlocal batch_done
             batch_done += 1
             if submitted < work.batch_requests:
@@ -295,7 +247,7 @@ def run_scenario(work: Workload, gpu_blocks: int, cpu_blocks: int, *, sweep: boo
 
         for _ in range(min(work.batch_concurrency, work.batch_requests)):
             submit()
-        engine.run(on_finished=finished)
+        engine.run_until_idle(on_finished=finished)
         batch_queries = cache.stats.queries_tokens - before[0]
         batch_hits = cache.stats.hits_tokens - before[1]
         batch_seconds = engine.now - before[2]
@@ -320,8 +272,8 @@ def run_scenario(work: Workload, gpu_blocks: int, cpu_blocks: int, *, sweep: boo
         guard=guard, sweep=sweep,
         hit_pct_before=hit_pct(before_rows), hit_pct_after=hit_pct(after_rows),
         cached_pct_after=hit_pct(after_rows, tier=True),
-        ttft_ms_p50_before=round(statistics.median(t.ttft_ms for t in before_rows), 1) if before_rows else 0.0,
-        ttft_ms_p50_after=round(statistics.median(t.ttft_ms for t in after_rows), 1) if after_rows else 0.0,
+        ttft_ms_p50_before=round(percentile((t.ttft_ms for t in before_rows), 50, default=0.0), 1),
+        ttft_ms_p50_after=round(percentile((t.ttft_ms for t in after_rows), 50, default=0.0), 1),
         longest_ttft_ms_before=next((t.ttft_ms for t in reversed(before_rows) if t.conversation == longest), 0.0),
         longest_ttft_ms_after=next((t.ttft_ms for t in after_rows if t.conversation == longest), 0.0),
         interactive_blocks_kept_pct=_pct(kept, len(interactive_gpu)) if interactive_gpu else 100.0,

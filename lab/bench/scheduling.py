@@ -105,15 +105,13 @@ def decision_latency(
             prefix_scores = result.scores.get("prefix-cache-scorer")
             if prefix_scores is not None:
                 hit.append(prefix_scores[result.candidates.index(result.endpoint)])
-    decide.sort()
-    learn.sort()
     return {
         "endpoints": endpoints,
         "prompt_tokens": prompt_tokens,
         "iterations": iterations,
-        "decision_p50_ms": statistics.median(decide),
+        "decision_p50_ms": percentile(decide, 50, default=math.nan),
         "decision_p99_ms": percentile(decide, 99, default=math.nan),
-        "learn_p50_ms": statistics.median(learn),
+        "learn_p50_ms": percentile(learn, 50, default=math.nan),
         "learn_p99_ms": percentile(learn, 99, default=math.nan),
         "chosen_prefix_score_mean": statistics.fmean(hit) if hit else 0.0,
     }

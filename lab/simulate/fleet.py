@@ -1,7 +1,8 @@
 """The simulated fleet: engine twins in virtual time and their KV-event feed to the router's index.
 
-Each :class:`FleetEngine` is the twin's pure :class:`~engine_twin.core.EngineCore` over its own
-:class:`~engine_twin.kv_cache.TieredPrefixCache` (the classes the ``engine-sim`` server drives in
+Each :class:`FleetEngine` is the lab's model-time driver (:mod:`lab.toolkit.model_time`: the
+twin's pure :class:`~engine_twin.core.EngineCore` over its own
+:class:`~engine_twin.kv_cache.TieredPrefixCache`, the classes the ``engine-sim`` server drives in
 real time), plus the pool's :class:`~router.pool.EndpointState` the router schedules on. Its
 ``role`` (``both``, or ``prefill`` / ``decode`` for disaggregation) is its endpoint's
 :attr:`~router.scheduling.types.Endpoint.role`, which the P/D config's ``prefill-filter`` /
@@ -17,15 +18,13 @@ carries for vLLM's map layout (:func:`engine_twin.kv_events.encode_event`: ``ext
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal
 
 from engine_twin import kv_events as twin
-from engine_twin.core import EngineCore, StepOutcome
-from engine_twin.kv_cache import TieredPrefixCache
 from engine_twin.settings import EngineSimSettings
+from lab.toolkit.model_time import ModelTimeEngine
 from router.kv_index import events as wire
-from router.pool import EndpointState, EngineMetrics
+from router.pool import EndpointState
 from router.scheduling.types import Endpoint
 
 Role = Literal["both", "prefill", "decode"]
@@ -48,57 +47,25 @@ def to_router_events(events: list[twin.KVEvent]) -> list[wire.KVEvent]:
     return out
 
 
-@dataclass(eq=False)
-class FleetEngine:
-    """One engine twin and the router's view of it. ``pending``: KV events of the step running now
-    (published when it ends, as vLLM publishes a step's events after it ran)."""
+class FleetEngine(ModelTimeEngine):
+    """One engine twin (:class:`~lab.toolkit.model_time.ModelTimeEngine`, stepped by the
+    simulation's event loop at its ``now``) and the router's view of it: ``name`` (its base URL),
+    ``role``, the pool's :attr:`state`, and ``busy`` while a step runs. :attr:`pending` holds the
+    KV events of the step running now (published when it ends, as vLLM publishes a step's events
+    after it ran)."""
 
-    name: str
-    core: EngineCore
-    cache: TieredPrefixCache
-    state: EndpointState
-    role: Role = "both"
-    busy: bool = False
-    pending: list[twin.KVEvent] = field(default_factory=list)
-    steps: int = 0
-    busy_s: float = 0.0
-    generated: int = 0
-    """Output tokens sampled here (a prefill engine's: one per prefill leg)."""
+    def __init__(self, name: str, settings: EngineSimSettings, model: str, role: Role = "both", *,
+                 collect_events: bool = True):
+        super().__init__(settings, collect_events=collect_events)
+        self.name = name
+        self.role: Role = role
+        self.busy = False
+        self.state = EndpointState(Endpoint(name, role=role), healthy=True, models=[model])
 
     @classmethod
     def build(cls, name: str, settings: EngineSimSettings, model: str, role: Role = "both",
               collect_events: bool = True) -> FleetEngine:
-        """An engine twin with ``settings`` (its cache sized from them), named ``name`` (a base URL)."""
-        pending: list[twin.KVEvent] = []
-        cache = TieredPrefixCache(settings.num_gpu_blocks, settings.block_size, settings.cpu_offload_blocks,
-                                  settings.disk_offload_blocks, sink=pending.extend if collect_events else None)
-        state = EndpointState(Endpoint(name, role=role), healthy=True, models=[model])
-        return cls(name, EngineCore(settings, cache), cache, state, role, pending=pending)
+        """An engine twin with ``settings`` (its cache sized from them), named ``name`` (a base URL),
+        serving ``model``."""
+        return cls(name, settings, model, role, collect_events=collect_events)
 
-    def step(self, now: float) -> StepOutcome:
-        """One core step starting at ``now`` (its KV events land in :attr:`pending`)."""
-        outcome = self.core.step(now)
-        if outcome.duration:
-            self.steps += 1
-            self.busy_s += outcome.duration
-            self.generated += len(outcome.sampled)
-        return outcome
-
-    def take_events(self) -> list[twin.KVEvent]:
-        """The events collected since the last call."""
-        if not self.pending:
-            return []
-        out = list(self.pending)
-        self.pending.clear()
-        return out
-
-    def metrics(self) -> EngineMetrics:
-        """What a scrape of this engine's ``/metrics`` would parse to (vLLM's series, :mod:`router.pool`)."""
-        core, cache = self.core, self.cache
-        stats = cache.stats
-        return EngineMetrics(num_requests_waiting=core.num_waiting, num_requests_running=core.num_running,
-                             kv_cache_usage_perc=cache.usage, block_size=cache.block_size,
-                             num_gpu_blocks=cache.num_gpu_blocks, num_cpu_blocks=cache.cpu_capacity,
-                             prefix_cache_queries=float(stats.queries_tokens), prefix_cache_hits=float(stats.hits_tokens),
-                             external_prefix_cache_hits=float(stats.external_hits_tokens),
-                             num_preemptions=float(core.num_preemptions))

@@ -79,8 +79,9 @@ from async_processor.lanes import LaneBuffer, Work
 from async_processor.router_client import Answer
 from common.contracts.queue import LANE_PRIORITIES, RequestMessage
 from engine_twin.core import CoreRequest, KVLoad, StepOutcome
-from engine_twin.kv_cache import DEFAULT_RETENTION, LOWEST_RETENTION, none_hash
+from engine_twin.kv_cache import DEFAULT_RETENTION, none_hash
 from engine_twin.launch import BACKGROUND_PRIORITY_THRESHOLD, FLEET_RETENTION_PRIORITY_THRESHOLD
+from engine_twin.retention import request_retention
 from engine_twin.settings import EngineSimSettings, build_settings
 from lab.simulate.clock import EventQueue, VirtualClock
 from lab.simulate.fleet import FleetEngine, to_router_events
@@ -653,9 +654,7 @@ class Simulation:
         vllm_priority = 0
         if self.priority_policy:
             vllm_priority = engine_priority(self.objective_priority.get(req.objective, 0))
-            threshold = self.settings.retention_priority_threshold
-            if threshold is not None and vllm_priority >= threshold:
-                retention = LOWEST_RETENTION
+            retention = request_retention(vllm_priority, self.settings.retention_priority_threshold)
         return CoreRequest(live.rid, self.memo.lazy_tokens(req), max_tokens,  # type: ignore[arg-type]
                            self.memo.engine_hashes(req), vllm_priority, retention)
 

@@ -14,7 +14,6 @@ from cache. TTFT is the time from sending to the first chunk carrying a choice.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -77,7 +76,7 @@ def summarize(replay: ReplayResult, reusable_tokens: Sequence[int], indexes: Seq
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     return {
         "captured_reuse": cached / reusable if reusable else None,
-        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
         "output_tokens_per_s": sum(r.completion_tokens for r in ok) / replay.wall_s if replay.wall_s else 0.0,
         "cached_tokens": cached,

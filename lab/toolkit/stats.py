@@ -19,9 +19,12 @@ one:
   ``method="linear"``; NaN when empty) — isolation, mixed and frontier; a p99 of 100 values was
   0.01 of the way from the 99th to the 100th value, here it is the 99th.
 
-``statistics.median`` (the middle value, or the mean of the two middle ones) still gives the
-medians some benchmarks report beside their percentiles; it is the standard library's, not a
-percentile of ours.
+A **median** (every ``p50`` figure) is ``percentile(values, 50)``: for an even count the lower of
+the two middle values, not their mean as ``statistics.median`` gave before (the pollution bench's
+TTFT p50 over 18 and 6 turns, the replay benchmarks' TTFT p50, the scheduler's decision and learn
+p50, router-overhead's latency p50, the KV index's lookup p50; the interference bench's idle gap,
+whose middle gaps are equal). The KV index's p99 was rank ``floor(0.99 n) + 1``; it is nearest
+rank too.
 """
 
 from __future__ import annotations

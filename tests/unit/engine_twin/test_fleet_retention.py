@@ -116,3 +116,24 @@ def test_a_block_a_full_cpu_tier_would_not_keep_goes_to_disk_instead_of_evicting
     assert cache.stats.cpu_evictions == 0
     stored = [(e.medium, e.block_hashes) for e in events if isinstance(e, BlockStored) and e.medium != "GPU"]
     assert [m for m, _ in stored] == ["CPU", "DISK"]
+
+
+@pytest.mark.parametrize(("priority", "threshold", "asked", "expected"), [
+    (10, 1, None, 0),                   # at or past the threshold: the lowest
+    (1, 1, None, 0),
+    (0, 1, None, DEFAULT_RETENTION),    # below it: the default
+    (10, None, None, DEFAULT_RETENTION),  # threshold off
+    (10, 1, 70, 70),                    # kv_retention_priority wins, either way
+    (-100, 1, 0, 0),
+])
+def test_one_retention_rule_for_the_server_and_the_lab(priority, threshold, asked, expected):
+    from engine_twin.engine import SimEngine
+    from engine_twin.protocol import GenerationSpec
+    from engine_twin.retention import request_retention
+    from lab.toolkit.model_time import ModelTimeEngine
+
+    assert request_retention(priority, threshold, asked) == expected
+    s = build_settings(retention_priority_threshold=threshold, time_scale=0.0)
+    spec = GenerationSpec("chat", "m", [[1]], 4, "length", priority=priority, retention=asked)
+    assert SimEngine(s).retention_of(spec) == expected  # the twin's server path
+    assert ModelTimeEngine(s).request([1] * 20, 4, priority, kv_retention_priority=asked).retention == expected

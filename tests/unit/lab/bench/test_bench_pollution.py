@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from engine_twin.kv_cache import DEFAULT_RETENTION, block_hashes
 from engine_twin.launch import FLEET_RETENTION_PRIORITY_THRESHOLD
+from engine_twin.retention import request_retention
 from lab.bench.pollution import (
     ROOT,
     BatchDocs,
@@ -16,7 +17,6 @@ from lab.bench.pollution import (
     Workload,
     band_engine_priorities,
     pollution_command,
-    retention_for,
 )
 
 SMALL = ["--batch-requests", "300", "--batch-concurrency", "8", "--conversations", "4", "--tenants", "2",
@@ -26,9 +26,9 @@ SMALL = ["--batch-requests", "300", "--batch-concurrency", "8", "--conversations
 
 def test_the_fleet_threshold_puts_batch_alone_at_the_lowest_retention():
     priorities = band_engine_priorities()
-    assert {objective: retention_for(p, FLEET_RETENTION_PRIORITY_THRESHOLD) for objective, p in priorities.items()} \
+    assert {objective: request_retention(p, FLEET_RETENTION_PRIORITY_THRESHOLD) for objective, p in priorities.items()} \
         == {"interactive": DEFAULT_RETENTION, "async": DEFAULT_RETENTION, "batch": 0}
-    assert retention_for(priorities["batch"], None) == DEFAULT_RETENTION
+    assert request_retention(priorities["batch"], None) == DEFAULT_RETENTION
 
 
 def test_conversations_grow_on_their_own_prefix_and_documents_share_only_the_batch_prefix():
