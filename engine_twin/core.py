@@ -181,6 +181,38 @@ class StepOutcome:
     """Decode-side requests that began waiting for remote KV this step (P/D, :class:`KVLoad`)."""
 
 
+@dataclass(slots=True)
+class _StepPlan:
+    """The scratch state of one step while :meth:`EngineCore.step` schedules and runs it: the token
+    ``budget`` and background share left, what was scheduled (tokens per request, in order),
+    preempted, first scheduled and started loading, and what the run did."""
+
+    budget: int
+    bg_left: int
+    scheduled: dict[CoreRequest, int] = field(default_factory=dict)
+    preempted: list[CoreRequest] = field(default_factory=list)
+    first: list[str] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    loads_cpu: int = 0
+    loads_disk: int = 0
+    tokens: int = 0
+    pairs: int = 0
+    context: int = 0
+    sampled: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def take(self, req: CoreRequest, n: int, background: bool) -> None:
+        """Schedule ``n`` tokens of ``req`` (a background prefill chunk when ``background``)."""
+        self.scheduled[req] = n
+        self.budget -= n
+        if background:
+            self.bg_left -= n
+
+
+_DECODE = (1, False)
+"""The chunk of a running request with one token left: a decode token, never a background prefill."""
+
+
 class _WaitingQueue:
     """vLLM's request queues: FCFS (a deque, preempted requests go to the front) or a heap on
     ``(priority, arrival, seq)``. Aborted requests are dropped lazily when they reach the head."""
@@ -388,149 +420,202 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self, now: float) -> StepOutcome:
-        """Schedule and run one step starting at ``now`` (module docstring); flushes KV events."""
-        settings = self.settings
-        cache = self.cache
-        bs = self.block_size
-        threshold = self._threshold
-        budget = settings.max_num_batched_tokens
-        scheduled: dict[CoreRequest, int] = {}
-        preempted: list[CoreRequest] = []
-        first: list[str] = []
-        kv_loads: list[KVLoad] = []
-        loads_cpu = loads_disk = 0
-        stores_before = (cache.stats.cpu_stores, cache.stats.disk_stores)
+        """Schedule and run one step starting at ``now`` (module docstring); flushes KV events.
 
-        running = self.running
+        The phases, as vLLM V1's ``Scheduler.schedule`` and ``update_from_output``: the background
+        share (item 4), the running requests (item 1, with preemption), the waiting requests (item 2,
+        only when nobody was preempted), then the model "runs" the step and finished requests leave."""
+        cache = self.cache
+        stores_before = (cache.stats.cpu_stores, cache.stats.disk_stores)
+        plan = _StepPlan(self.settings.max_num_batched_tokens, self._background_share())
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan, now)
+        self._execute(plan)
+        if plan.finished:
+            self._free_finished(plan.finished, now)
+        cache.flush()
+        work = StepWork(plan.tokens, plan.pairs, plan.context, plan.loads_cpu, plan.loads_disk,
+                        cache.stats.cpu_stores - stores_before[0], cache.stats.disk_stores - stores_before[1])
+        if plan.scheduled:
+            self.steps += 1
+        return StepOutcome(self.model.seconds(work), {r.request_id: n for r, n in plan.scheduled.items()},
+                           plan.sampled, plan.first, plan.finished, [r.request_id for r in plan.preempted], work,
+                           plan.kv_loads)
+
+    def _background_share(self) -> int:
+        """Background prefill tokens this step may carry (item 4 of the module doc): the whole budget
+        without ``--background-priority-threshold``; none while a foreground prefill is pending (the
+        head of the waiting queue, or a running request with more than one token left); otherwise
+        ``--max-background-prefill-tokens``."""
         background = self._background
-        bg_left = budget  # background prefill tokens left this step (item 4 of the module doc)
-        if background is not None:
-            head = self.waiting.peek()
-            pending = (head is not None and head.priority < background) or any(
-                r.priority < background and r.num_tokens - r.num_computed_tokens > 1 for r in running)
-            bg_left = 0 if pending else settings.max_background_prefill_tokens
+        if background is None:
+            return self.settings.max_num_batched_tokens
+        head = self.waiting.peek()
+        pending = (head is not None and head.priority < background) or any(
+            r.priority < background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+        return 0 if pending else self.settings.max_background_prefill_tokens
+
+    def _chunk(self, left: int, budget: int) -> int:
+        """vLLM's chunked prefill: ``left`` tokens capped by ``--long-prefill-token-threshold`` (when
+        > 0) and by the step's remaining token ``budget``."""
+        if 0 < self._threshold < left:
+            left = self._threshold
+        return min(left, budget)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """vLLM's running pass (item 1): each running request in order gets its next chunk or decode
+        token; when its blocks do not fit, requests are preempted (:meth:`_preempt_until_fits`) and
+        the pass stops when the request itself had to go."""
+        running, cache, bs, scheduled = self.running, self.cache, self.block_size, plan.scheduled
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and plan.budget > 0:
             req = running[i]
-            n = req.num_tokens - req.num_computed_tokens
-            if 0 < threshold < n:
-                n = threshold
-            if n > budget:
-                n = budget
-            bg_chunk = background is not None and n > 1 and req.priority >= background
-            if bg_chunk:
-                if bg_left <= 0:
-                    i += 1
-                    continue
-                if n > bg_left:
-                    n = bg_left
-            if self._limit_partials and n > 1 and not self._partial_allowed(req, scheduled):
+            decode = req.num_tokens - req.num_computed_tokens == 1
+            chunk = _DECODE if decode else self._running_chunk(req, plan)
+            if chunk is None:
                 i += 1
                 continue
+            n, background = chunk
             need = -(-(req.num_computed_tokens + n) // bs) - len(req.blocks)
-            ok = need <= 0 or cache.grow(req.blocks, need)
-            while not ok:
-                if self.policy_priority:
-                    victim = max(running, key=lambda r: (r.priority, r.arrival, r.seq))
-                    running.remove(victim)
-                    if victim in scheduled:
-                        budget += scheduled.pop(victim)
-                        i -= 1
-                else:
-                    victim = running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
+            if need > 0 and not cache.grow(req.blocks, need):
+                fits, shift = self._preempt_until_fits(req, need, plan)
+                if not fits:
                     break
-                ok = cache.grow(req.blocks, need)
-            if not ok:
-                break
-            scheduled[req] = n
-            budget -= n
-            if bg_chunk:
-                bg_left -= n
+                i -= shift
+            scheduled[req] = n  # plan.take, inlined: the hot loop
+            plan.budget -= n
+            if background:
+                plan.bg_left -= n
             i += 1
 
-        if not preempted:
-            skipped: list[CoreRequest] = []
-            limit = settings.max_num_seqs
-            while budget > 0 and len(running) < limit:
-                head = self.waiting.peek()
-                if head is None:
-                    break
-                req = head
-                if req.remote_prefill:
-                    load = self._start_remote_load(req)
-                    if load is None:
-                        break
-                    kv_loads.append(load)
-                    continue
-                if self._limit_partials and not self._partial_allowed(req, scheduled):
-                    skipped.append(self.waiting.pop())
-                    continue
-                total = req.num_tokens
-                if req.blocks:  # its remote KV arrived: the blocks are there, computed
-                    cached = req.num_computed_tokens
-                    n = total - cached
-                    if n > budget:
-                        n = budget
-                    need = -(-(cached + n) // bs) - len(req.blocks)
-                    if need > 0 and not cache.grow(req.blocks, need):
-                        break
-                    self.waiting.pop()
-                    req.status = Status.RUNNING
-                    if req.num_cached_tokens < 0:
-                        req.num_cached_tokens = cached
-                    if req.first_scheduled_at is None:
-                        req.first_scheduled_at = now
-                        first.append(req.request_id)
-                    running.append(req)
-                    scheduled[req] = n
-                    budget -= n
-                    continue
-                hits = cache.find_hits(req.hashes, (total - 1) // bs)
-                cached = hits.blocks * bs
-                n = total - cached
-                if 0 < threshold < n:
-                    n = threshold
-                if n > budget:
-                    n = budget
-                bg_chunk = background is not None and req.priority >= background
-                if bg_chunk:
-                    if bg_left <= 0:
-                        break
-                    if n > bg_left:
-                        n = bg_left
-                new_blocks = -(-(cached + n) // bs) - hits.blocks
-                table = cache.admit(req.hashes, hits, new_blocks, req.prompt, req.retention)
-                if table is None:
-                    break
-                self.waiting.pop()
-                req.blocks = table
-                req.committed = hits.blocks
-                req.num_computed_tokens = cached
-                req.status = Status.RUNNING
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = cached
-                    cache.record_query(total, hits.gpu, hits.cpu + hits.disk)
-                if req.first_scheduled_at is None:
-                    req.first_scheduled_at = now
-                    first.append(req.request_id)
-                loads_cpu += hits.cpu
-                loads_disk += hits.disk
-                running.append(req)
-                scheduled[req] = n
-                budget -= n
-                if bg_chunk:
-                    bg_left -= n
-            for req in reversed(skipped):
-                self.waiting.prepend(req)
+    def _running_chunk(self, req: CoreRequest, plan: _StepPlan) -> tuple[int, bool] | None:
+        """The tokens running ``req`` gets this step and whether they are a background prefill chunk;
+        None when it is skipped this step (background share spent, partial-prefill limits reached)."""
+        n = self._chunk(req.num_tokens - req.num_computed_tokens, plan.budget)
+        background = self._background is not None and n > 1 and req.priority >= self._background
+        if background:
+            if plan.bg_left <= 0:
+                return None
+            n = min(n, plan.bg_left)
+        if self._limit_partials and n > 1 and not self._partial_allowed(req, plan.scheduled):
+            return None
+        return n, background
 
-        # the model "runs" the step: advance, cache full prompt blocks, sample, finish
+    def _preempt_until_fits(self, req: CoreRequest, need: int, plan: _StepPlan) -> tuple[bool, int]:
+        """Preempt by recompute until ``need`` more blocks for running ``req`` fit (vLLM's
+        ``allocate_slots`` retry loop): under the priority policy the running request with the
+        largest ``(priority, arrival)`` (a request already scheduled this step gives its tokens back
+        to the budget), under FCFS the last of the running list. Returns whether ``req`` got its
+        blocks (False: it was preempted itself) and how many requests scheduled before it left the
+        running list (the pass's index moves back by as many)."""
+        shift = 0
+        running = self.running
+        while True:
+            if self.policy_priority:
+                victim = max(running, key=lambda r: (r.priority, r.arrival, r.seq))
+                running.remove(victim)
+                if victim in plan.scheduled:
+                    plan.budget += plan.scheduled.pop(victim)
+                    shift += 1
+            else:
+                victim = running.pop()
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is req:
+                return False, shift
+            if self.cache.grow(req.blocks, need):
+                return True, shift
+
+    def _schedule_waiting(self, plan: _StepPlan, now: float) -> None:
+        """vLLM's waiting pass (item 2): the queue's head, while ``--max-num-seqs`` and the budget
+        allow. A P/D decode-side head starts its KV load (item 5); a head past the partial-prefill
+        limits is set aside for this step (item 3); the first head that cannot be scheduled stops the
+        pass (head-of-line, as vLLM)."""
+        skipped: list[CoreRequest] = []
+        limit = self.settings.max_num_seqs
+        while plan.budget > 0 and len(self.running) < limit:
+            req = self.waiting.peek()
+            if req is None:
+                break
+            if req.remote_prefill:
+                load = self._start_remote_load(req)
+                if load is None:
+                    break
+                plan.kv_loads.append(load)
+                continue
+            if self._limit_partials and not self._partial_allowed(req, plan.scheduled):
+                skipped.append(self.waiting.pop())
+                continue
+            scheduled = self._resume_loaded(req, plan, now) if req.blocks else self._admit(req, plan, now)
+            if not scheduled:
+                break
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
+
+    def _resume_loaded(self, req: CoreRequest, plan: _StepPlan, now: float) -> bool:
+        """Schedule a waiting head whose remote KV arrived (P/D decode side): its blocks are there and
+        computed; it gets the rest of its tokens under the budget. False when the blocks for them do
+        not fit."""
+        cached = req.num_computed_tokens
+        n = min(req.num_tokens - cached, plan.budget)
+        need = -(-(cached + n) // self.block_size) - len(req.blocks)
+        if need > 0 and not self.cache.grow(req.blocks, need):
+            return False
+        self._start_running(req, cached, n, False, plan, now)
+        return True
+
+    def _admit(self, req: CoreRequest, plan: _StepPlan, now: float) -> bool:
+        """Schedule a waiting head: look its prompt up in the prefix cache (GPU, then CPU/disk tiers, at
+        most ``num_tokens − 1`` tokens), chunk the rest and allocate its blocks (vLLM's
+        ``get_computed_blocks`` + ``allocate_slots``). False when the background share is spent or the
+        blocks do not fit."""
+        cache, bs = self.cache, self.block_size
+        total = req.num_tokens
+        hits = cache.find_hits(req.hashes, (total - 1) // bs)
+        cached = hits.blocks * bs
+        n = self._chunk(total - cached, plan.budget)
+        background = self._background is not None and req.priority >= self._background
+        if background:
+            if plan.bg_left <= 0:
+                return False
+            n = min(n, plan.bg_left)
+        table = cache.admit(req.hashes, hits, -(-(cached + n) // bs) - hits.blocks, req.prompt, req.retention)
+        if table is None:
+            return False
+        req.blocks = table
+        req.committed = hits.blocks
+        req.num_computed_tokens = cached
+        if req.num_cached_tokens < 0:
+            cache.record_query(total, hits.gpu, hits.cpu + hits.disk)
+        plan.loads_cpu += hits.cpu
+        plan.loads_disk += hits.disk
+        self._start_running(req, cached, n, background, plan, now)
+        return True
+
+    def _start_running(self, req: CoreRequest, cached: int, n: int, background: bool, plan: _StepPlan,
+                       now: float) -> None:
+        """Move the waiting head to the running list with ``n`` tokens this step; its first schedule
+        records ``num_cached_tokens`` and the step's start as the end of its queue time."""
+        self.waiting.pop()
+        req.status = Status.RUNNING
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = cached
+        if req.first_scheduled_at is None:
+            req.first_scheduled_at = now
+            plan.first.append(req.request_id)
+        self.running.append(req)
+        plan.take(req, n, background)
+
+    def _execute(self, plan: _StepPlan) -> None:
+        """The model "runs" the step (vLLM's ``update_from_output``): every scheduled request's computed
+        tokens advance, its full prompt blocks are cached, one that computed all its tokens samples one
+        and one with ``max_tokens`` tokens finishes. Fills the plan's work counts, ``sampled`` and
+        ``finished``."""
+        cache, bs = self.cache, self.block_size
         tokens = pairs = context = 0
-        sampled: list[str] = []
-        finished: list[str] = []
-        for req, n in scheduled.items():
+        sampled, finished = plan.sampled, plan.finished
+        for req, n in plan.scheduled.items():
             c = req.num_computed_tokens
             tokens += n
             pairs += n * c + n * (n + 1) // 2  # chunk_pairs(c, n), inlined: the hot loop
@@ -547,25 +632,23 @@ class EngineCore:
                 if req.output_tokens >= req.max_tokens:
                     req.status = Status.FINISHED
                     finished.append(req.request_id)
-        if finished:
-            timeout = settings.nixl_abort_request_timeout_s
-            for rid in finished:
-                req = self.requests.pop(rid)
-                if req.remote_decode and req.blocks:  # NixlConnector.request_finished: delay the free
-                    n = self.cache.num_gpu_blocks
-                    req.block_ids = [next(self._block_ids) % n for _ in req.blocks]
-                    req.held_until = now + timeout
-                    self.held[rid] = req
-                else:
-                    cache.free(req.blocks)
-            self.running = [r for r in self.running if r.status == Status.RUNNING]
-        cache.flush()
-        work = StepWork(tokens, pairs, context, loads_cpu, loads_disk,
-                        cache.stats.cpu_stores - stores_before[0], cache.stats.disk_stores - stores_before[1])
-        if scheduled:
-            self.steps += 1
-        return StepOutcome(self.model.seconds(work), {r.request_id: n for r, n in scheduled.items()}, sampled,
-                           first, finished, [r.request_id for r in preempted], work, kv_loads)
+        plan.tokens, plan.pairs, plan.context = tokens, pairs, context
+
+    def _free_finished(self, finished: list[str], now: float) -> None:
+        """Finished requests leave: their blocks are freed, or held for a decode engine's read until
+        ``now`` + ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` (P/D prefill side, NixlConnector's
+        ``request_finished`` delaying the free)."""
+        timeout = self.settings.nixl_abort_request_timeout_s
+        for rid in finished:
+            req = self.requests.pop(rid)
+            if req.remote_decode and req.blocks:
+                n = self.cache.num_gpu_blocks
+                req.block_ids = [next(self._block_ids) % n for _ in req.blocks]
+                req.held_until = now + timeout
+                self.held[rid] = req
+            else:
+                self.cache.free(req.blocks)
+        self.running = [r for r in self.running if r.status == Status.RUNNING]
 
     # ---- internals -------------------------------------------------------------------------
     def _start_remote_load(self, req: CoreRequest) -> KVLoad | None:

@@ -1,5 +1,6 @@
-"""The simulated engine's HTTP server: ``create_app(settings)`` builds a FastAPI app whose lifespan
-owns one :class:`~engine_twin.engine.SimEngine` (on ``app.state.engine``). No module-level app.
+"""The simulated engine's HTTP server: ``create_app(settings)`` builds a FastAPI app (settings on
+``app.state.settings``) whose lifespan owns one :class:`~engine_twin.engine.SimEngine` (on
+``app.state.engine``); the endpoints are the named handlers of :data:`routes`. No module-level app.
 
 Endpoints (vLLM's): ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
 ``/v1/responses``, ``/tokenize``, ``/detokenize``, ``/reset_prefix_cache``; ``GET /v1/models``,
@@ -17,12 +18,12 @@ import json
 import logging
 import random
 import struct
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -144,243 +145,290 @@ class EngineStream(StreamingResponse):
                 await aclose()
 
 
+routes = APIRouter()
+"""The simulator's endpoints, named handlers reading the engine from ``request.app.state.engine``."""
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the engine for ``app.state.settings`` (on ``app.state.engine``) and its NIXL side
+    channel; close both at shutdown."""
+    engine = SimEngine(app.state.settings)
+    app.state.engine = engine
+    engine.start()
+    try:
+        await engine.start_side_channel()
+        yield
+    finally:
+        await engine.aclose()
+
+
 def create_app(settings: EngineSimSettings) -> FastAPI:
     """The simulator app for ``settings``; the engine lives from lifespan start to stop."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = SimEngine(settings)
-        app.state.engine = engine
-        engine.start()
-        try:
-            await engine.start_side_channel()
-            yield
-        finally:
-            await engine.aclose()
-
-    app = FastAPI(title="backfill engine simulator", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = FastAPI(title="backfill engine simulator", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-
-    @app.exception_handler(EngineSimError)
-    async def _error(request: Request, exc: EngineSimError) -> Response:
-        return _json(exc.body(), exc.status)
-
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
-        return _ClientGone(status_code=499)  # nginx's "client closed request"; nobody reads it
-
-    def engine_of(request: Request) -> SimEngine:
-        return request.app.state.engine
-
-    async def generation(request: Request, parse) -> tuple[SimEngine, GenerationSpec]:
-        engine = engine_of(request)
-        spec = parse(engine.settings, engine.tokenizer, await _body(request))
-        await engine.faults.before_request()
-        return engine, spec
-
-    # ---- OpenAI endpoints ------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        engine, spec = await generation(request, parse_chat)
-        if spec.stream:
-            return EngineStream(_guarded(_chat_stream(engine, spec)), media_type="text/event-stream")
-        [out] = await _until_disconnect(request, engine.run(spec), engine)
-        pieces = engine.pieces(out.generated)
-        text = "".join(pieces)
-        choices = [{
-            "index": i,
-            "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                        "audio": None, "function_call": None, "reasoning": None},
-            "logprobs": chat_logprobs(pieces, spec.logprobs) if spec.logprobs is not None else None,
-            "finish_reason": spec.finish_reason, "stop_reason": None, "token_ids": None, "routed_experts": None,
-        } for i in range(spec.n)]
-        return _json({
-            "id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(), "model": spec.model,
-            "choices": choices, "service_tier": None, "system_fingerprint": None,
-            "usage": usage_block(engine.settings, out.prompt_tokens, out.generated * spec.n, out.cached_tokens,
-                                 chat=True),
-            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
-            "kv_transfer_params": out.kv_transfer_params,
-            "ec_transfer_params": None, "metrics": None,
-        })
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        engine, spec = await generation(request, parse_completion)
-        if spec.stream:
-            if len(spec.prompts) > 1:
-                raise BadRequestError("the simulator streams one prompt per request", "prompt")
-            return EngineStream(_guarded(_completion_stream(engine, spec)), media_type="text/event-stream")
-        outs: list[Outcome] = await _until_disconnect(request, engine.run(spec), engine)
-        choices = []
-        for p, out in enumerate(outs):
-            pieces = engine.pieces(out.generated)
-            echo = spec.echo_texts[p] if spec.echo_texts else ""
-            for k in range(spec.n):
-                choices.append({
-                    "index": p * spec.n + k, "text": echo + "".join(pieces),
-                    "logprobs": completion_logprobs(pieces, spec.logprobs, len(echo))
-                    if spec.logprobs is not None else None,
-                    "finish_reason": spec.finish_reason, "stop_reason": None, "token_ids": None,
-                    "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
-                })
-        prompt_tokens = sum(o.prompt_tokens for o in outs)
-        return _json({
-            "id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": spec.model,
-            "choices": choices, "service_tier": None, "system_fingerprint": None,
-            "usage": usage_block(engine.settings, prompt_tokens, sum(o.generated for o in outs) * spec.n,
-                                 sum(o.cached_tokens for o in outs)),
-            "kv_transfer_params": outs[0].kv_transfer_params if len(outs) == 1 else None,
-            "ec_transfer_params": None, "metrics": None,
-        })
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        engine, spec = await generation(request, parse_response)
-        response_id = new_id("resp_")
-        if spec.stream:
-            return EngineStream(_responses_stream(engine, spec, response_id), media_type="text/event-stream")
-        [out] = await _until_disconnect(request, engine.run(spec), engine)
-        return _json(_response_object(engine, spec, response_id, out, "".join(engine.pieces(out.generated))))
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        engine = engine_of(request)
-        s = engine.settings
-        body = await _body(request)
-        model = resolve_model(s, body)
-        inputs = body.get("input")
-        if isinstance(inputs, str):
-            token_lists = [engine.tokenizer.encode(inputs)]
-        elif isinstance(inputs, list) and inputs and all(isinstance(x, int) for x in inputs):
-            token_lists = [inputs]
-        elif isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
-            token_lists = [engine.tokenizer.encode(x) for x in inputs]
-        elif isinstance(inputs, list) and inputs and all(isinstance(x, list) for x in inputs):
-            token_lists = inputs
-        else:
-            raise BadRequestError("input must be a non-empty string, list of strings or token ids", "input")
-        for tokens in token_lists:
-            if len(tokens) > s.max_model_len:
-                raise BadRequestError(
-                    f"This model's maximum context length is {s.max_model_len} tokens. However, you requested "
-                    f"{len(tokens)} tokens in the input for embedding generation. Please reduce the length "
-                    "of the input.", "input")
-        await engine.faults.before_request()
-        dims = body.get("dimensions") or s.embedding_dim
-        total = sum(len(t) for t in token_lists)
-        delay = s.time_scale * engine.core.model.prefill_seconds(total)
-        if delay > 0:
-            await asyncio.sleep(delay)
-        as_b64 = body.get("encoding_format") == "base64"
-        data = []
-        for i, tokens in enumerate(token_lists):
-            vector = _embedding(tokens, dims)
-            value: Any = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode() if as_b64 else vector
-            data.append({"index": i, "object": "embedding", "embedding": value})
-        engine.metrics.prompt_tokens.inc(total)
-        return _json({"id": new_id("embd-"), "object": "list", "created": now(), "model": model, "data": data,
-                      "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0,
-                                "prompt_tokens_details": None}})
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        s = engine_of(request).settings
-        created = now()
-        return _json({"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
-            "parent": None, "max_model_len": s.max_model_len,
-            "permission": [{"id": new_id("modelperm-"), "object": "model_permission", "created": created,
-                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                            "organization": "*", "group": None, "is_blocking": False}],
-        } for name in s.served_model_name]})
-
-    # ---- vLLM extras -------------------------------------------------------------------------
-    @app.get("/health")
-    async def health(request: Request) -> Response:
-        return Response(status_code=200 if engine_of(request).faults.healthy else 503)
-
-    @app.get("/version")
-    async def version() -> Response:
-        return _json({"version": SIM_VERSION})
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        return Response(engine_of(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    def rendered(engine: SimEngine, spec: GenerationSpec, prefix: str, prompt: list[int]) -> dict[str, Any]:
-        return {"request_id": new_id(prefix), "model": spec.model, "token_ids": prompt,
-                "sampling_params": {"max_tokens": spec.max_tokens, "n": spec.n}, "priority": spec.priority}
-
-    @app.post("/v1/completions/render")
-    async def completions_render(request: Request) -> Response:
-        engine = engine_of(request)
-        spec = parse_completion(engine.settings, engine.tokenizer, await _body(request))
-        return _json([rendered(engine, spec, "cmpl-", p) for p in spec.prompts])
-
-    @app.post("/v1/chat/completions/render")
-    async def chat_render(request: Request) -> Response:
-        engine = engine_of(request)
-        spec = parse_chat(engine.settings, engine.tokenizer, await _body(request))
-        return _json(rendered(engine, spec, "chatcmpl-", spec.prompts[0]))
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        engine = engine_of(request)
-        body = await _body(request)
-        if body.get("model"):
-            resolve_model(engine.settings, body)
-        if "messages" in body:
-            text = render_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
-            tokens = engine.tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
-        elif isinstance(body.get("prompt"), str):
-            tokens = engine.tokenizer.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
-        else:
-            raise BadRequestError("Either 'prompt' or 'messages' must be provided", "prompt")
-        return _json({"count": len(tokens), "max_model_len": engine.settings.max_model_len, "tokens": tokens,
-                      "token_strs": None})
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        engine = engine_of(request)
-        body = await _body(request)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise BadRequestError("tokens: Input should be a valid list of integers", "tokens")
-        return _json({"prompt": engine.tokenizer.decode(tokens)})
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request) -> Response:
-        if not engine_of(request).cache.clear():
-            raise BadRequestError("Failed to reset prefix cache: requests are running")
-        return Response(status_code=200)
-
-    # ---- simulator admin ---------------------------------------------------------------------
-    @app.post("/sim/fault")
-    async def fault(request: Request) -> Response:
-        engine = engine_of(request)
-        body = await _body(request)
-        engine.faults.set(str(body.get("mode", "none")), body.get("count"))
-        if engine.faults.mode == "die":
-            asyncio.get_running_loop().call_later(0.05, _die)
-        return _json({"mode": engine.faults.mode, "remaining": engine.faults.remaining})
-
-    @app.get("/sim/state")
-    async def state(request: Request) -> Response:
-        engine = engine_of(request)
-        core = engine.core
-        return _json({
-            "running": core.num_running, "waiting": core.num_waiting,
-            "prefilling": sum(1 for r in core.running if r.num_computed_tokens < r.num_tokens - 1),
-            "num_preemptions": core.num_preemptions, "steps": core.steps, "kv_usage": engine.cache.usage,
-            "tiers": engine.cache.sizes(), "fault": engine.faults.mode,
-            "kv_event_batches": engine.publisher.sent if engine.publisher else 0,
-            "none_hash": engine.root_hash.hex(), "block_size": engine.settings.block_size,
-            "kv_transfer": _kv_transfer_state(engine),
-        })
-
+    app.state.settings = settings
+    app.exception_handler(EngineSimError)(_engine_error)
+    app.exception_handler(ClientDisconnect)(_client_gone)
+    app.include_router(routes)
     return app
+
+
+async def _engine_error(request: Request, exc: EngineSimError) -> Response:
+    """An :class:`EngineSimError` as vLLM's error body and status."""
+    return _json(exc.body(), exc.status)
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    return _ClientGone(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+def _engine_of(request: Request) -> SimEngine:
+    return request.app.state.engine
+
+
+async def _generation(request: Request, parse: Callable[..., GenerationSpec]) -> tuple[SimEngine, GenerationSpec]:
+    """The engine and the parsed generation request, after the fault injector's ``before_request``."""
+    engine = _engine_of(request)
+    spec = parse(engine.settings, engine.tokenizer, await _body(request))
+    await engine.faults.before_request()
+    return engine, spec
+
+
+# ---- OpenAI endpoints ----------------------------------------------------------------------
+@routes.post("/v1/chat/completions")
+async def chat(request: Request) -> Response:
+    engine, spec = await _generation(request, parse_chat)
+    if spec.stream:
+        return EngineStream(_guarded(_chat_stream(engine, spec)), media_type="text/event-stream")
+    [out] = await _until_disconnect(request, engine.run(spec), engine)
+    return _json(_chat_completion(engine, spec, out))
+
+
+def _chat_completion(engine: SimEngine, spec: GenerationSpec, out: Outcome) -> dict[str, Any]:
+    """The ``chat.completion`` object of a finished request (``n`` identical choices)."""
+    pieces = engine.pieces(out.generated)
+    text = "".join(pieces)
+    choices = [{
+        "index": i,
+        "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                    "audio": None, "function_call": None, "reasoning": None},
+        "logprobs": chat_logprobs(pieces, spec.logprobs) if spec.logprobs is not None else None,
+        "finish_reason": spec.finish_reason, "stop_reason": None, "token_ids": None, "routed_experts": None,
+    } for i in range(spec.n)]
+    return {
+        "id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(), "model": spec.model,
+        "choices": choices, "service_tier": None, "system_fingerprint": None,
+        "usage": usage_block(engine.settings, out.prompt_tokens, out.generated * spec.n, out.cached_tokens,
+                             chat=True),
+        "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+        "kv_transfer_params": out.kv_transfer_params,
+        "ec_transfer_params": None, "metrics": None,
+    }
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    engine, spec = await _generation(request, parse_completion)
+    if spec.stream:
+        if len(spec.prompts) > 1:
+            raise BadRequestError("the simulator streams one prompt per request", "prompt")
+        return EngineStream(_guarded(_completion_stream(engine, spec)), media_type="text/event-stream")
+    outs: list[Outcome] = await _until_disconnect(request, engine.run(spec), engine)
+    return _json(_text_completion(engine, spec, outs))
+
+
+def _text_completion(engine: SimEngine, spec: GenerationSpec, outs: list[Outcome]) -> dict[str, Any]:
+    """The ``text_completion`` object: ``n`` choices per prompt, in prompt order."""
+    choices = []
+    for p, out in enumerate(outs):
+        pieces = engine.pieces(out.generated)
+        echo = spec.echo_texts[p] if spec.echo_texts else ""
+        for k in range(spec.n):
+            choices.append({
+                "index": p * spec.n + k, "text": echo + "".join(pieces),
+                "logprobs": completion_logprobs(pieces, spec.logprobs, len(echo))
+                if spec.logprobs is not None else None,
+                "finish_reason": spec.finish_reason, "stop_reason": None, "token_ids": None,
+                "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
+            })
+    prompt_tokens = sum(o.prompt_tokens for o in outs)
+    return {
+        "id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": spec.model,
+        "choices": choices, "service_tier": None, "system_fingerprint": None,
+        "usage": usage_block(engine.settings, prompt_tokens, sum(o.generated for o in outs) * spec.n,
+                             sum(o.cached_tokens for o in outs)),
+        "kv_transfer_params": outs[0].kv_transfer_params if len(outs) == 1 else None,
+        "ec_transfer_params": None, "metrics": None,
+    }
+
+
+@routes.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    engine, spec = await _generation(request, parse_response)
+    response_id = new_id("resp_")
+    if spec.stream:
+        return EngineStream(_responses_stream(engine, spec, response_id), media_type="text/event-stream")
+    [out] = await _until_disconnect(request, engine.run(spec), engine)
+    return _json(_response_object(engine, spec, response_id, out, "".join(engine.pieces(out.generated))))
+
+
+@routes.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    engine = _engine_of(request)
+    s = engine.settings
+    body = await _body(request)
+    model = resolve_model(s, body)
+    token_lists = _embedding_inputs(engine, body.get("input"))
+    await engine.faults.before_request()
+    dims = body.get("dimensions") or s.embedding_dim
+    total = sum(len(t) for t in token_lists)
+    delay = s.time_scale * engine.core.model.prefill_seconds(total)
+    if delay > 0:
+        await asyncio.sleep(delay)
+    as_b64 = body.get("encoding_format") == "base64"
+    data = []
+    for i, tokens in enumerate(token_lists):
+        vector = _embedding(tokens, dims)
+        value: Any = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode() if as_b64 else vector
+        data.append({"index": i, "object": "embedding", "embedding": value})
+    engine.metrics.prompt_tokens.inc(total)
+    return _json({"id": new_id("embd-"), "object": "list", "created": now(), "model": model, "data": data,
+                  "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0,
+                            "prompt_tokens_details": None}})
+
+
+def _embedding_inputs(engine: SimEngine, inputs: Any) -> list[list[int]]:
+    """The token lists of an embeddings ``input`` (a string, strings, token ids or lists of them).
+    Raises BadRequestError for any other shape or an input past ``max_model_len``."""
+    if isinstance(inputs, str):
+        token_lists = [engine.tokenizer.encode(inputs)]
+    elif isinstance(inputs, list) and inputs and all(isinstance(x, int) for x in inputs):
+        token_lists = [inputs]
+    elif isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
+        token_lists = [engine.tokenizer.encode(x) for x in inputs]
+    elif isinstance(inputs, list) and inputs and all(isinstance(x, list) for x in inputs):
+        token_lists = inputs
+    else:
+        raise BadRequestError("input must be a non-empty string, list of strings or token ids", "input")
+    limit = engine.settings.max_model_len
+    for tokens in token_lists:
+        if len(tokens) > limit:
+            raise BadRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(tokens)} tokens in the input for embedding generation. Please reduce the length "
+                "of the input.", "input")
+    return token_lists
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> Response:
+    s = _engine_of(request).settings
+    created = now()
+    return _json({"object": "list", "data": [{
+        "id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
+        "parent": None, "max_model_len": s.max_model_len,
+        "permission": [{"id": new_id("modelperm-"), "object": "model_permission", "created": created,
+                        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                        "organization": "*", "group": None, "is_blocking": False}],
+    } for name in s.served_model_name]})
+
+
+# ---- vLLM extras ---------------------------------------------------------------------------
+@routes.get("/health")
+async def health(request: Request) -> Response:
+    return Response(status_code=200 if _engine_of(request).faults.healthy else 503)
+
+
+@routes.get("/version")
+async def version() -> Response:
+    return _json({"version": SIM_VERSION})
+
+
+@routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_engine_of(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _rendered(spec: GenerationSpec, prefix: str, prompt: list[int]) -> dict[str, Any]:
+    """One rendered prompt, as vLLM's ``/render`` endpoints answer."""
+    return {"request_id": new_id(prefix), "model": spec.model, "token_ids": prompt,
+            "sampling_params": {"max_tokens": spec.max_tokens, "n": spec.n}, "priority": spec.priority}
+
+
+@routes.post("/v1/completions/render")
+async def completions_render(request: Request) -> Response:
+    engine = _engine_of(request)
+    spec = parse_completion(engine.settings, engine.tokenizer, await _body(request))
+    return _json([_rendered(spec, "cmpl-", p) for p in spec.prompts])
+
+
+@routes.post("/v1/chat/completions/render")
+async def chat_render(request: Request) -> Response:
+    engine = _engine_of(request)
+    spec = parse_chat(engine.settings, engine.tokenizer, await _body(request))
+    return _json(_rendered(spec, "chatcmpl-", spec.prompts[0]))
+
+
+@routes.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    engine = _engine_of(request)
+    body = await _body(request)
+    if body.get("model"):
+        resolve_model(engine.settings, body)
+    if "messages" in body:
+        text = render_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
+        tokens = engine.tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+    elif isinstance(body.get("prompt"), str):
+        tokens = engine.tokenizer.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+    else:
+        raise BadRequestError("Either 'prompt' or 'messages' must be provided", "prompt")
+    return _json({"count": len(tokens), "max_model_len": engine.settings.max_model_len, "tokens": tokens,
+                  "token_strs": None})
+
+
+@routes.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    engine = _engine_of(request)
+    body = await _body(request)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise BadRequestError("tokens: Input should be a valid list of integers", "tokens")
+    return _json({"prompt": engine.tokenizer.decode(tokens)})
+
+
+@routes.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> Response:
+    if not _engine_of(request).cache.clear():
+        raise BadRequestError("Failed to reset prefix cache: requests are running")
+    return Response(status_code=200)
+
+
+# ---- simulator admin -----------------------------------------------------------------------
+@routes.post("/sim/fault")
+async def fault(request: Request) -> Response:
+    engine = _engine_of(request)
+    body = await _body(request)
+    engine.faults.set(str(body.get("mode", "none")), body.get("count"))
+    if engine.faults.mode == "die":
+        asyncio.get_running_loop().call_later(0.05, _die)
+    return _json({"mode": engine.faults.mode, "remaining": engine.faults.remaining})
+
+
+@routes.get("/sim/state")
+async def state(request: Request) -> Response:
+    engine = _engine_of(request)
+    core = engine.core
+    return _json({
+        "running": core.num_running, "waiting": core.num_waiting,
+        "prefilling": sum(1 for r in core.running if r.num_computed_tokens < r.num_tokens - 1),
+        "num_preemptions": core.num_preemptions, "steps": core.steps, "kv_usage": engine.cache.usage,
+        "tiers": engine.cache.sizes(), "fault": engine.faults.mode,
+        "kv_event_batches": engine.publisher.sent if engine.publisher else 0,
+        "none_hash": engine.root_hash.hex(), "block_size": engine.settings.block_size,
+        "kv_transfer": _kv_transfer_state(engine),
+    })
 
 
 def _kv_transfer_state(engine: SimEngine) -> dict[str, Any] | None:

@@ -41,7 +41,7 @@ async def _admin_error(request: Request, exc: AdminError) -> Response:
 
 def install(app: FastAPI) -> None:
     """Mount the dashboard on ``app`` (the gateway): routes under ``/admin`` and their error handler."""
-    from batch_gateway.admin.views import build_router
+    from batch_gateway.admin.views import router
 
-    app.include_router(build_router())
+    app.include_router(router)
     app.add_exception_handler(AdminError, _admin_error)  # type: ignore[arg-type]  # Starlette types handlers as taking any Exception

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
 import orjson
 import redis
-from fastapi import APIRouter, Depends, Form, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.templating import Jinja2Templates
 
@@ -248,241 +250,272 @@ After = Annotated[str | None, Query(max_length=200)]
 Limit = Annotated[int, Query(ge=1, le=200)]
 
 
-def build_router() -> APIRouter:
-    """The ``/admin`` router; its lifespan opens the Redis client and the router sampler
-    (``app.state.admin_redis``, ``app.state.admin_sampler``; None without ``BACKFILL_ROUTER_URL``)."""
-    from contextlib import asynccontextmanager
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Open the Redis client (``app.state.admin_redis``) and, with an admin key and
+    ``BACKFILL_ROUTER_URL``, start the router sampler (``app.state.admin_sampler``, else None); close
+    both at shutdown."""
+    settings = app.state.settings
+    app.state.admin_redis = redis.Redis.from_url(settings.redis_url, socket_timeout=2.0,
+                                                 socket_connect_timeout=2.0)
+    sampler = None
+    if settings.admin_key and settings.router_url:
+        sampler = RouterSampler(settings.router_url, settings.router_poll_seconds, settings.router_history)
+        sampler.start()
+    app.state.admin_sampler = sampler
+    try:
+        yield
+    finally:
+        if sampler is not None:
+            await sampler.stop()
+        app.state.admin_redis.close()
 
-    @asynccontextmanager
-    async def lifespan(app):
-        settings = app.state.settings
-        app.state.admin_redis = redis.Redis.from_url(settings.redis_url, socket_timeout=2.0,
-                                                     socket_connect_timeout=2.0)
-        sampler = None
-        if settings.admin_key and settings.router_url:
-            sampler = RouterSampler(settings.router_url, settings.router_poll_seconds, settings.router_history)
-            sampler.start()
-        app.state.admin_sampler = sampler
-        try:
-            yield
-        finally:
-            if sampler is not None:
-                await sampler.stop()
-            app.state.admin_redis.close()
 
-    router = APIRouter(prefix="/admin", include_in_schema=False, lifespan=lifespan)
+router = APIRouter(prefix="/admin", include_in_schema=False, lifespan=_lifespan)
+"""The ``/admin`` routes, named handlers; the lifespan opens the Redis client and the router sampler."""
 
-    @router.get("/static/{name}")
-    def static(name: str) -> Response:
-        if name not in STATIC:
-            raise AdminNotFound("No such file.")
-        return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
-                        headers={"cache-control": "max-age=300"})
 
-    # login ----------------------------------------------------------------------------------
+@router.get("/static/{name}")
+def static(name: str) -> Response:
+    if name not in STATIC:
+        raise AdminNotFound("No such file.")
+    return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
+                    headers={"cache-control": "max-age=300"})
 
-    @router.get("/login")
-    def login_page(request: Request, next: Annotated[str, Query(max_length=500)] = "/admin") -> HTMLResponse:
-        auth.enabled(request.app.state.settings)
-        return _render(request, "login.html", None, next=_safe_next(next), error=None)
 
-    @router.post("/login")
-    def login(request: Request, key: Annotated[str, Form(max_length=512)] = "",
-              next: Annotated[str, Form(max_length=500)] = "/admin") -> Response:
-        settings = request.app.state.settings
-        admin_key = auth.enabled(settings)
-        try:
-            auth.check_key(settings, key, request.app.state.sessionmaker)
-        except (auth.AdminLoginRequired, auth.AdminForbiddenError) as exc:
-            log.info("admin login refused", extra={"action": "admin_login_refused", "reason": exc.code})
-            return _render(request, "login.html", None, status_code=exc.status, next=_safe_next(next),
-                           error=exc.message)
-        response = RedirectResponse(_safe_next(next), status_code=303)
-        response.set_cookie(auth.COOKIE, auth.session_token(admin_key), max_age=settings.admin_session_seconds,
-                            path="/admin", httponly=True, samesite="strict",
-                            secure=request.url.scheme == "https")
-        log.info("admin login", extra={"action": "admin_login"})
-        return response
+# --- routes: login ---------------------------------------------------------------------------
 
-    @router.post("/logout")
-    def logout(admin: AdminDep, csrf_token: Annotated[str | None, Form()] = None) -> Response:
-        auth.check_csrf(admin, csrf_token)
-        response = RedirectResponse("/admin/login", status_code=303)
-        response.delete_cookie(auth.COOKIE, path="/admin")
-        return response
 
-    # jobs -----------------------------------------------------------------------------------
+@router.get("/login")
+def login_page(request: Request, next: Annotated[str, Query(max_length=500)] = "/admin") -> HTMLResponse:
+    auth.enabled(request.app.state.settings)
+    return _render(request, "login.html", None, next=_safe_next(next), error=None)
 
-    @router.get("")
-    def jobs_page(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
+
+@router.post("/login")
+def login(request: Request, key: Annotated[str, Form(max_length=512)] = "",
+          next: Annotated[str, Form(max_length=500)] = "/admin") -> Response:
+    settings = request.app.state.settings
+    admin_key = auth.enabled(settings)
+    try:
+        auth.check_key(settings, key, request.app.state.sessionmaker)
+    except (auth.AdminLoginRequired, auth.AdminForbiddenError) as exc:
+        log.info("admin login refused", extra={"action": "admin_login_refused", "reason": exc.code})
+        return _render(request, "login.html", None, status_code=exc.status, next=_safe_next(next),
+                       error=exc.message)
+    response = RedirectResponse(_safe_next(next), status_code=303)
+    response.set_cookie(auth.COOKIE, auth.session_token(admin_key), max_age=settings.admin_session_seconds,
+                        path="/admin", httponly=True, samesite="strict",
+                        secure=request.url.scheme == "https")
+    log.info("admin login", extra={"action": "admin_login"})
+    return response
+
+
+@router.post("/logout")
+def logout(admin: AdminDep, csrf_token: Annotated[str | None, Form()] = None) -> Response:
+    auth.check_csrf(admin, csrf_token)
+    response = RedirectResponse("/admin/login", status_code=303)
+    response.delete_cookie(auth.COOKIE, path="/admin")
+    return response
+
+
+# --- routes: jobs ----------------------------------------------------------------------------
+
+
+@router.get("")
+def jobs_page(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
+              tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE) -> HTMLResponse:
+    page = _jobs(session, status or None, tenant or None, after, limit)
+    return _render(request, "jobs.html", admin, nav="jobs", statuses=BATCH_STATUSES,
+                   tenants=queries.tenant_names(session), **page,
+                   fragment=f"/admin/fragments/jobs?{_query(status=status, tenant=tenant, after=after, limit=limit)}",
+                   next_url=(f"/admin?{_query(status=status, tenant=tenant, after=page['next'], limit=limit)}"
+                             if page["next"] else None),
+                   first_url=f"/admin?{_query(status=status, tenant=tenant, limit=limit)}" if after else None)
+
+
+@router.get("/jobs")
+def jobs_alias(request: Request) -> RedirectResponse:
+    """``/admin/jobs`` (where a job's page lives below) is the job list at ``/admin``; the
+    query string is kept."""
+    query = request.url.query
+    return RedirectResponse("/admin" + (f"?{query}" if query else ""), status_code=307)
+
+
+@router.get("/fragments/jobs")
+def jobs_fragment(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
                   tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE) -> HTMLResponse:
-        page = _jobs(session, status or None, tenant or None, after, limit)
-        return _render(request, "jobs.html", admin, nav="jobs", statuses=BATCH_STATUSES,
-                       tenants=queries.tenant_names(session), **page,
-                       fragment=f"/admin/fragments/jobs?{_query(status=status, tenant=tenant, after=after, limit=limit)}",
-                       next_url=(f"/admin?{_query(status=status, tenant=tenant, after=page['next'], limit=limit)}"
-                                 if page["next"] else None),
-                       first_url=f"/admin?{_query(status=status, tenant=tenant, limit=limit)}" if after else None)
+    return _render(request, "_job_rows.html", admin, **_jobs(session, status or None, tenant or None,
+                                                             after, limit))
 
-    @router.get("/jobs")
-    def jobs_alias(request: Request) -> RedirectResponse:
-        """``/admin/jobs`` (where a job's page lives below) is the job list at ``/admin``; the
-        query string is kept."""
-        query = request.url.query
-        return RedirectResponse("/admin" + (f"?{query}" if query else ""), status_code=307)
 
-    @router.get("/fragments/jobs")
-    def jobs_fragment(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
-                      tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE) -> HTMLResponse:
-        return _render(request, "_job_rows.html", admin, **_jobs(session, status or None, tenant or None,
-                                                                 after, limit))
+@router.get("/api/jobs")
+def jobs_json(admin: AdminDep, session: SessionDep, status: Status = None, tenant: TenantName = None,
+              after: After = None, limit: Limit = PAGE_SIZE) -> dict:
+    """``{"data": [job, …], "next": cursor | null}``: a page of every tenant's batches, newest
+    first; ``next`` goes back as ``after``."""
+    page = _jobs(session, status or None, tenant or None, after, limit)
+    return {"data": page["jobs"], "next": page["next"]}
 
-    @router.get("/api/jobs")
-    def jobs_json(admin: AdminDep, session: SessionDep, status: Status = None, tenant: TenantName = None,
-                  after: After = None, limit: Limit = PAGE_SIZE) -> dict:
-        """``{"data": [job, …], "next": cursor | null}``: a page of every tenant's batches, newest
-        first; ``next`` goes back as ``after``."""
-        page = _jobs(session, status or None, tenant or None, after, limit)
-        return {"data": page["jobs"], "next": page["next"]}
 
-    def _job(session, batch_id: str) -> dict:
-        row = queries.admin_get_batch(session, batch_id)
-        if row is None:
-            raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
-        batch, tenant = row
-        job = job_view(batch, tenant, time.time())
-        job.update(errors=(batch.errors or []), input_file_id=batch.input_file_id,
-                   output_file_id=batch.output_file_id, error_file_id=batch.error_file_id,
-                   completion_window=batch.completion_window, metadata=batch.metadata_ or {},
-                   usage={"input": batch.usage_input_tokens, "cached": batch.usage_cached_tokens,
-                          "output": batch.usage_output_tokens})
-        timeline = [{"type": e.type, "at": e.created_at.timestamp(), "payload": e.payload}
-                    for e in queries.batch_events(session, batch_id)]
-        return {"job": job, "timeline": timeline, "states": queries.request_state_counts(session, batch_id)}
+def _job(session, batch_id: str) -> dict:
+    """The job page's batch (:func:`job_view` and its detail), timeline and request counts; 404 when
+    no tenant has ``batch_id``."""
+    row = queries.admin_get_batch(session, batch_id)
+    if row is None:
+        raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
+    batch, tenant = row
+    job = job_view(batch, tenant, time.time())
+    job.update(errors=(batch.errors or []), input_file_id=batch.input_file_id,
+               output_file_id=batch.output_file_id, error_file_id=batch.error_file_id,
+               completion_window=batch.completion_window, metadata=batch.metadata_ or {},
+               usage={"input": batch.usage_input_tokens, "cached": batch.usage_cached_tokens,
+                      "output": batch.usage_output_tokens})
+    timeline = [{"type": e.type, "at": e.created_at.timestamp(), "payload": e.payload}
+                for e in queries.batch_events(session, batch_id)]
+    return {"job": job, "timeline": timeline, "states": queries.request_state_counts(session, batch_id)}
 
-    @router.get("/jobs/{batch_id}")
-    def job_page(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
-                 state: Status = None, after: After = None,
+
+@router.get("/jobs/{batch_id}")
+def job_page(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
+             state: Status = None, after: After = None,
+             notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
+    if state is not None and state not in REQUEST_STATES:
+        raise AdminBadRequest(f"Unknown request state '{state[:40]}'.", param="state")
+    detail = _job(session, batch_id)
+    rows, more = queries.admin_request_page(session, batch_id, limit=PAGE_SIZE, after=_line_cursor(after),
+                                            state=state)
+    base = f"/admin/jobs/{batch_id}"
+    notice = notice if notice in NOTICES else None
+    return _render(request, "job.html", admin, nav="jobs", **detail, requests=[request_view(r) for r in rows],
+                   request_states=REQUEST_STATES, state=state, notice=notice,
+                   fragment=f"/admin/fragments/jobs/{batch_id}?{_query(notice=notice)}".rstrip("?"),
+                   next_url=f"{base}?{_query(state=state, after=rows[-1].line)}" if more else None,
+                   first_url=f"{base}?{_query(state=state)}" if after else None)
+
+
+@router.get("/fragments/jobs/{batch_id}")
+def job_fragment(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
                  notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
-        if state is not None and state not in REQUEST_STATES:
-            raise AdminBadRequest(f"Unknown request state '{state[:40]}'.", param="state")
-        detail = _job(session, batch_id)
-        rows, more = queries.admin_request_page(session, batch_id, limit=PAGE_SIZE, after=_line_cursor(after),
-                                                state=state)
-        base = f"/admin/jobs/{batch_id}"
-        notice = notice if notice in NOTICES else None
-        return _render(request, "job.html", admin, nav="jobs", **detail, requests=[request_view(r) for r in rows],
-                       request_states=REQUEST_STATES, state=state, notice=notice,
-                       fragment=f"/admin/fragments/jobs/{batch_id}?{_query(notice=notice)}".rstrip("?"),
-                       next_url=f"{base}?{_query(state=state, after=rows[-1].line)}" if more else None,
-                       first_url=f"{base}?{_query(state=state)}" if after else None)
+    return _render(request, "_job_summary.html", admin, **_job(session, batch_id),
+                   notice=notice if notice in NOTICES else None)
 
-    @router.get("/fragments/jobs/{batch_id}")
-    def job_fragment(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
-                     notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
-        return _render(request, "_job_summary.html", admin, **_job(session, batch_id),
-                       notice=notice if notice in NOTICES else None)
 
-    @router.post("/jobs/{batch_id}/cancel")
-    def cancel(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
-               csrf_token: Annotated[str | None, Form()] = None) -> Response:
-        """Cancel through the API's own path and rule (:func:`queries.request_cancel`,
-        :data:`queries.CANCEL_RULE`; the outbox hands the cancel task to the worker), then back to the
-        job page with ``notice=cancel_requested``; a batch that had already ended (cancelled
-        included) goes back with ``notice=cancel_refused`` (the API answers 409 "Cannot cancel a
-        batch with status '…'." there)."""
-        auth.check_csrf(admin, csrf_token)
-        row = queries.admin_get_batch(session, batch_id)
-        if row is None:
-            raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
-        outcome = queries.request_cancel(session, row[0].tenant_id, batch_id)
-        assert outcome is not None  # the batch was just read
-        session.commit()
-        request.app.state.outbox.wake()  # the cancel task goes out off the request, as the API's
-        moved, refusal = outcome.batch, outcome.refusal
-        log.info("batch cancel refused" if refusal else "batch cancel",
-                 extra={"action": "batch_cancel_refused" if refusal else "batch_cancel", "batch_id": batch_id,
-                        "tenant": row[1], "status": moved.status, "by": "admin"})
-        notice = "cancel_refused" if refusal else "cancel_requested"
-        return RedirectResponse(f"/admin/jobs/{batch_id}?notice={notice}", status_code=303)
+@router.post("/jobs/{batch_id}/cancel")
+def cancel(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
+           csrf_token: Annotated[str | None, Form()] = None) -> Response:
+    """Cancel through the API's own path and rule (:func:`queries.request_cancel`,
+    :data:`queries.CANCEL_RULE`; the outbox hands the cancel task to the worker), then back to the
+    job page with ``notice=cancel_requested``; a batch that had already ended (cancelled
+    included) goes back with ``notice=cancel_refused`` (the API answers 409 "Cannot cancel a
+    batch with status '…'." there)."""
+    auth.check_csrf(admin, csrf_token)
+    row = queries.admin_get_batch(session, batch_id)
+    if row is None:
+        raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
+    outcome = queries.request_cancel(session, row[0].tenant_id, batch_id)
+    assert outcome is not None  # the batch was just read
+    session.commit()
+    request.app.state.outbox.wake()  # the cancel task goes out off the request, as the API's
+    moved, refusal = outcome.batch, outcome.refusal
+    log.info("batch cancel refused" if refusal else "batch cancel",
+             extra={"action": "batch_cancel_refused" if refusal else "batch_cancel", "batch_id": batch_id,
+                    "tenant": row[1], "status": moved.status, "by": "admin"})
+    notice = "cancel_refused" if refusal else "cancel_requested"
+    return RedirectResponse(f"/admin/jobs/{batch_id}?notice={notice}", status_code=303)
 
-    @router.get("/files/{file_id}")
-    def file_download(request: Request, file_id: str, admin: AdminDep, session: SessionDep) -> StreamingResponse:
-        row = queries.get_any_file(session, file_id)
-        chunks = None
-        if row is not None:
-            try:
-                chunks = request.app.state.store.read(row.storage_key)
-            except FileNotFoundError:
-                chunks = None
-        if row is None or chunks is None:
-            raise AdminNotFound(f"No such File object: {file_id[:100]}", param="file_id")
-        return StreamingResponse(chunks, media_type="application/octet-stream",
-                                 headers={"content-disposition": content_disposition(row.filename)})
 
-    # lanes and fleet --------------------------------------------------------------------------
+@router.get("/files/{file_id}")
+def file_download(request: Request, file_id: str, admin: AdminDep, session: SessionDep) -> StreamingResponse:
+    row = queries.get_any_file(session, file_id)
+    chunks = None
+    if row is not None:
+        try:
+            chunks = request.app.state.store.read(row.storage_key)
+        except FileNotFoundError:
+            chunks = None
+    if row is None or chunks is None:
+        raise AdminNotFound(f"No such File object: {file_id[:100]}", param="file_id")
+    return StreamingResponse(chunks, media_type="application/octet-stream",
+                             headers={"content-disposition": content_disposition(row.filename)})
 
-    def live_page(name: str, build) -> None:
-        """``/admin/NAME`` (the page) and ``/admin/fragments/NAME`` (its live part), both from
-        ``build(request)``."""
 
-        def page(request: Request, admin: AdminDep) -> HTMLResponse:
-            return _render(request, f"{name}.html", admin, nav=name, fragment=f"/admin/fragments/{name}",
-                           **build(request))
+# --- routes: lanes and fleet -----------------------------------------------------------------
 
-        def fragment(request: Request, admin: AdminDep) -> HTMLResponse:
-            return _render(request, f"_{name}.html", admin, **build(request))
 
-        router.add_api_route(f"/{name}", page, methods=["GET"], name=f"admin_{name}")
-        router.add_api_route(f"/fragments/{name}", fragment, methods=["GET"], name=f"admin_{name}_fragment")
+def _live_page(request: Request, admin: Admin, name: str, build: Callable[[Request], dict]) -> HTMLResponse:
+    """``/admin/NAME``: the page, its live part from ``build(request)``."""
+    return _render(request, f"{name}.html", admin, nav=name, fragment=f"/admin/fragments/{name}", **build(request))
 
-    live_page("lanes", _lanes)
-    live_page("fleet", _fleet)
 
-    @router.get("/api/state")
-    def state_json(request: Request, admin: AdminDep) -> dict:
-        """``{"queues": [lane depth, …], "queues_error", "router": state | null, "router_error",
-        "sampled_at"}``."""
-        settings = request.app.state.settings
-        queues, queues_error = queue_depths(request.app.state.admin_redis, settings.queue_pool,
-                                            settings.queue_consumer_group)
-        sampler = request.app.state.admin_sampler
-        latest = sampler.latest if sampler else None
-        return {"queues": queues, "queues_error": queues_error,
-                "router": latest.state.model_dump() if latest else None,
-                "router_error": _router_problem(request.app.state.settings, sampler),
-                "sampled_at": latest.at if latest else None}
+@router.get("/lanes", name="admin_lanes")
+def lanes_page(request: Request, admin: AdminDep) -> HTMLResponse:
+    return _live_page(request, admin, "lanes", _lanes)
 
-    # tenants ------------------------------------------------------------------------------------
 
-    def _tenants(request: Request, session, after: str | None) -> dict:
-        settings = request.app.state.settings
-        rows, more = queries.tenant_usage(session, limit=PAGE_SIZE, after=_text_param(after, "after"))
-        open_requests = queries.open_requests_by_tenant(session, [row.id for row in rows])
-        tenants: list[dict[str, Any]] = []
-        for row in rows:
-            limit = row.enqueued_token_limit or settings.default_enqueued_token_limit
-            tenants.append({"name": row.name, "reserved": int(row.reserved_tokens), "limit": limit,
-                            "percent": min(100.0, 100 * int(row.reserved_tokens) / limit) if limit else 0,
-                            "active_batches": row.active_batches,
-                            **{state: open_requests.get(row.id, {}).get(state, 0)
-                               for state in queries.OPEN_REQUEST_STATES}})
-        return {"tenants": tenants, "more": more, "last": rows[-1].name if rows else None}
+@router.get("/fragments/lanes", name="admin_lanes_fragment")
+def lanes_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
+    return _render(request, "_lanes.html", admin, **_lanes(request))
 
-    @router.get("/tenants")
-    def tenants_page(request: Request, admin: AdminDep, session: SessionDep, after: After = None) -> HTMLResponse:
-        page = _tenants(request, session, after)
-        return _render(request, "tenants.html", admin, nav="tenants", tenants=page["tenants"],
-                       fragment=f"/admin/fragments/tenants?{_query(after=after)}".rstrip("?"),
-                       next_url=f"/admin/tenants?{_query(after=page['last'])}" if page["more"] else None,
-                       first_url="/admin/tenants" if after else None)
 
-    @router.get("/fragments/tenants")
-    def tenants_fragment(request: Request, admin: AdminDep, session: SessionDep,
-                         after: After = None) -> HTMLResponse:
-        return _render(request, "_tenants.html", admin, tenants=_tenants(request, session, after)["tenants"])
+@router.get("/fleet", name="admin_fleet")
+def fleet_page(request: Request, admin: AdminDep) -> HTMLResponse:
+    return _live_page(request, admin, "fleet", _fleet)
 
-    return router
+
+@router.get("/fragments/fleet", name="admin_fleet_fragment")
+def fleet_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
+    return _render(request, "_fleet.html", admin, **_fleet(request))
+
+
+@router.get("/api/state")
+def state_json(request: Request, admin: AdminDep) -> dict:
+    """``{"queues": [lane depth, …], "queues_error", "router": state | null, "router_error",
+    "sampled_at"}``."""
+    settings = request.app.state.settings
+    queues, queues_error = queue_depths(request.app.state.admin_redis, settings.queue_pool,
+                                        settings.queue_consumer_group)
+    sampler = request.app.state.admin_sampler
+    latest = sampler.latest if sampler else None
+    return {"queues": queues, "queues_error": queues_error,
+            "router": latest.state.model_dump() if latest else None,
+            "router_error": _router_problem(request.app.state.settings, sampler),
+            "sampled_at": latest.at if latest else None}
+
+
+# --- routes: tenants -------------------------------------------------------------------------
+
+
+def _tenants(request: Request, session, after: str | None) -> dict:
+    """A page of tenants by name after ``after``: reserved tokens against the limit, active batches,
+    open requests per state."""
+    settings = request.app.state.settings
+    rows, more = queries.tenant_usage(session, limit=PAGE_SIZE, after=_text_param(after, "after"))
+    open_requests = queries.open_requests_by_tenant(session, [row.id for row in rows])
+    tenants: list[dict[str, Any]] = []
+    for row in rows:
+        limit = row.enqueued_token_limit or settings.default_enqueued_token_limit
+        tenants.append({"name": row.name, "reserved": int(row.reserved_tokens), "limit": limit,
+                        "percent": min(100.0, 100 * int(row.reserved_tokens) / limit) if limit else 0,
+                        "active_batches": row.active_batches,
+                        **{state: open_requests.get(row.id, {}).get(state, 0)
+                           for state in queries.OPEN_REQUEST_STATES}})
+    return {"tenants": tenants, "more": more, "last": rows[-1].name if rows else None}
+
+
+@router.get("/tenants")
+def tenants_page(request: Request, admin: AdminDep, session: SessionDep, after: After = None) -> HTMLResponse:
+    page = _tenants(request, session, after)
+    return _render(request, "tenants.html", admin, nav="tenants", tenants=page["tenants"],
+                   fragment=f"/admin/fragments/tenants?{_query(after=after)}".rstrip("?"),
+                   next_url=f"/admin/tenants?{_query(after=page['last'])}" if page["more"] else None,
+                   first_url="/admin/tenants" if after else None)
+
+
+@router.get("/fragments/tenants")
+def tenants_fragment(request: Request, admin: AdminDep, session: SessionDep,
+                     after: After = None) -> HTMLResponse:
+    return _render(request, "_tenants.html", admin, tenants=_tenants(request, session, after)["tenants"])
 
 
 def _safe_next(target: str) -> str:

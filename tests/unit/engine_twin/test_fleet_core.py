@@ -2,6 +2,10 @@
 the long-prefill threshold, partial-prefill limits, block allocation per step, preemption by
 recompute under both policies, retention-ordered eviction and the step-time model."""
 
+import ast
+import zlib
+from pathlib import Path
+
 import pytest
 
 from engine_twin.core import CoreRequest, EngineCore, Status
@@ -20,7 +24,10 @@ def make_core(**overrides):
 
 
 def request(rid, prompt_len, max_tokens=4, seed=None, priority=0, retention=DEFAULT_RETENTION, prompt=None):
-    prompt = prompt if prompt is not None else [seed if seed is not None else hash(rid) % 1000] * prompt_len
+    """A request whose prompt repeats one token: ``seed``, else one derived from ``rid`` with CRC-32 (not
+    ``hash()``: it changes with ``PYTHONHASHSEED``, and two ids sharing a token share cached blocks)."""
+    token = seed if seed is not None else 1000 + zlib.crc32(rid.encode()) % 1000
+    prompt = prompt if prompt is not None else [token] * prompt_len
     return CoreRequest(rid, prompt, max_tokens, block_hashes(prompt, BS, ROOT), priority, retention)
 
 
@@ -296,3 +303,18 @@ def test_without_the_threshold_background_prefills_fill_the_budget_as_vllm():
     core.add(request("b1", 20, priority=10), 0.0)
     core.add(request("b2", 20, priority=10), 0.0)
     assert core.step(0.0).scheduled == {"b1": 20, "b2": 10}
+
+
+PURE_MODULES = ("core.py", "kv_cache.py", "step_model.py")
+CLOCK_MODULES = {"time", "datetime", "asyncio", "threading", "random"}
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_the_pure_core_imports_no_clock_and_no_randomness(module):
+    """Time reaches the core only as the ``now`` arguments of its calls."""
+    tree = ast.parse((Path(__file__).parents[3] / "engine_twin" / module).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not imported & CLOCK_MODULES
+
