@@ -97,7 +97,7 @@ def test_keyset_pages_cover_every_batch_once_newest_first_with_filters(gateway):
     assert _walk(admin, limit=4, tenant="globex") == _order([r for r in rows if r["_tenant"] == "globex"])
     both = [r for r in rows if r["_tenant"] == "acme" and r["status"] == "in_progress"]
     assert both and _walk(admin, limit=3, tenant="acme", status="in_progress") == _order(both)
-    assert admin.get("/admin/api/jobs", params={"tenant": "nobody"}).json() == {"data": [], "next": None}
+    assert admin.get("/admin/api/jobs", params={"tenant": "nobody"}).json() == {"data": [], "next": None, "total": 0}
 
     job = admin.get("/admin/api/jobs", params={"limit": 1}).json()["data"][0]
     source = next(r for r in rows if r["id"] == job["id"])
@@ -344,5 +344,5 @@ def test_bad_cursors_and_filters_are_400s_never_500s(gateway):
         assert answer.status_code == 400, (path, params, answer.status_code, answer.text[:300])
     error = admin.get("/admin/api/jobs", params={"after": "9" * 26 + "~batch_abc"}).json()["error"]
     assert error["param"] == "after" and error["type"] == "invalid_request_error"
-    assert admin.get("/admin/api/jobs", params={"after": "1~batch_abc"}).json() == {"data": [], "next": None}
+    assert admin.get("/admin/api/jobs", params={"after": "1~batch_abc"}).json() == {"data": [], "next": None, "total": 1}
     assert admin.get("/admin/jobs/batch%00x").status_code == 404
