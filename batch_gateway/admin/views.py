@@ -41,7 +41,7 @@ from batch_gateway.store.states import (
     BatchStatus,
 )
 from common.contracts.queue import LANE_PRIORITIES
-from common.contracts.router_state import SATURATION_THRESHOLD
+from common.contracts.router_state import BACKPRESSURE_REASONS, SATURATION_THRESHOLD, reason_label
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -131,8 +131,7 @@ def fmt_in(value: float | None, now: float) -> str:
     """How far ``value`` (Unix s) is from ``now``: ``in 3m 20s`` / ``5m ago``."""
     if value is None:
         return "—"
-    seconds = int(value - now)
-    later, seconds = seconds >= 0, abs(seconds)
+    later, seconds = value > now, int(abs(value - now))  # a reading of this instant is "0s ago"
     text = (f"{seconds}s" if seconds < 60 else f"{seconds // 60}m {seconds % 60:02d}s" if seconds < 3600
             else f"{seconds // 3600}h {seconds % 3600 // 60:02d}m")
     return f"in {text}" if later else f"{text} ago"
@@ -662,7 +661,8 @@ def _router_problem(settings, sampler: RouterSampler | None) -> str | None:
         return "Waiting for the first reading of the router's state."
     if not sampler.reachable:
         return f"{sampler.last_error or 'The router cannot be read'} at {sampler.url}."
-    if freshness(sampler.latest.at, sampler.stale_after_s, time.time()) == "unknown":
+    latest = sampler.latest
+    if latest is not None and freshness(latest.at, sampler.stale_after_s, time.time()) == "unknown":
         return f"The router has not answered at {sampler.url} for longer than its refresh."
     return None
 
@@ -679,6 +679,16 @@ def _router_context(request: Request) -> dict:
     return {"sampler": sampler, "samples": samples, "latest": latest.state if latest else None,
             "sampled_at": latest.at if latest else None, "router_live": live,
             "router_error": _router_problem(request.app.state.settings, sampler)}
+
+
+def refusals(band) -> dict[str, dict[str, int]]:
+    """A band's router counters split in two (labels spelled as the metrics spell them,
+    :func:`~common.contracts.router_state.reason_label`): ``refused``, backpressure the caller re-sends
+    (:data:`~common.contracts.router_state.BACKPRESSURE_REASONS`), and ``shed``, work truly dropped;
+    reasons never counted are left out."""
+    counts = {reason_label(reason): n for reason, n in (band.shed_total.items() if band else ()) if n}
+    return {"refused": {r: n for r, n in counts.items() if r in BACKPRESSURE_REASONS},
+            "shed": {r: n for r, n in counts.items() if r not in BACKPRESSURE_REASONS}}
 
 
 def _lanes(request: Request) -> dict:
@@ -698,9 +708,9 @@ def _lanes(request: Request) -> dict:
     lanes = []
     for queue in queues:
         band = bands.pop(queue["lane"], None)
-        lanes.append({**queue, "band": band, "rate": rate(queue["lane"])})
+        lanes.append({**queue, "band": band, "rate": rate(queue["lane"]), **refusals(band)})
     lanes += [{"lane": name, "priority": band.priority, "stream": None, "length": None, "pending": None,
-               "dead": None, "band": band, "rate": rate(name)}
+               "dead": None, "band": band, "rate": rate(name), **refusals(band)}
               for name, band in bands.items()]  # objectives the router knows that have no stream
     now = time.time()
     saturation = {"least saturated engine (gate)": [(s.state.time, s.state.gate_saturation) for s in samples],
