@@ -25,6 +25,9 @@ import httpx
 BEAT_SYNC_SECONDS = 180.0
 """How often Celery beat writes its schedule file while it sends tasks (``Scheduler.sync_every``,
 celery/beat.py)."""
+BEAT_SLACK_SECONDS = 30.0
+"""Beat writes at its first tick after :data:`BEAT_SYNC_SECONDS`; its file counts as fresh this
+much longer (a tick comes within a task interval, under 30 s with the stack's schedule)."""
 TIMEOUT_S = 2.0
 """Bound of one ``/health`` read (s)."""
 
@@ -79,7 +82,7 @@ class HealthSampler:
         self.interval_s = interval_s
         stale = interval_s + TIMEOUT_S
         self.services = {name: ServiceHealth(name, url, stale) for name, url in urls.items()}
-        self.beat = ServiceHealth("beat", str(data_dir / "celerybeat-schedule"), BEAT_SYNC_SECONDS + interval_s)
+        self.beat = ServiceHealth("beat", str(data_dir / "celerybeat-schedule"), BEAT_SYNC_SECONDS + BEAT_SLACK_SECONDS)
         self._data_dir = data_dir
         self._client = httpx.AsyncClient(timeout=TIMEOUT_S, transport=transport)
         self._task: asyncio.Task | None = None

@@ -243,8 +243,10 @@ def test_a_router_that_stops_answering_turns_the_gate_and_engines_unknown(gatewa
         assert "said\n      open" in lanes  # what the last reading said, with its age
         assert _row(lanes, "data-engine", "engine-0")[1] == ["unknown"]
         assert [c[0] for c in _row(lanes, "data-lane", "batch")[5:11]] == ["unknown"] * 6
+        assert 'class="card stale-reading"' in lanes  # the last reading's figures, greyed and said so
         assert 'id="router-error"' in lanes and "ago" in lanes.split('id="router-error"')[1][:400]
         fleet = client.get("/admin/fleet", headers=ADMIN).text
+        assert "unknown now: the last reading" in fleet
         assert _row(fleet, "data-engine", "engine-0")[2] == ["unknown"] and "healthy" not in \
             " ".join(_row(fleet, "data-engine", "engine-0")[2])
 
