@@ -62,6 +62,14 @@ class GatewaySettings(SharedSettings):
     """Base URL of the router whose ``GET /admin/state`` feeds the lanes and fleet pages."""
     router_poll_seconds: float = 5.0
     """How often the dashboard's sampler reads the router's state."""
+    health_poll_seconds: float = 5.0
+    """How often the dashboard reads every service's ``/health`` (its health view)."""
+    metrics_host: str = Field(default="127.0.0.1", validation_alias="BACKFILL_METRICS_HOST")
+    """Host of the worker's and the processor's metrics ports (``backfill up`` sets it)."""
+    worker_metrics_port: int | None = Field(default=None, validation_alias="BACKFILL_WORKER_METRICS_PORT")
+    processor_metrics_port: int | None = Field(default=None, validation_alias="BACKFILL_PROCESSOR_METRICS_PORT")
+    """The worker's and the processor's ``/metrics`` and ``/health`` ports, read by the dashboard's
+    health view (None: not shown)."""
     router_history: int = 720
     """Samples kept for the charts (720 x 5 s = the last hour)."""
     queue_pool: str = "default"

@@ -10,7 +10,9 @@ series                                                 type       labels
 ``backfill_router_decision_duration_seconds``          histogram  ``plugin`` (``total`` for the
                                                                   whole decision)
 ``backfill_router_dispatched_total``                   counter    ``band``
-``backfill_router_shed_total``                         counter    ``band``, ``reason``
+``backfill_router_shed_total``                         counter    ``band``, ``reason`` (the drop
+                                                                  reason with underscores,
+                                                                  :func:`reason_label`)
 ``backfill_router_make_room_evictions_total``         counter    ``endpoint`` (sheddable requests
                                                                   evicted for non-sheddable ones)
 ``backfill_router_evictions_total``                    counter    ``endpoint``, ``reason`` (sheddable
@@ -88,7 +90,7 @@ from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common.contracts.router_state import RouterState
+from common.contracts.router_state import RouterState, reason_label
 from common.metrics import service_registry
 
 #: Decision-time buckets, seconds: 10 µs … 50 ms (llm-d's scheduler runs at 0.1–0.2 ms p50).
@@ -171,8 +173,9 @@ class RouterMetrics:
         self.requests.labels(objective, str(status)).inc()
 
     def shed(self, objective: str, reason: str) -> None:
-        """One request refused, dropped or evicted by flow control."""
-        self.shed_total.labels(objective, reason).inc()
+        """One request refused, dropped or evicted by flow control (``reason``: a
+        :class:`~router.flow_control.errors.DropReason` value, labelled by :func:`reason_label`)."""
+        self.shed_total.labels(objective, reason_label(reason)).inc()
 
     def made_room(self, endpoint: str) -> None:
         """One sheddable request evicted on ``endpoint`` for a non-sheddable one."""

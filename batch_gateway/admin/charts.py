@@ -32,7 +32,7 @@ def line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, unit
                width: int = 640, height: int = 200) -> Markup:
     """An SVG chart of ``series`` (points ``(unix_s, value)``) up to ``now`` (Unix s).
 
-    The y axis runs from 0 to ``y_max`` (default: the largest value or ``threshold``, at least 1);
+    The y axis runs from 0 to ``y_max`` (default: the largest value or ``threshold``; 1 when all are 0);
     ``threshold`` draws a dashed red line. With no point at all it says "no data yet".
     """
     left, right, top, bottom = 48, 12, 24, 28
@@ -48,8 +48,8 @@ def line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, unit
         return Markup("".join(parts))
     t0 = min(t for t, _ in points)
     span = max(now - t0, 1.0)
-    top_value = y_max if y_max is not None else max([v for _, v in points] + [threshold or 0.0, 1e-9])
-    top_value = top_value if top_value > 0 else 1.0
+    top_value = y_max if y_max is not None else max([v for _, v in points] + [threshold or 0.0])
+    top_value = top_value if top_value > 0 else 1.0  # an idle series (all 0) is drawn on 0..1
 
     def x(t: float) -> float:
         return left + (t - t0) / span * plot_w

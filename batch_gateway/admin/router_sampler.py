@@ -51,6 +51,12 @@ class RouterSampler:
         self._task: asyncio.Task | None = None
 
     @property
+    def stale_after_s(self) -> float:
+        """Age (s) past which the latest sample is unknown, not live: one poll interval and one
+        read's timeout."""
+        return self.interval_s + float(self._client.timeout.read or 0.0)
+
+    @property
     def latest(self) -> Sample | None:
         """The newest sample, or None before the first one."""
         return self.samples[-1] if self.samples else None

@@ -8,7 +8,9 @@ Every route needs the admin key (:mod:`batch_gateway.admin.auth`).
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -25,6 +27,7 @@ from fastapi.templating import Jinja2Templates
 import batch_gateway.admin.auth as auth
 from batch_gateway.admin.auth import Admin, AdminError, require_admin
 from batch_gateway.admin.charts import line_chart
+from batch_gateway.admin.health import HealthSampler, freshness, health_urls
 from batch_gateway.admin.router_sampler import RouterSampler, rates
 from batch_gateway.api.files import content_disposition
 from batch_gateway.deps import SessionDep
@@ -38,7 +41,7 @@ from batch_gateway.store.states import (
     BatchStatus,
 )
 from common.contracts.queue import LANE_PRIORITIES
-from common.contracts.router_state import SATURATION_THRESHOLD
+from common.contracts.router_state import BACKPRESSURE_REASONS, SATURATION_THRESHOLD, reason_label
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -128,8 +131,7 @@ def fmt_in(value: float | None, now: float) -> str:
     """How far ``value`` (Unix s) is from ``now``: ``in 3m 20s`` / ``5m ago``."""
     if value is None:
         return "—"
-    seconds = int(value - now)
-    later, seconds = seconds >= 0, abs(seconds)
+    later, seconds = value > now, int(abs(value - now))  # a reading of this instant is "0s ago"
     text = (f"{seconds}s" if seconds < 60 else f"{seconds // 60}m {seconds % 60:02d}s" if seconds < 3600
             else f"{seconds // 3600}h {seconds % 3600 // 60:02d}m")
     return f"in {text}" if later else f"{text} ago"
@@ -144,6 +146,13 @@ templates.env.filters["time"] = fmt_time
 templates.env.globals["pct"] = fmt_pct
 templates.env.globals["fmt_in"] = fmt_in
 templates.env.globals["cancel_refusal"] = queries.terminal_cancel_refusal
+templates.env.globals["state_meaning"] = {
+    "pending": "in Postgres, not yet fed to the processors",
+    "queued": "handed to the processors: waiting in a lane or running at an engine (no result yet)",
+    "succeeded": "answered 2xx", "failed": "answered with an error, or none came",
+    "cancelled": "ended by the batch's cancel without running", "expired": "ended by the deadline without running"}
+"""What each request state means, shown on the job page (the states of
+:class:`batch_gateway.store.states.RequestState`)."""
 
 
 def estimated_finish(total: int, done: int, in_progress_at: int | None, now: float) -> float | None:
@@ -155,15 +164,42 @@ def estimated_finish(total: int, done: int, in_progress_at: int | None, now: flo
     return now + (total - done) * (now - in_progress_at) / done
 
 
-def job_view(batch, tenant: str, now: float) -> dict[str, Any]:
+def unix_seconds(moment: dt.datetime) -> int:
+    """``moment`` in whole Unix seconds, rounded to the nearest as the batch's own ``*_at`` fields
+    are (``extract(epoch from now())::bigint`` rounds, :data:`batch_gateway.store.models.EPOCH_NOW`),
+    so the timeline and the summary name the same second."""
+    return math.floor(moment.timestamp() + 0.5)
+
+
+def job_view(batch, tenant: str, now: float, unrun: dict[str, int] | None = None) -> dict[str, Any]:
     """What the job list and the job page show of one batch (counts from the batch row);
-    ``ended`` says it is in a terminal status and ``ended_at`` (Unix s) when it got there."""
-    total, done = batch.request_total, batch.request_completed + batch.request_failed
-    percent = 100 if batch.status == BatchStatus.COMPLETED else (100 * done // total if total else 0)
+    ``ended`` says it is in a terminal status and ``ended_at`` (Unix s) when it got there.
+
+    ``unrun`` (:func:`queries.ended_unrun_counts`) holds the batch's requests that ended without
+    running (``cancelled``, ``expired``): the batch row, like the API's ``request_counts``
+    (``request_counts`` = ``{total, completed, failed}``, kept as ``api_counts``), counts them as
+    failed; the dashboard shows them apart, in a neutral colour, and ``failed`` is the rest.
+    ``percent`` is the share of requests that ran to a result (the whole bar only for
+    ``completed``); a batch that failed validation has no requests and shows no bar
+    (``percent`` None)."""
+    unrun = unrun or {}
+    cancelled, expired = unrun.get("cancelled", 0), unrun.get("expired", 0)
+    total = batch.request_total
+    failed = max(0, batch.request_failed - cancelled - expired)
+    done = batch.request_completed + batch.request_failed
+    ran = batch.request_completed + failed
+    if batch.status == BatchStatus.COMPLETED:
+        percent: int | None = 100
+    elif batch.status == BatchStatus.FAILED and not total:
+        percent = None  # failed validation: nothing ran, no progress to show
+    else:
+        percent = 100 * ran // total if total else 0
     eta = estimated_finish(total, done, batch.in_progress_at, now) if batch.status == BatchStatus.IN_PROGRESS else None
     return {"id": batch.id, "tenant": tenant, "model": batch.model, "endpoint": batch.endpoint,
             "status": batch.status, "total": total, "completed": batch.request_completed,
-            "failed": batch.request_failed, "done": done, "percent": percent,
+            "failed": failed, "cancelled": cancelled, "expired": expired, "done": done, "ran": ran,
+            "percent": percent,
+            "api_counts": {"total": total, "completed": batch.request_completed, "failed": batch.request_failed},
             "created_at": batch.created_at, "in_progress_at": batch.in_progress_at,
             "expires_at": batch.expires_at, "eta": eta, "active": batch.status in ACTIVE_BATCH_STATUSES,
             "ended": batch.status in ENDED_AT,
@@ -221,23 +257,50 @@ def _text_param(value: str | None, param: str) -> str | None:
     return value
 
 
-def _jobs(session, status: str | None, tenant: str | None, after: str | None, limit: int) -> dict:
+UNRUN_STATUSES = (BatchStatus.CANCELLING, BatchStatus.CANCELLED, BatchStatus.EXPIRED)
+"""Batches whose requests may have ended without running (their cancelled / expired requests are
+counted for the job list)."""
+
+
+def search_terms(q: str | None) -> tuple[str | None, dict[str, str]]:
+    """The job list's search box: ``key=value`` words are metadata pairs the batch must hold, one
+    other word is a batch id or the start of one, e.g. ``batch_4f team=nlp``. Raises
+    :class:`AdminBadRequest` (400) for two id words or an empty key."""
+    id_prefix, metadata = None, {}
+    for word in (_text_param(q, "q") or "").split():
+        key, sep, value = word.partition("=")
+        if sep:
+            if not key:
+                raise AdminBadRequest(f"Invalid search {word[:80]!r}: a metadata key comes before '='.", param="q")
+            metadata[key] = value
+        elif id_prefix is not None:
+            raise AdminBadRequest("Search for one batch id (or its start) and any key=value pairs.", param="q")
+        else:
+            id_prefix = word
+    return id_prefix, metadata
+
+
+def _jobs(session, status: str | None, tenant: str | None, after: str | None, limit: int,
+          q: str | None = None) -> dict:
+    """A page of the job list with its filters and ``total``: how many batches match them."""
     if status is not None and status not in BATCH_STATUSES:
         raise AdminBadRequest(f"Unknown status '{status[:40]}'; one of: {', '.join(BATCH_STATUSES)}.",
                               param="status")
+    id_prefix, metadata = search_terms(q)
     tenant_id = None
     if tenant is not None and _text_param(tenant, "tenant"):
         found = queries.tenant_by_name(session, tenant)
         if found is None:
-            return {"jobs": [], "next": None, "status": status, "tenant": tenant}
+            return {"jobs": [], "next": None, "status": status, "tenant": tenant, "q": q, "total": 0}
         tenant_id = found.id
-    rows, more = queries.admin_list_batches(session, limit=limit, after=_cursor(after),
-                                            status=status, tenant_id=tenant_id)
+    where = queries.BatchFilter(status=status, tenant_id=tenant_id, id_prefix=id_prefix, metadata=metadata)
+    rows, more = queries.admin_list_batches(session, limit=limit, after=_cursor(after), where=where)
+    unrun = queries.ended_unrun_counts(session, [b.id for b, _ in rows if b.status in UNRUN_STATUSES])
     now = time.time()
-    jobs = [job_view(batch, name, now) for batch, name in rows]
+    jobs = [job_view(batch, name, now, unrun.get(batch.id)) for batch, name in rows]
     last = rows[-1][0] if rows else None
     return {"jobs": jobs, "next": f"{last.created_at}~{last.id}" if more and last else None,
-            "status": status, "tenant": tenant}
+            "status": status, "tenant": tenant, "q": q, "total": queries.admin_count_batches(session, where)}
 
 
 def _query(**params) -> str:
@@ -245,6 +308,7 @@ def _query(**params) -> str:
 
 
 Status = Annotated[str | None, Query(max_length=32)]
+Search = Annotated[str | None, Query(max_length=1000)]
 TenantName = Annotated[str | None, Query(max_length=256)]
 After = Annotated[str | None, Query(max_length=200)]
 Limit = Annotated[int, Query(ge=1, le=200)]
@@ -252,22 +316,26 @@ Limit = Annotated[int, Query(ge=1, le=200)]
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Open the Redis client (``app.state.admin_redis``) and, with an admin key and
-    ``BACKFILL_ROUTER_URL``, start the router sampler (``app.state.admin_sampler``, else None); close
-    both at shutdown."""
+    """Open the Redis client (``app.state.admin_redis``) and, with an admin key, start the health
+    sampler (``app.state.admin_health``) and, with ``BACKFILL_ROUTER_URL`` too, the router sampler
+    (``app.state.admin_sampler``; each None otherwise); close them at shutdown."""
     settings = app.state.settings
     app.state.admin_redis = redis.Redis.from_url(settings.redis_url, socket_timeout=2.0,
                                                  socket_connect_timeout=2.0)
-    sampler = None
+    sampler = health = None
     if settings.admin_key and settings.router_url:
         sampler = RouterSampler(settings.router_url, settings.router_poll_seconds, settings.router_history)
         sampler.start()
-    app.state.admin_sampler = sampler
+    if settings.admin_key:
+        health = HealthSampler(health_urls(settings), Path(settings.data_dir), settings.health_poll_seconds)
+        health.start()
+    app.state.admin_sampler, app.state.admin_health = sampler, health
     try:
         yield
     finally:
-        if sampler is not None:
-            await sampler.stop()
+        for running in (sampler, health):
+            if running is not None:
+                await running.stop()
         app.state.admin_redis.close()
 
 
@@ -324,14 +392,16 @@ def logout(admin: AdminDep, csrf_token: Annotated[str | None, Form()] = None) ->
 
 @router.get("")
 def jobs_page(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
-              tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE) -> HTMLResponse:
-    page = _jobs(session, status or None, tenant or None, after, limit)
+              tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE,
+              q: Search = None) -> HTMLResponse:
+    page = _jobs(session, status or None, tenant or None, after, limit, q or None)
+    filters = {"status": status, "tenant": tenant, "q": q}
     return _render(request, "jobs.html", admin, nav="jobs", statuses=BATCH_STATUSES,
                    tenants=queries.tenant_names(session), **page,
-                   fragment=f"/admin/fragments/jobs?{_query(status=status, tenant=tenant, after=after, limit=limit)}",
-                   next_url=(f"/admin?{_query(status=status, tenant=tenant, after=page['next'], limit=limit)}"
+                   fragment=f"/admin/fragments/jobs?{_query(**filters, after=after, limit=limit)}",
+                   next_url=(f"/admin?{_query(**filters, after=page['next'], limit=limit)}"
                              if page["next"] else None),
-                   first_url=f"/admin?{_query(status=status, tenant=tenant, limit=limit)}" if after else None)
+                   first_url=f"/admin?{_query(**filters, limit=limit)}" if after else None)
 
 
 @router.get("/jobs")
@@ -344,18 +414,20 @@ def jobs_alias(request: Request) -> RedirectResponse:
 
 @router.get("/fragments/jobs")
 def jobs_fragment(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
-                  tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE) -> HTMLResponse:
+                  tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE,
+                  q: Search = None) -> HTMLResponse:
     return _render(request, "_job_rows.html", admin, **_jobs(session, status or None, tenant or None,
-                                                             after, limit))
+                                                             after, limit, q or None))
 
 
 @router.get("/api/jobs")
 def jobs_json(admin: AdminDep, session: SessionDep, status: Status = None, tenant: TenantName = None,
-              after: After = None, limit: Limit = PAGE_SIZE) -> dict:
-    """``{"data": [job, …], "next": cursor | null}``: a page of every tenant's batches, newest
-    first; ``next`` goes back as ``after``."""
-    page = _jobs(session, status or None, tenant or None, after, limit)
-    return {"data": page["jobs"], "next": page["next"]}
+              after: After = None, limit: Limit = PAGE_SIZE, q: Search = None) -> dict:
+    """``{"data": [job, …], "next": cursor | null, "total": n}``: a page of every tenant's
+    batches, newest first (``q``: :func:`search_terms`); ``next`` goes back as ``after``, ``total``
+    counts every batch the filters match."""
+    page = _jobs(session, status or None, tenant or None, after, limit, q or None)
+    return {"data": page["jobs"], "next": page["next"], "total": page["total"]}
 
 
 def _job(session, batch_id: str) -> dict:
@@ -365,33 +437,52 @@ def _job(session, batch_id: str) -> dict:
     if row is None:
         raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
     batch, tenant = row
-    job = job_view(batch, tenant, time.time())
+    states = queries.request_state_counts(session, batch_id)
+    job = job_view(batch, tenant, time.time(), {s: n for s, n in states.items() if s in ("cancelled", "expired")})
     job.update(errors=(batch.errors or []), input_file_id=batch.input_file_id,
                output_file_id=batch.output_file_id, error_file_id=batch.error_file_id,
                completion_window=batch.completion_window, metadata=batch.metadata_ or {},
                usage={"input": batch.usage_input_tokens, "cached": batch.usage_cached_tokens,
                       "output": batch.usage_output_tokens})
-    timeline = [{"type": e.type, "at": e.created_at.timestamp(), "payload": e.payload}
+    timeline = [{"type": e.type, "at": unix_seconds(e.created_at), "payload": e.payload}
                 for e in queries.batch_events(session, batch_id)]
-    return {"job": job, "timeline": timeline, "states": queries.request_state_counts(session, batch_id)}
+    return {"job": job, "timeline": timeline, "states": states,
+            "open_states": {state: states.get(state, 0) for state in OPEN_REQUEST_STATES}}
+
+
+def _requests(session, batch_id: str, state: str | None, after: str | None) -> tuple[list[dict], Any]:
+    """A page of the job page's request table and the last row's line when more follow (else None)."""
+    if state is not None and state not in REQUEST_STATES:
+        raise AdminBadRequest(f"Unknown request state '{state[:40]}'.", param="state")
+    rows, more = queries.admin_request_page(session, batch_id, limit=PAGE_SIZE, after=_line_cursor(after),
+                                            state=state)
+    return [request_view(r) for r in rows], rows[-1].line if more else None
 
 
 @router.get("/jobs/{batch_id}")
 def job_page(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
              state: Status = None, after: After = None,
              notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
-    if state is not None and state not in REQUEST_STATES:
-        raise AdminBadRequest(f"Unknown request state '{state[:40]}'.", param="state")
     detail = _job(session, batch_id)
-    rows, more = queries.admin_request_page(session, batch_id, limit=PAGE_SIZE, after=_line_cursor(after),
-                                            state=state)
+    requests, last = _requests(session, batch_id, state, after)
     base = f"/admin/jobs/{batch_id}"
     notice = notice if notice in NOTICES else None
-    return _render(request, "job.html", admin, nav="jobs", **detail, requests=[request_view(r) for r in rows],
+    return _render(request, "job.html", admin, nav="jobs", **detail, requests=requests,
                    request_states=REQUEST_STATES, state=state, notice=notice,
                    fragment=f"/admin/fragments/jobs/{batch_id}?{_query(notice=notice)}".rstrip("?"),
-                   next_url=f"{base}?{_query(state=state, after=rows[-1].line)}" if more else None,
+                   rows_fragment=f"/admin/fragments/jobs/{batch_id}/requests?{_query(state=state, after=after)}".rstrip("?"),
+                   next_url=f"{base}?{_query(state=state, after=last)}" if last is not None else None,
                    first_url=f"{base}?{_query(state=state)}" if after else None)
+
+
+@router.get("/fragments/jobs/{batch_id}/requests")
+def requests_fragment(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
+                      state: Status = None, after: After = None) -> HTMLResponse:
+    """The job page's request table rows (the same page of them), re-read by the page's script."""
+    if queries.admin_get_batch(session, batch_id) is None:
+        raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
+    requests, _ = _requests(session, batch_id, state, after)
+    return _render(request, "_request_rows.html", admin, requests=requests, state=state)
 
 
 @router.get("/fragments/jobs/{batch_id}")
@@ -483,6 +574,26 @@ def state_json(request: Request, admin: AdminDep) -> dict:
             "sampled_at": latest.at if latest else None}
 
 
+# --- routes: health ---------------------------------------------------------------------------
+
+
+def _health(request: Request) -> dict:
+    """Every service's row of the health view (:meth:`HealthSampler.rows`; empty without one)."""
+    health: HealthSampler | None = request.app.state.admin_health
+    now = time.time()
+    return {"services": health.rows(now, gateway_at=now) if health else []}
+
+
+@router.get("/health", name="admin_health")
+def health_page(request: Request, admin: AdminDep) -> HTMLResponse:
+    return _live_page(request, admin, "health", _health)
+
+
+@router.get("/fragments/health", name="admin_health_fragment")
+def health_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
+    return _render(request, "_health.html", admin, **_health(request))
+
+
 # --- routes: tenants -------------------------------------------------------------------------
 
 
@@ -550,16 +661,34 @@ def _router_problem(settings, sampler: RouterSampler | None) -> str | None:
         return "Waiting for the first reading of the router's state."
     if not sampler.reachable:
         return f"{sampler.last_error or 'The router cannot be read'} at {sampler.url}."
+    latest = sampler.latest
+    if latest is not None and freshness(latest.at, sampler.stale_after_s, time.time()) == "unknown":
+        return f"The router has not answered at {sampler.url} for longer than its refresh."
     return None
 
 
 def _router_context(request: Request) -> dict:
+    """The router's samples, the latest state and when it was read; ``router_live`` says whether
+    that reading is within its refresh (:func:`~batch_gateway.admin.health.freshness`): when not,
+    the pages show the gate and the engines as unknown, with the reading's age."""
     sampler: RouterSampler | None = request.app.state.admin_sampler
     samples = list(sampler.samples) if sampler else []
     latest = samples[-1] if samples else None
+    live = sampler is not None and latest is not None and sampler.reachable and \
+        freshness(latest.at, sampler.stale_after_s, time.time()) == "live"
     return {"sampler": sampler, "samples": samples, "latest": latest.state if latest else None,
-            "sampled_at": latest.at if latest else None,
+            "sampled_at": latest.at if latest else None, "router_live": live,
             "router_error": _router_problem(request.app.state.settings, sampler)}
+
+
+def refusals(band) -> dict[str, dict[str, int]]:
+    """A band's router counters split in two (labels spelled as the metrics spell them,
+    :func:`~common.contracts.router_state.reason_label`): ``refused``, backpressure the caller re-sends
+    (:data:`~common.contracts.router_state.BACKPRESSURE_REASONS`), and ``shed``, work truly dropped;
+    reasons never counted are left out."""
+    counts = {reason_label(reason): n for reason, n in (band.shed_total.items() if band else ()) if n}
+    return {"refused": {r: n for r, n in counts.items() if r in BACKPRESSURE_REASONS},
+            "shed": {r: n for r, n in counts.items() if r not in BACKPRESSURE_REASONS}}
 
 
 def _lanes(request: Request) -> dict:
@@ -579,9 +708,9 @@ def _lanes(request: Request) -> dict:
     lanes = []
     for queue in queues:
         band = bands.pop(queue["lane"], None)
-        lanes.append({**queue, "band": band, "rate": rate(queue["lane"])})
+        lanes.append({**queue, "band": band, "rate": rate(queue["lane"]), **refusals(band)})
     lanes += [{"lane": name, "priority": band.priority, "stream": None, "length": None, "pending": None,
-               "dead": None, "band": band, "rate": rate(name)}
+               "dead": None, "band": band, "rate": rate(name), **refusals(band)}
               for name, band in bands.items()]  # objectives the router knows that have no stream
     now = time.time()
     saturation = {"least saturated engine (gate)": [(s.state.time, s.state.gate_saturation) for s in samples],

@@ -158,3 +158,19 @@ def parse_gate_saturation(body: bytes | str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise ValueError(f"gate_saturation={value!r}")
     return float(value)
+
+
+BACKPRESSURE_REASONS = ("rejected_saturated", "rejected_capacity", "rejected_quota")
+"""``reason`` labels of ``backfill_router_shed_total`` that are backpressure, not shedding: the
+request was refused at once, before any wait or engine work, with 429 and ``Retry-After``, and the
+caller sends it again (the processor always does: ``async_processor.retry``). The other reasons
+(``rejected_ttl_expired``, ``evicted``, ``rejected_context_cancelled``) drop work that waited or
+ran. Alerts, panels and the dashboard's Lanes page about shedding leave these out
+(deploy/prometheus/alerts.yaml)."""
+
+
+def reason_label(reason: str) -> str:
+    """A drop reason as a metric label: llm-d's header value (``rejected-saturated``,
+    ``router.flow_control.errors.DropReason``) with underscores (``rejected_saturated``), the
+    one spelling of labels across the router and the processor (STYLE.md 8)."""
+    return reason.replace("-", "_")

@@ -1,7 +1,9 @@
 """The admin dashboard in a real browser (Debian's Chromium, headless, driven by Playwright) against
 ``backfill up`` with a slowed simulated engine: log in, watch a running batch's progress bar advance
-without reloading, open it, cancel it after confirming, and see ``cancelling`` then ``cancelled``; a
-tenant's key is refused. Screenshots go to ``test-artifacts/`` (gitignored)."""
+without reloading, open it, cancel it after confirming, and see ``cancelling`` then ``cancelled``
+with the cancelled requests apart (not failed); a tenant's key is refused; with the router stopped
+(SIGSTOP) the gate turns unknown and the health view says so; no page asks for something that
+404s. Screenshots go to ``test-artifacts/`` (gitignored)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 ADMIN_KEY = "admin-browser-" + "b" * 24
 SLOW = {"BACKFILL_ENGINE_SIM_TIME_SCALE": "4",  # 4 wall seconds per model second: ~2 s a request
-        "BACKFILL_PROCESSOR_CONCURRENCY": "2"}  # two requests at a time, so progress comes in steps
+        "BACKFILL_PROCESSOR_CONCURRENCY": "2",  # two requests at a time, so progress comes in steps
+        # the dashboard reads the router and every service's /health each second (default 5 s)
+        "BACKFILL_GATEWAY_ROUTER_POLL_SECONDS": "1", "BACKFILL_GATEWAY_HEALTH_POLL_SECONDS": "1"}
+SERVICES = ("gateway", "router", "processor", "worker", "beat")
 WAIT_MS = 60_000
 """Longest wait for something to show up on a page (a bound against hanging, not a speed check)."""
 
@@ -132,6 +137,13 @@ def test_log_in_watch_progress_open_the_batch_and_cancel_it(page, stack):
     shot(page, "job-cancelled")
     done = client.batches.retrieve(batch.id)
     assert done.status == "cancelled" and done.request_counts.completed >= second
+    # the cancelled requests are shown as cancelled in grey, beside the API's own request_counts
+    counts = page.locator("#job-counts").inner_text()
+    assert f"{done.request_counts.completed} ok" in counts and " cancelled" in counts
+    api = page.locator("#api-counts").inner_text()
+    assert api == (f"total {done.request_counts.total} · completed {done.request_counts.completed} · "
+                   f"failed {done.request_counts.failed}")
+    assert page.locator(".summary .progress rect.unrun").get_attribute("width") != "0.00"
 
 
 def test_lanes_fleet_and_tenants_pages_render(page, stack):
@@ -156,3 +168,36 @@ def test_lanes_fleet_and_tenants_pages_render(page, stack):
     page.goto(admin_url(stack) + "/tenants")
     assert page.locator("#tenant-rows").get_attribute("data-refresh") == "/admin/fragments/tenants"
 
+
+
+def test_a_stopped_router_turns_the_gate_unknown_and_the_health_view_says_so(page, stack):
+    not_found: list[str] = []
+    page.on("response", lambda response: not_found.append(response.url) if response.status == 404 else None)
+    log_in(page, stack, ADMIN_KEY)
+    page.wait_for_url(admin_url(stack))
+    page.goto(admin_url(stack) + "/health")
+    page.wait_for_function("(names) => names.every(n => document.querySelector(`tr[data-service=\"${n}\"] .status`)"
+                           "?.textContent === 'up')", arg=list(SERVICES))
+    shot(page, "health")
+    page.goto(admin_url(stack) + "/lanes")
+    gate = "document.querySelector('#gate-state')?.textContent.trim()"
+    page.wait_for_function(f"() => ['open', 'closed'].includes({gate})")
+    router = stack.child("router")
+    router.suspend()  # SIGSTOP: its port stays open, nothing answers
+    try:
+        page.wait_for_function(f"() => {gate} === 'unknown'")  # the live refresh, no reload
+        assert "ago" in page.locator("#router-error").inner_text()
+        assert page.locator("#router-live").count() == 0
+        shot(page, "lanes-router-stopped")
+        page.goto(admin_url(stack) + "/health")
+        page.wait_for_function("() => document.querySelector('tr[data-service=\"router\"] .status')"
+                               ".textContent === 'unknown'")
+        states = {name: page.locator(f'tr[data-service="{name}"] .status').inner_text() for name in SERVICES}
+        assert states == {"gateway": "up", "router": "unknown", "processor": "up", "worker": "up", "beat": "up"}
+        assert "no answer" in page.locator('tr[data-service="router"]').inner_text()
+        shot(page, "health-router-stopped")
+    finally:
+        router.resume()
+    page.goto(admin_url(stack) + "/lanes")
+    page.wait_for_function(f"() => ['open', 'closed'].includes({gate})")  # live again once it answers
+    assert not_found == []  # no favicon (or any other) 404

@@ -97,7 +97,7 @@ def test_keyset_pages_cover_every_batch_once_newest_first_with_filters(gateway):
     assert _walk(admin, limit=4, tenant="globex") == _order([r for r in rows if r["_tenant"] == "globex"])
     both = [r for r in rows if r["_tenant"] == "acme" and r["status"] == "in_progress"]
     assert both and _walk(admin, limit=3, tenant="acme", status="in_progress") == _order(both)
-    assert admin.get("/admin/api/jobs", params={"tenant": "nobody"}).json() == {"data": [], "next": None}
+    assert admin.get("/admin/api/jobs", params={"tenant": "nobody"}).json() == {"data": [], "next": None, "total": 0}
 
     job = admin.get("/admin/api/jobs", params={"limit": 1}).json()["data"][0]
     source = next(r for r in rows if r["id"] == job["id"])
@@ -344,5 +344,137 @@ def test_bad_cursors_and_filters_are_400s_never_500s(gateway):
         assert answer.status_code == 400, (path, params, answer.status_code, answer.text[:300])
     error = admin.get("/admin/api/jobs", params={"after": "9" * 26 + "~batch_abc"}).json()["error"]
     assert error["param"] == "after" and error["type"] == "invalid_request_error"
-    assert admin.get("/admin/api/jobs", params={"after": "1~batch_abc"}).json() == {"data": [], "next": None}
+    assert admin.get("/admin/api/jobs", params={"after": "1~batch_abc"}).json() == {"data": [], "next": None, "total": 1}
     assert admin.get("/admin/jobs/batch%00x").status_code == 404
+
+
+def _seed_requests(session, batch_id: str, states: dict[str, int]) -> None:
+    """Give ``batch_id`` requests in ``states`` (``{state: count}``), lines in that order."""
+    rows, line = [], 0
+    for state, count in states.items():
+        for _ in range(count):
+            line += 1
+            rows.append({"batch_id": batch_id, "custom_id": f"r{line}", "line": line, "byte_offset": line,
+                         "byte_length": 1, "prefix_key": b"", "est_tokens": 1, "state": state})
+    session.execute(insert(BatchRequest), rows)
+
+
+def _cell(html: str, element_id: str) -> str:
+    """The text of the element with ``element_id`` (tags dropped, spaces collapsed)."""
+    inner = re.search(rf'<(\w+)[^>]*id="{element_id}"[^>]*>(.*?)</\1>', html, re.S).group(2)
+    return " ".join(re.sub(r"<[^>]+>", " ", inner).split())
+
+
+def test_a_cancelled_batch_shows_cancelled_requests_apart_with_the_api_counts(gateway):
+    with gateway.session() as session:
+        [row] = seed_batches(session, 1, statuses=("cancelled",))
+        session.execute(text("UPDATE batches SET request_completed = 52, request_failed = 148 WHERE id = :id"),
+                        {"id": row["id"]})
+        _seed_requests(session, row["id"], {"succeeded": 52, "cancelled": 148})
+        session.commit()
+    admin = _admin(gateway)
+    page = admin.get(f"/admin/jobs/{row['id']}").text
+    assert _cell(page, "job-counts") == "52 ok · 0 failed · 148 cancelled / 200 total"
+    # what GET /v1/batches/{id} answers: the API counts requests ended without a result as failed
+    assert _cell(page, "api-counts") == "total 200 · completed 52 · failed 148"
+    assert 'aria-valuenow="26"' in page and '<rect class="bad" x="26.00" width="0.00"' in page
+    assert '<rect class="unrun" x="26.00" width="74.00"' in page  # grey, not red
+    listing = admin.get("/admin", params={"status": "cancelled"}).text
+    cell = re.search(rf'<tr data-batch="{row["id"]}">(.*?)</tr>', listing, re.S).group(1)
+    assert "148<span class=\"muted\"> cancelled" in cell and "0<span class=\"muted\"> failed" in cell
+    assert admin.get("/admin/api/jobs").json()["data"][0]["api_counts"] == {"total": 200, "completed": 52,
+                                                                           "failed": 148}
+
+
+def test_search_by_id_and_metadata_with_a_total_and_the_job_page_shows_metadata_and_window(gateway):
+    with gateway.session() as session:
+        rows = seed_batches(session, 9)
+        for i, row in enumerate(rows):
+            session.execute(text("UPDATE batches SET metadata = CAST(:m AS jsonb), completion_window = '2h' "
+                                 "WHERE id = :id"),
+                            {"id": row["id"], "m": orjson.dumps({"team": "nlp" if i % 3 == 0 else "vision",
+                                                                  "run": str(i)}).decode()})
+        session.commit()
+    admin = _admin(gateway)
+    nlp = admin.get("/admin/api/jobs", params={"q": "team=nlp", "limit": 2}).json()
+    assert nlp["total"] == 3 and len(nlp["data"]) == 2 and nlp["next"]
+    assert _walk(admin, q="team=nlp", limit=2) == _order([r for i, r in enumerate(rows) if i % 3 == 0])
+    both = admin.get("/admin/api/jobs", params={"q": "team=nlp run=3"}).json()
+    assert [job["id"] for job in both["data"]] == [rows[3]["id"]] and both["total"] == 1
+    target = rows[4]["id"]
+    by_id = admin.get("/admin/api/jobs", params={"q": target}).json()
+    assert [job["id"] for job in by_id["data"]] == [target] and by_id["total"] == 1
+    prefix = admin.get("/admin/api/jobs", params={"q": "batch_00000"}).json()  # batch_000000 … batch_000008
+    assert prefix["total"] == 9
+    assert admin.get("/admin/api/jobs", params={"q": "batch_%"}).json()["total"] == 0  # LIKE's % is literal
+    assert admin.get("/admin/api/jobs", params={"q": "a b"}).status_code == 400
+    assert admin.get("/admin/api/jobs", params={"q": "=x"}).status_code == 400
+
+    listing = admin.get("/admin", params={"q": "team=vision"}).text
+    assert _cell(listing, "job-total") == "6 batches match, showing 6"
+    assert 'name="q" id="q" value="team=vision"' in listing
+    assert "q=team%3Dvision" in listing  # the live fragment keeps the search
+    assert _cell(admin.get("/admin").text, "job-total") == "9 batches, showing 9"
+
+    page = admin.get(f"/admin/jobs/{target}").text
+    assert _cell(page, "job-window") == "2h"
+    assert _cell(page, "job-metadata") == "run=4 team=vision"
+    assert 'href="/admin?q=team%3Dvision"' in page
+
+
+def test_job_page_counts_requests_by_their_states_and_its_request_table_refreshes(gateway):
+    with gateway.session() as session:
+        [row] = seed_batches(session, 1, statuses=("in_progress",))
+        _seed_requests(session, row["id"], {"succeeded": 3, "queued": 38, "pending": 159})
+        session.commit()
+    admin = _admin(gateway)
+    page = admin.get(f"/admin/jobs/{row['id']}").text
+    assert _cell(page, "job-open") == ("159 pending (in Postgres, not yet fed) · 38 queued (handed to the "
+                                       "processors: waiting in a lane or running at an engine)")
+    assert "queued 38" in _cell(page, "job-states") and "pending 159" in _cell(page, "job-states")
+    live = re.search(r'<tbody id="request-rows" data-refresh="([^"]+)"', page).group(1).replace("&amp;", "&")
+    assert live == f"/admin/fragments/jobs/{row['id']}/requests"
+    before = admin.get(live).text
+    assert "<html" not in before and before.count("s-queued") == 38  # lines 4-41 of the first 50
+    with gateway.session() as session:
+        session.execute(text("UPDATE batch_requests SET state = 'succeeded' WHERE batch_id = :id AND line = 4"),
+                        {"id": row["id"]})
+        session.commit()
+    after = admin.get(live).text
+    assert after.count("s-queued") == 37 and after.count("s-succeeded") == 4
+    filtered = admin.get(f"/admin/jobs/{row['id']}", params={"state": "queued"}).text
+    assert re.search(r'data-refresh="([^"]+)"', filtered.split('id="request-rows"')[1]).group(1) == \
+        f"/admin/fragments/jobs/{row['id']}/requests?state=queued"
+    assert admin.get(f"/admin/fragments/jobs/{row['id']}/requests", params={"state": "bogus"}).status_code == 400
+    assert admin.get("/admin/fragments/jobs/batch_nope/requests").status_code == 404
+
+
+def test_the_timeline_names_the_same_second_as_the_summary(gateway):
+    """The batch's ``created_at`` is ``now()`` rounded to the second; its ``batch.created`` event,
+    written in the same transaction, shows the same second (truncating it was 1 s off)."""
+    with gateway.session() as session:
+        [row] = seed_batches(session, 1, statuses=("in_progress",))
+        created = dt.datetime.fromtimestamp(BASE_TIME - 0.4, dt.UTC)  # rounds to BASE_TIME
+        session.execute(text("INSERT INTO events (batch_id, tenant_id, type, created_at) "
+                             "SELECT id, tenant_id, 'batch.created', :at FROM batches WHERE id = :id"),
+                        {"id": row["id"], "at": created})
+        session.commit()
+    page = _admin(gateway).get(f"/admin/jobs/{row['id']}").text
+    summary = re.search(r"<dt>Created</dt><dd>([^<]+)</dd>", page).group(1)
+    when = re.search(r'<span class="when">([^<]+)</span> <span class="event">batch.created</span>', page).group(1)
+    assert summary == when == "2026-09-21 14:13:20"
+
+
+def test_a_batch_that_failed_validation_shows_no_progress_bar(gateway):
+    with gateway.session() as session:
+        [row] = seed_batches(session, 1, statuses=("failed",))
+        session.execute(text("UPDATE batches SET request_total = 0, request_completed = 0 WHERE id = :id"),
+                        {"id": row["id"]})
+        session.commit()
+    admin = _admin(gateway)
+    page = admin.get(f"/admin/jobs/{row['id']}").text
+    assert 'role="progressbar"' not in page and "no-progress" in page
+    listing = admin.get("/admin").text
+    cell = re.search(rf'<tr data-batch="{row["id"]}">(.*?)</tr>', listing, re.S).group(1)
+    assert 'role="progressbar"' not in cell and "%</span>" not in cell
+    assert admin.get("/admin/api/jobs").json()["data"][0]["percent"] is None

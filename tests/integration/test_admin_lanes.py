@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import threading
 import time
 
 import pytest
@@ -37,10 +38,13 @@ class FakeRouter:
         self.saturation = 1.3
         self.gate_saturation = 1.3
         self.mode = "ok"
+        self.released = threading.Event()
         self.app = FastAPI()
         self.app.get("/admin/state")(self.state)
 
     def state(self):
+        if self.mode == "hang":  # a stopped process (SIGSTOP): the connection opens, no answer comes
+            self.released.wait(30)
         if self.mode == "error":
             return PlainTextResponse("boom", status_code=500)
         if self.mode == "garbage":
@@ -65,7 +69,7 @@ class FakeRouter:
                            "in_flight": 4, "dispatched_total": 500, "shed_total": {}},
                           {"objective": "batch", "priority": -10, "queued_requests": 12, "queued_bytes": 9000,
                            "in_flight": 6, "dispatched_total": DISPATCH_STEP * self.reads,
-                           "shed_total": {"saturated": 5, "ttl_expired": 2}}]}
+                           "shed_total": {"rejected-saturated": 5, "rejected-ttl-expired": 2, "evicted": 0}}]}
 
 
 @pytest.fixture
@@ -75,6 +79,7 @@ def fake_router():
     with serve(router.app, port):
         router.url = f"http://127.0.0.1:{port}"
         yield router
+        router.released.set()
 
 
 def _client(gateway_settings, router_url: str | None):
@@ -120,7 +125,8 @@ def test_lanes_page_shows_queues_rates_sheds_gate_and_saturation_over_time(gatew
         assert batch[0][:2] == ["batch", batch_stream]
         assert [c[0] for c in batch[1:7]] == ["-10", "5", "2", "1", "12", "6"]
         assert batch[7] == ["15.0/s"]  # 30 more dispatched every 2 s of router time
-        assert batch[9][0] == "7" and "saturated 5" in " ".join(batch[9]) and "ttl_expired 2" in " ".join(batch[9])
+        # backpressure the processor re-sends apart from work dropped, spelled as the metrics spell it
+        assert batch[9] == ["5", "rejected_saturated", "5"] and batch[10] == ["2", "rejected_ttl_expired", "2"]
         assert [c[0] for c in _row(page.text, "data-lane", "interactive")[1:5]] == ["100", "1", "0", "0"]
         assert _row(page.text, "data-lane", "async")[2] == ["0"]
         assert 'id="gate-state">' in page.text and "closed" in page.text.split('id="gate-state">')[1][:40]
@@ -220,3 +226,69 @@ def test_rates_with_two_router_replicas_use_only_samples_of_the_same_replica():
     series = rates(polls)
     assert series["batch"] == [(4, 2.0), (6, 10.0), (8, 2.0), (10, 10.0), (12, 10.0), (14, 2.0)]
     assert all(rate >= 0 for _, rate in series["interactive"])
+
+
+def test_a_router_that_stops_answering_turns_the_gate_and_engines_unknown(gateway_settings, fake_router):
+    """SIGSTOP's effect: the last reading (gate open, engines healthy) is older than its refresh, so
+    the pages show unknown with the reading's age, never the old OPEN as live."""
+    fake_router.gate_saturation = 0.4
+    with _client(gateway_settings, fake_router.url) as client:
+        _wait(client, lambda s: s["router"] is not None and s["router_error"] is None)
+        live = client.get("/admin/fragments/lanes", headers=ADMIN).text
+        assert "open" in live.split('id="gate-state">')[1][:20] and 'id="router-live"' in live
+        fake_router.mode = "hang"
+        _wait(client, lambda s: s["router_error"] is not None)
+        lanes = client.get("/admin/lanes", headers=ADMIN).text
+        assert 'class="gate unknown" id="gate-state">unknown<' in lanes and 'id="router-live"' not in lanes
+        assert "said\n      open" in lanes  # what the last reading said, with its age
+        assert _row(lanes, "data-engine", "engine-0")[1] == ["unknown"]
+        assert [c[0] for c in _row(lanes, "data-lane", "batch")[5:11]] == ["unknown"] * 6
+        assert 'class="card stale-reading"' in lanes  # the last reading's figures, greyed and said so
+        assert 'id="router-error"' in lanes and "ago" in lanes.split('id="router-error"')[1][:400]
+        fleet = client.get("/admin/fleet", headers=ADMIN).text
+        assert "unknown now: the last reading" in fleet
+        assert _row(fleet, "data-engine", "engine-0")[2] == ["unknown"] and "healthy" not in \
+            " ".join(_row(fleet, "data-engine", "engine-0")[2])
+
+
+def test_the_health_page_shows_every_service_with_its_last_answer_age(gateway_settings, fake_router, tmp_path):
+    """The router answers /health, the processor's port answers 503, nothing listens on the
+    worker's; beat's schedule file was written just now. The page's rows say so, each with its age."""
+    health = FastAPI()
+    health.get("/health")(lambda: JSONResponse({"status": "unavailable"}, status_code=503))
+    fake_router.app.get("/health")(lambda: {"status": "ok"})
+    port = free_port()
+    (tmp_path / "celerybeat-schedule").write_bytes(b"")
+    with serve(health, port):
+        settings = gateway_settings.model_copy(update={
+            "processor_metrics_port": port, "worker_metrics_port": free_port(), "health_poll_seconds": 0.05,
+            "data_dir": tmp_path})
+        with _client(settings, fake_router.url) as client:
+            deadline = time.monotonic() + 20
+            while True:
+                page = client.get("/admin/health", headers=ADMIN).text
+                states = {name: _row(page, "data-service", name)[1][0]
+                          for name in ("gateway", "router", "processor", "worker", "beat")}
+                if states["router"] == "up" and states["processor"] == "down" and "no answer" in page:
+                    break
+                assert time.monotonic() < deadline, states
+                time.sleep(0.05)
+            assert states == {"gateway": "up", "router": "up", "processor": "down", "worker": "unknown",
+                              "beat": "up"}
+            assert _row(page, "data-service", "worker")[2] == ["never"]
+            assert "answered HTTP 503" in " ".join(_row(page, "data-service", "processor")[4])
+            assert client.get("/admin/fragments/health", headers=ADMIN).text.count("<tr data-service=") == 5
+            assert 'href="/admin/health"' in page and 'data-refresh="/admin/fragments/health"' in page
+
+
+def test_an_idle_chart_has_a_zero_to_one_axis_not_1e_09():
+    svg = str(line_chart({"batch": [(10, 0.0), (12, 0.0)]}, title="Dispatch rate", unit="requests/s", now=12))
+    ticks = re.findall(r'class="tick">([^<]+)<', svg)
+    assert ticks[:3] == ["0", "0.5", "1"] and not [t for t in ticks if "e-" in t]
+
+
+def test_every_page_names_its_icon_so_no_favicon_request_404s(gateway_settings):
+    with _client(gateway_settings, None) as client:
+        for path in ("/admin", "/admin/lanes", "/admin/health", "/admin/login"):
+            page = client.get(path, headers=ADMIN)
+            assert '<link rel="icon" href="data:,">' in page.text, path

@@ -6,6 +6,7 @@ None commits: the caller owns the transaction."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from sqlalchemy import and_, case, func, select, tuple_
 from sqlalchemy.orm import Session
@@ -17,30 +18,78 @@ from batch_gateway.store.models import (
     Tenant,
 )
 from batch_gateway.store.queries._shared import can_exist
-from batch_gateway.store.states import ACTIVE_BATCH_STATUSES, OPEN_REQUEST_STATES, BatchStatus
+from batch_gateway.store.states import ACTIVE_BATCH_STATUSES, OPEN_REQUEST_STATES, BatchStatus, RequestState
 
 BatchCursor = tuple[int, str]
 """A keyset position in the admin job list: ``(created_at, id)`` of the last batch shown."""
 
 
+@dataclass(frozen=True)
+class BatchFilter:
+    """What the admin job list is narrowed to: one ``status``, one tenant (``tenant_id``), batch ids
+    starting with ``id_prefix``, and ``metadata`` pairs the batch's metadata must all hold (exact
+    string values). Empty fields do not narrow."""
+
+    status: str | None = None
+    tenant_id: str | None = None
+    id_prefix: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def apply(self, stmt):
+        """``stmt`` with this filter's ``WHERE`` clauses on ``Batch``."""
+        if self.status is not None:
+            stmt = stmt.where(Batch.status == self.status)
+        if self.tenant_id is not None:
+            stmt = stmt.where(Batch.tenant_id == self.tenant_id)
+        if self.id_prefix:
+            escaped = self.id_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            stmt = stmt.where(Batch.id.like(escaped + "%", escape="\\"))
+        if self.metadata:
+            stmt = stmt.where(Batch.metadata_.contains(self.metadata))  # JSONB @>
+        return stmt
+
+
 def admin_list_batches(session: Session, *, limit: int, after: BatchCursor | None = None,
-                       status: str | None = None, tenant_id: str | None = None) -> tuple[list, bool]:
+                       status: str | None = None, tenant_id: str | None = None,
+                       where: BatchFilter | None = None) -> tuple[list, bool]:
     """A page of batches of every tenant, newest first (``created_at`` then ``id``, descending),
-    after the keyset position ``after``, optionally of one ``status`` and/or one tenant: rows
+    after the keyset position ``after``, optionally of one ``status`` and/or one tenant, or narrowed
+    by ``where`` (a :class:`BatchFilter`, which then also holds status and tenant): rows
     ``(Batch, tenant name)`` and whether more follow. Served by ``ix_batches_created_at_id`` (or its
-    status / tenant twin), so a page reads ``limit + 1`` index entries whatever the table's size;
-    counts come from the batch row, never from its requests."""
-    stmt = select(Batch, Tenant.name).join(Tenant, Tenant.id == Batch.tenant_id)
-    if status is not None:
-        stmt = stmt.where(Batch.status == status)
-    if tenant_id is not None:
-        stmt = stmt.where(Batch.tenant_id == tenant_id)
+    status / tenant twin), so a page reads ``limit + 1`` index entries whatever the table's size
+    (an id or metadata search reads on until it has found them); counts come from the batch row,
+    never from its requests."""
+    where = where or BatchFilter(status=status, tenant_id=tenant_id)
+    stmt = where.apply(select(Batch, Tenant.name).join(Tenant, Tenant.id == Batch.tenant_id))
     if after is not None:
         stmt = stmt.where(tuple_(Batch.created_at, Batch.id) < tuple_(after[0], after[1]))
     rows = list(session.execute(
         stmt.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
     ).all())
     return rows[:limit], len(rows) > limit
+
+
+def admin_count_batches(session: Session, where: BatchFilter) -> int:
+    """How many batches of every tenant ``where`` selects (the job list's total)."""
+    return session.execute(where.apply(select(func.count()).select_from(Batch))).scalar_one()
+
+
+def ended_unrun_counts(session: Session, batch_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+    """``{batch_id: {state: requests}}`` of the requests of ``batch_ids`` that ended without
+    running: ``cancelled`` and ``expired`` (the batch row counts them as failed, as the API's
+    ``request_counts`` does); an index-only count on ``ix_batch_requests_batch_id_state``."""
+    if not batch_ids:
+        return {}
+    rows = session.execute(
+        select(BatchRequest.batch_id, BatchRequest.state, func.count())
+        .where(BatchRequest.batch_id.in_(list(batch_ids)),
+               BatchRequest.state.in_((RequestState.CANCELLED, RequestState.EXPIRED)))
+        .group_by(BatchRequest.batch_id, BatchRequest.state)
+    ).all()
+    out: dict[str, dict[str, int]] = {}
+    for batch_id, state, count in rows:
+        out.setdefault(batch_id, {})[state] = count
+    return out
 
 
 def admin_get_batch(session: Session, batch_id: str):

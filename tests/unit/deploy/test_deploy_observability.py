@@ -363,3 +363,35 @@ def test_dashboard_shows_the_gateway_the_lanes_and_tenants():
             "backfill_worker_tenant_tokens_total"} <= used
     quantiles = [e for e in dashboard_exprs() if "backfill_gateway_http_request_duration_seconds_bucket" in e]
     assert {q for e in quantiles for q in re.findall(r"histogram_quantile\((0\.\d+)", e)} == {"0.5", "0.95", "0.99"}
+
+
+def shed_reasons_read(expr: str) -> set[str]:
+    """The router drop reasons (as labels) that selectors of ``backfill_router_shed_total`` in
+    ``expr`` can read."""
+    from common.contracts.router_state import reason_label
+    from router.flow_control.errors import DropReason
+
+    labels = {reason_label(reason.value) for reason in DropReason}
+    read: set[str] = set()
+    for node in walk(promql_parser.parse(expr)):
+        if isinstance(node, promql_parser.VectorSelector) and node.name == "backfill_router_shed_total":
+            wanted = [m for m in node.matchers.matchers if m.name == "reason"]
+            read |= {label for label in labels if all(matches(m, label) for m in wanted)}
+    return read
+
+
+def test_shed_alerts_and_panel_count_real_shedding_in_the_router_s_label_spelling():
+    """``BackfillShedRateHigh`` and the shed panel read work truly dropped, never the backpressure
+    the processor re-sends; every ``reason`` they name is a label the router emits (underscores)."""
+    from common.contracts.router_state import BACKPRESSURE_REASONS
+
+    dropped = {"rejected_ttl_expired", "evicted", "rejected_context_cancelled"}
+    [rule] = [r for r in alert_rules() if r["alert"] == "BackfillShedRateHigh"]
+    assert shed_reasons_read(rule["expr"]) == dropped
+    [panel] = [e for e in dashboard_exprs() if "backfill_router_shed_total" in e]
+    assert shed_reasons_read(grafana_to_promql(panel)) == dropped
+    assert set(BACKPRESSURE_REASONS).isdisjoint(dropped)
+    [interactive] = [r for r in alert_rules() if r["alert"] == "BackfillInteractiveShed"]
+    assert "rejected_quota" not in shed_reasons_read(interactive["expr"])
+    exprs = [r["expr"] for r in alert_rules()] + [grafana_to_promql(e) for e in dashboard_exprs()]
+    assert not [e for e in exprs if "backfill_router_shed_total" in e and re.search(r'"rejected-', e)]

@@ -1,0 +1,139 @@
+"""The dashboard's view of every service's health, each with the age of its last answer.
+
+:class:`HealthSampler` reads each service's ``GET /health`` every ``interval_s`` seconds (the
+router's on ``BACKFILL_ROUTER_URL``; the worker's and the processor's on their metrics ports,
+``BACKFILL_METRICS_HOST`` : ``BACKFILL_WORKER_METRICS_PORT`` / ``BACKFILL_PROCESSOR_METRICS_PORT``,
+as ``backfill up`` sets them) and keeps, per service, the last answer and when it came. Celery
+beat serves no HTTP: its evidence is the modification time of its schedule file
+(``DATA_DIR/celerybeat-schedule*``), which beat rewrites at least every
+:data:`BEAT_SYNC_SECONDS` while it sends tasks.
+
+:func:`freshness` is the one rule every figure of the dashboard follows: a reading older than its
+refresh (``stale_after_s``) is *unknown*, never shown as live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+BEAT_SYNC_SECONDS = 180.0
+"""How often Celery beat writes its schedule file while it sends tasks (``Scheduler.sync_every``,
+celery/beat.py)."""
+BEAT_SLACK_SECONDS = 30.0
+"""Beat writes at its first tick after :data:`BEAT_SYNC_SECONDS`; its file counts as fresh this
+much longer (a tick comes within a task interval, under 30 s with the stack's schedule)."""
+TIMEOUT_S = 2.0
+"""Bound of one ``/health`` read (s)."""
+
+
+def freshness(at: float | None, stale_after_s: float, now: float) -> str:
+    """``"live"`` when a reading taken at ``at`` (Unix s) is at most ``stale_after_s`` old at
+    ``now``, else ``"unknown"`` (also when there is none)."""
+    return "live" if at is not None and now - at <= stale_after_s else "unknown"
+
+
+@dataclass
+class ServiceHealth:
+    """One service as last seen: ``url`` (or the file read), the last answer's HTTP ``status``
+    (None: none yet or none came), ``answered_at`` (Unix s of the last answer of any status),
+    ``error`` (why the last read failed, None when it answered) and ``stale_after_s`` (its refresh:
+    a reading older than this is unknown)."""
+
+    name: str
+    url: str
+    stale_after_s: float
+    status: int | None = None
+    answered_at: float | None = None
+    error: str | None = None
+
+    def state(self, now: float) -> str:
+        """``up`` (the last read answered 200 and is fresh), ``down`` (it answered otherwise or
+        failed, fresh) or ``unknown`` (no reading newer than ``stale_after_s``)."""
+        if freshness(self.answered_at, self.stale_after_s, now) == "unknown":
+            return "unknown"
+        return "up" if self.status == 200 and self.error is None else "down"
+
+
+def health_urls(settings) -> dict[str, str]:
+    """``{service: /health URL}`` the gateway's settings name: the router's (``router_url``), the
+    worker's and the processor's (``metrics_host`` and their metrics ports, when set)."""
+    urls = {}
+    if settings.router_url:
+        urls["router"] = settings.router_url.rstrip("/") + "/health"
+    for service, port in (("processor", settings.processor_metrics_port), ("worker", settings.worker_metrics_port)):
+        if port:
+            urls[service] = f"http://{settings.metrics_host}:{port}/health"
+    return urls
+
+
+class HealthSampler:
+    """Reads every service's ``/health`` (:func:`health_urls`) and beat's schedule file every
+    ``interval_s`` seconds; :attr:`services` holds the last reading of each. :meth:`start` and
+    :meth:`stop` run it as an asyncio task; :meth:`poll_once` reads once."""
+
+    def __init__(self, urls: dict[str, str], data_dir: Path, interval_s: float,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        self.interval_s = interval_s
+        stale = interval_s + TIMEOUT_S
+        self.services = {name: ServiceHealth(name, url, stale) for name, url in urls.items()}
+        self.beat = ServiceHealth("beat", str(data_dir / "celerybeat-schedule"), BEAT_SYNC_SECONDS + BEAT_SLACK_SECONDS)
+        self._data_dir = data_dir
+        self._client = httpx.AsyncClient(timeout=TIMEOUT_S, transport=transport)
+        self._task: asyncio.Task | None = None
+
+    async def _read(self, service: ServiceHealth) -> None:
+        try:
+            response = await self._client.get(service.url)
+        except httpx.HTTPError as exc:
+            service.error = f"no answer ({type(exc).__name__})"
+            return
+        service.status, service.answered_at = response.status_code, time.time()
+        service.error = None if response.status_code == 200 else f"answered HTTP {response.status_code}"
+
+    def _read_beat(self) -> None:
+        """Beat's evidence: the newest modification time of its schedule file(s) (dbm may add
+        ``.db`` / ``.dat`` / ``.dir``)."""
+        times = [path.stat().st_mtime for path in self._data_dir.glob("celerybeat-schedule*") if path.is_file()]
+        if times:
+            self.beat.status, self.beat.answered_at, self.beat.error = 200, max(times), None
+        else:
+            self.beat.error = "no schedule file written yet"
+
+    async def poll_once(self) -> None:
+        """Read every service once."""
+        await asyncio.gather(*(self._read(service) for service in self.services.values()))
+        self._read_beat()
+
+    def rows(self, now: float, gateway_at: float) -> list[dict]:
+        """The health view: one row per service, the gateway first (``gateway_at``: when it
+        answered, i.e. now for the page it serves), then router, processor, worker, beat; each
+        ``{"name", "url", "state", "age_s", "error"}``."""
+        gateway = ServiceHealth("gateway", "this page", self.interval_s + TIMEOUT_S, 200, gateway_at)
+        order = [gateway, *(self.services[n] for n in ("router", "processor", "worker") if n in self.services),
+                 self.beat]
+        return [{"name": s.name, "url": s.url, "state": s.state(now),
+                 "age_s": None if s.answered_at is None else max(0.0, now - s.answered_at), "error": s.error}
+                for s in order]
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        """Start polling in the running loop."""
+        self._task = asyncio.create_task(self._run(), name="admin-health-sampler")
+
+    async def stop(self) -> None:
+        """Stop polling and close the HTTP client."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._client.aclose()
