@@ -23,6 +23,7 @@ COPY workers ./workers
 COPY async_processor ./async_processor
 COPY router ./router
 COPY engine_twin ./engine_twin
+COPY lab ./lab
 COPY migrations ./migrations
 # kubernetes: the router's engine discovery by label selector (--engine-selector) imports it;
 # same bounds as the dev extra (37 needs python-dateutil>=3, which botocore refuses)
