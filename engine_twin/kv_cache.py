@@ -32,7 +32,9 @@ default and evicts by priority on both its memory levels; vLLM's block pool is p
 
 Tiers: an optional CPU tier receiving GPU evictions (write-back offload) and an optional disk tier
 receiving CPU evictions. A request reuses the longest run of blocks from block 0 found on GPU, then
-continues the run on CPU or disk (loaded back, costing step time, and cached on GPU again). At most
+continues the run on CPU or disk (loaded back, costing step time, and cached on GPU again; a block of
+that run still cached on GPU, its parent evicted first, is loaded into an uncached duplicate, as
+vLLM's offloading connector loads the whole run after the GPU prefix hit). At most
 ``num_tokens - 1`` tokens count as cached, as vLLM always recomputes the last token.
 
 KV events are collected as the cache changes and sent as one batch per engine step
@@ -276,7 +278,18 @@ class TieredPrefixCache:
         """Block table of a request being scheduled from the waiting queue: its GPU hits pinned, its
         CPU/disk hits loaded back (cached on GPU again, ``BlockStored`` GPU, at the higher of the
         tier's retention and ``retention``), ``new_blocks`` uncached blocks for the tokens it computes
-        this step. None, changing nothing, when the room is short."""
+        this step. None, changing nothing, when the room is short.
+
+        A CPU/disk hit whose block is also cached on GPU (past the GPU prefix hit: its parent was
+        evicted first) is loaded into a new block all the same, kept as an uncached duplicate
+        whose cached copy's retention rises to the load's, as :meth:`commit` keeps a duplicate; the
+        cached copy's reference count and evictable state are left alone. That is vLLM's order:
+        ``KVCacheManager.get_computed_blocks`` takes the GPU prefix hit (``BlockPool.touch``
+        pins it, taking evictable blocks off the free queue), then the offloading connector's
+        ``get_num_new_matched_tokens`` looks up the blocks from there on in its store only, and the
+        loaded tokens go to blocks newly allocated by ``allocate_slots``; ``BlockPool`` does not
+        de-duplicate cached blocks (``vllm/v1/core/block_pool.py``,
+        ``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``)."""
         gpu = hashes[:hits.gpu]
         pinned_evictable = sum(1 for h in gpu if self._ref[h] == 0)
         if len(hits.tier_hashes) + new_blocks > self.available() - pinned_evictable:
@@ -286,13 +299,19 @@ class TieredPrefixCache:
         table: list[Block] = list(gpu)
         for i, h in enumerate(hits.tier_hashes, hits.gpu):
             self._take_block()
-            self._ref[h] = 1
             level = retention
             for tier in (self._cpu, self._disk):
                 kept = tier.level(h)
                 if kept is not None:
                     level = max(level, kept)
                     tier.put(h, level)  # most recently used there too
+            if h in self._ref:  # cached on GPU too: the loaded block is an uncached duplicate
+                if level > self._retention[h]:
+                    self._raise(h, level)
+                self._uncached += 1
+                table.append(None)
+                continue
+            self._ref[h] = 1
             self._retention[h] = level
             self._stored(hashes, i, i + 1, tokens)
             table.append(h)

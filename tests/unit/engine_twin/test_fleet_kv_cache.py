@@ -5,6 +5,7 @@ import hashlib
 import cbor2
 
 from engine_twin.kv_cache import (
+    Hits,
     TieredPrefixCache,
     block_hashes,
     external_hash,
@@ -119,6 +120,41 @@ def test_cpu_evictions_go_to_disk():
     assert any(isinstance(e, BlockStored) and e.medium == "DISK" for e in events)
     assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in events)
     assert cache.stats.disk_stores == 1
+
+
+def test_a_tier_hit_already_on_gpu_past_the_prefix_loads_a_duplicate_and_leaves_the_gpu_copy_alone():
+    """x1 on GPU (evictable) and on CPU while its parent x0 is on CPU only: a request for x0 x1
+    loads both into new blocks (x1 an uncached duplicate, as vLLM's connector loads the run after
+    the GPU prefix hit). Before the fix, admit gave x1 a reference count of 1 while leaving it in
+    the evictable queue: a later eviction dropped it under the request and its free raised KeyError."""
+    cache, _ = make_cache(gpu=5, cpu=8)
+    prompt = list(range(9))  # blocks x0, x1 and a partial one
+    x, a, _ = alloc(cache, prompt)
+    cache.free(a)
+    _, f, _ = alloc(cache, list(range(100, 120)))  # 5 blocks: x1, x0 evicted to CPU
+    cache.free(f)
+    # A P/D decode-side request (local GPU hits only, none here) at retention 90 waits for its KV;
+    # meanwhile another request loads x0 back; the KV arrives: x0 a duplicate, x1 cached by it.
+    remote = cache.admit(x, Hits(), 3, prompt, 90)
+    _, b, hits = alloc(cache, prompt[:5])
+    assert hits.cpu == 1 and cache.tier_of(x[0]) == "GPU"
+    cache.commit(remote, 0, 2, x, prompt, 90)
+    assert remote[:2] == [None, x[1]]
+    cache.free(b)
+    cache.free(remote)  # x0 then x1 evictable, both at 90
+    _, c, _ = alloc(cache, list(range(200, 216)))  # 3 empty blocks + x0, evicted to CPU
+    cache.free(c)
+    assert (cache.tier_of(x[0]), cache.tier_of(x[1])) == ("CPU", "GPU")
+
+    hashes, d, hits = alloc(cache, prompt)
+    assert (hits.gpu, hits.cpu) == (0, 2)
+    assert d == [x[0], None, None]  # x1 loaded into a new block beside its evictable GPU copy
+    assert cache.used_blocks == 3 and cache.available() == 2
+    assert alloc(cache, list(range(300, 312)))[1] is None  # 3 blocks do not fit: nothing held is evicted
+    e = alloc(cache, list(range(300, 308)))[1]  # 2 do
+    cache.free(d)
+    cache.free(e)
+    assert cache.used_blocks == 0
 
 
 def test_held_blocks_are_pinned_and_grow_refuses_when_full():
