@@ -54,7 +54,7 @@ def test_stack_file_records_the_endpoints_and_a_stable_redis_socket(stack):
     socket_path = (data_dir / "redis" / "redis.sock").resolve()
     assert info["redis_url"] == f"unix://{socket_path}"
     assert info["celery_broker_url"] == f"redis+socket://{socket_path}"
-    assert f"broker=redis+socket://{socket_path}" in up.ready_line
+    assert "broker=" not in up.ready_line and len(up.ready_line) < 400  # the full map is here, not there
     assert set(info["health"]) >= {"gateway", "router", "processor", "worker"}
     assert info["router_url"] and info["database_url"] and info["metrics"]["gateway"].endswith("/metrics")
 
