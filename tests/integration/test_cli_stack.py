@@ -77,6 +77,7 @@ def test_enqueue_finds_the_stack_and_gets_a_result(cli):
     assert result.exit_code == 0, result.output
     answer = orjson.loads(result.output.strip().splitlines()[-1])
     assert answer["status_code"] == 200, answer
+    assert answer["payload"]["choices"][0]["message"]["role"] == "assistant"  # the answer as JSON, not a string
 
 
 def test_enqueue_wait_exits_non_zero_on_an_error_result(cli):

@@ -102,3 +102,13 @@ def test_a_wrong_or_missing_admin_key_is_refused(gateway, run):
     assert wrong.exit_code == 1 and "401" in wrong.output and "Incorrect admin key" in wrong.output
     tenant_key = run("tenants", "list", "--admin-key", gateway.api_key)
     assert tenant_key.exit_code == 1 and "403" in tenant_key.output
+
+
+def test_a_refused_submit_deletes_its_upload_and_names_it(gateway, run, tmp_path):
+    batch_file = tmp_path / "in.jsonl"
+    batch_file.write_bytes(LINE)
+    refused = run("submit", str(batch_file), "--endpoint", "/v1/no-such-endpoint")
+    assert refused.exit_code == 1, refused.output
+    file_id = refused.output.split(" as ")[1].split(";")[0]
+    assert file_id.startswith("file-") and f"so {file_id} was deleted" in refused.output
+    assert file_id not in {f.id for f in gateway.client().files.list()}
