@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 import httpx
@@ -432,6 +433,49 @@ def _stores(data_dir: Path):
         yield stores
 
 
+GENERATED_KEY_FILE = "generated-api-key"
+"""``DATA_DIR/generated-api-key`` (0600): the key a stack made for itself (no ``--api-key``) while it
+runs; its stop revokes the key and removes the file, and a start finding the file (a stack that died
+before its stop) revokes that key first. So every run without ``--api-key`` gets a fresh key that
+is active only while its stack runs."""
+
+
+def _with_session(database_url: str, work: Callable[[Any], Any]) -> Any:
+    """``work(session)`` in one committed transaction on ``database_url``."""
+    from batch_gateway.store.db import make_engine, make_sessionmaker
+    from batch_gateway.store.settings import sqlalchemy_url
+
+    engine = make_engine(sqlalchemy_url(database_url), pool_size=1)
+    try:
+        with make_sessionmaker(engine)() as session:
+            result = work(session)
+            session.commit()
+            return result
+    finally:
+        engine.dispose()
+
+
+def revoke_generated_key(database_url: str, data_dir: Path) -> bool:
+    """Revoke the key in ``DATA_DIR/generated-api-key`` and remove the file; returns whether there was
+    one. A database error leaves the file (the next start revokes the key)."""
+    from batch_gateway.store import queries
+
+    path = data_dir / GENERATED_KEY_FILE
+    try:
+        key = path.read_text().strip()
+    except FileNotFoundError:
+        return False
+    if key:
+        _with_session(database_url, lambda session: queries.revoke_api_key(session, key))
+    path.unlink(missing_ok=True)
+    return True
+
+
+def _remember_generated_key(data_dir: Path, api_key: str) -> None:
+    with os.fdopen(open_private(data_dir / GENERATED_KEY_FILE, os.O_WRONLY | os.O_TRUNC), "w") as handle:
+        handle.write(api_key + "\n")
+
+
 def _register_key(database_url: str, api_key: str) -> None:
     """Accept ``api_key`` for the ``default`` tenant (refused clearly when another tenant owns it)."""
     from batch_gateway.store import queries
@@ -459,7 +503,9 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
     exit. ``engines`` simulated engines serve ``served_model_names`` unless ``engine_urls`` name
     real ones; ``prefill_engines`` / ``decode_engines`` simulated engines more in those roles
     (prefill/decode disaggregation; :func:`check_pd_counts` says which combinations are valid).
-    ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one). ``progress`` is
+    ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one). Without
+    ``api_key`` the stack makes one for tenant ``default``, active only while it runs
+    (:data:`GENERATED_KEY_FILE`). ``progress`` is
     called with one short line (``"router ready http://…"``) as each service becomes ready.
     Raises ``click.UsageError`` for an invalid combination, before anything starts."""
     from backfill.stack_file import remove_stack, write_stack
@@ -470,12 +516,16 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
     data_dir = data_dir.resolve()
     private_dir(data_dir)
     private_dir(data_dir / "logs")
+    generated = not api_key
     api_key = api_key or "sk-bf-" + secrets.token_urlsafe(24)
     say = progress or (lambda line: None)
     with _private_umask(), _data_dir_lock(data_dir), _stores(data_dir) as stores:
         say(f"redis ready {'(REDIS_URL)' if os.environ.get('REDIS_URL') else 'embedded'}")
         upgrade(stores.database_url)
         say(f"postgres ready {'(DATABASE_URL)' if os.environ.get('DATABASE_URL') else 'embedded'}, migrated")
+        revoke_generated_key(stores.database_url, data_dir)  # left by a stack that died before its stop
+        if generated:
+            _remember_generated_key(data_dir, api_key)
         _register_key(stores.database_url, api_key)
         env = dict(os.environ, DATABASE_URL=stores.database_url, REDIS_URL=stores.redis_url,
                    BACKFILL_DATA_DIR=str(data_dir), BACKFILL_API_KEY=api_key)
@@ -519,6 +569,8 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         finally:
             remove_stack(data_dir)
             stack.stop()
+            with contextlib.suppress(Exception):  # the database may be gone: the next start revokes it
+                revoke_generated_key(stores.database_url, data_dir)
 
 
 def check_pd_counts(prefill: int, decode: int, engine_urls: bool) -> None:
