@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from batch_gateway import admin
-from batch_gateway.api import batches, files
+from batch_gateway.api import batches, files, operator
 from batch_gateway.errors import GatewayError, ServiceUnavailableError, error_body
 from batch_gateway.metrics import install_metrics
 from batch_gateway.request_ids import RequestIdMiddleware
@@ -103,6 +103,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = GatewayApp(title="backfill gateway", version="0.1.0", lifespan=lifespan)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(operator.router)  # the operator's JSON over every tenant (admin key)
     admin.install(app)  # the dashboard at /admin
     install_metrics(app, settings.admin_key)  # GET /metrics (admin key when set), HTTP series
     instrument_fastapi(app, "backfill-gateway")  # server spans continuing the client's traceparent

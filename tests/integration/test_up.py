@@ -51,6 +51,7 @@ def test_up_runs_the_stack_and_stops_cleanly(tmp_path):
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+        _check_start_up_lines(proc.stderr.read(), line)
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert alive == []
         assert not (tmp_path / "data" / "postgres" / "postmaster.pid").exists()
@@ -58,3 +59,16 @@ def test_up_runs_the_stack_and_stops_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _check_start_up_lines(stderr: str, ready: str) -> None:
+    """Each service got one short line as it became ready, in start order; the ready line is short
+    (the full map is in stack.json) and a summary names the dashboard and the key."""
+    said = [line.removeprefix("backfill: ") for line in stderr.splitlines() if line.startswith("backfill: ")]
+    order = ["redis ready", "postgres ready", "engine ready", "engine ready", "router ready", "beat started",
+             "gateway ready", "processor ready", "worker ready"]
+    assert [next(p for p in order if s.startswith(p)) for s in said if any(s.startswith(p) for p in order)] == order
+    assert all(len(s) < 80 for s in said), said
+    assert len(ready) < 250 and " metrics=" not in ready and ready.split()[3] == "admin=-"
+    assert "dashboard closed (start with --admin-key" in stderr and "API key sk-up-test" in stderr
+    assert "stack.json" in stderr
