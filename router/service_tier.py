@@ -9,7 +9,8 @@ The router serves it so (Completions too, the same way):
 * the request runs in the flow-control band ``flex`` (``router/flow_control/config.py``: priority
   below ``async`` and above ``batch``, sheddable, gated by saturation: spare capacity only, no
   reserved interactive slot, evictable by make-room), whoever sends it: asking for flex only ever
-  lowers a request's priority, so no trust is needed (:func:`flex_objective`);
+  lowers a request's priority, so no trust is needed (:func:`flex_objective`); only a trusted
+  caller's own objective header (the async processor's lanes) takes precedence (:func:`is_flex`);
 * it waits for room up to the band's ``ttl_s`` (600 s by default), then gets OpenAI's 429 with
   code :data:`RESOURCE_UNAVAILABLE` (:func:`flex_refusal`); the ``Retry-After`` and
   ``x-llm-d-request-dropped-reason`` headers stay flow control's;
@@ -46,8 +47,11 @@ _NO_ROOM = frozenset({DropReason.TTL_EXPIRED, DropReason.SATURATED, DropReason.C
 
 
 def is_flex(parsed: ParsedRequest) -> bool:
-    """The request asks for OpenAI's flex processing."""
-    return parsed.service_tier == FLEX_TIER
+    """The request is served as OpenAI's flex processing: it says ``service_tier: "flex"`` and no
+    trusted caller set its objective (read after the trust decision, when an untrusted caller's
+    objective is already gone). A trusted objective wins: the async processor's batch line that
+    carries ``service_tier: "flex"`` stays in its lane and is never parked in the router's queue."""
+    return parsed.service_tier == FLEX_TIER and parsed.objective is None
 
 
 def flex_objective(objective_priority: Mapping[str, int]) -> str:

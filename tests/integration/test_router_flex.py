@@ -36,8 +36,10 @@ def _band(s: RouterStack, objective: str) -> dict:
 def test_flex_on_spare_room_answers_as_flex_and_other_tiers_are_unchanged(tmp_path: Path) -> None:
     with RouterStack(tmp_path, engines=1) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        # an untrusted caller's objective header is dropped: it cannot lift its flex request
         answer = client.chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=4,
-                                                service_tier="flex")
+                                                service_tier="flex",
+                                                extra_headers={"x-llm-d-inference-objective": "interactive"})
         assert answer.service_tier == "flex" and answer.choices[0].message.content
         chunks = list(client.chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=4,
                                                      service_tier="flex", stream=True))

@@ -109,9 +109,10 @@ def test_flex_waits_for_spare_room_is_served_when_it_comes_and_gets_429_when_it_
                                 sheddable_objectives=frozenset(b.objective for b in config.bands if b.sheddable))
             flex = parse_request(CHAT, chat_body(service_tier="flex"), {})
             assert director.objective(flex) == "flex"
-            # an untrusted caller's objective header cannot lift a flex request out of its band
-            assert director.objective(parse_request(CHAT, chat_body(service_tier="flex"),
-                                                    {"x-llm-d-inference-objective": "interactive"})) == "flex"
+            # a trusted caller's objective (the processor's lane; an untrusted caller's is gone by
+            # now) wins: its batch line asking for flex stays in the batch band, never parked here
+            batch_line = parse_request(CHAT, chat_body(service_tier="flex"), {"x-llm-d-inference-objective": "batch"})
+            assert director.objective(batch_line) == "batch"
             assert director.objective(parse_request(CHAT, chat_body(service_tier="auto"), {})) == "interactive"
 
             def flex_band() -> dict:
