@@ -342,7 +342,10 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     The router honours fairness ids and objectives only from callers with its trusted token
     (``router/trust.py``): ``stack.env`` gets one (the one already in it, else a new random one) as
     both ``BACKFILL_ROUTER_TRUSTED_TOKEN`` and ``BACKFILL_PROCESSOR_ROUTER_TOKEN``, so a processor
-    started later from ``stack.env`` is trusted."""
+    started later from ``stack.env`` is trusted.
+
+    The router keeps the Responses API state (``store``, ``previous_response_id``) in the stack's
+    Redis (``--state-redis-url``; ``BACKFILL_ROUTER_STATE_REDIS_URL`` in the environment wins)."""
     from router.cli import router_argv
 
     env = stack.env
@@ -361,7 +364,8 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     both = [u for u in stack.engine_urls if stack.engine_roles.get(u, "both") == "both"]
     stack.start("router", router_argv(port, both, host=host, engine_priority=simulated,
                                       prefill_engines=by_role["prefill"], decode_engines=by_role["decode"],
-                                      extra=["--log-level", "INFO", *slots]))
+                                      extra=["--log-level", "INFO", *slots, "--state-redis-url",
+                                             env.get("BACKFILL_ROUTER_STATE_REDIS_URL") or env["REDIS_URL"]]))
     _wait_ready(f"{stack.router_url}/health", stack, owner="router")
 
 

@@ -46,6 +46,16 @@ def test_up_runs_the_stack_and_stops_cleanly(tmp_path):
         while client.batches.retrieve(batch.id).status == "validating" and time.monotonic() < deadline:
             time.sleep(0.1)
         assert client.batches.retrieve(batch.id).status == "in_progress"
+        # the router keeps Responses state in the stack's Redis: previous_response_id chains turns
+        router = line.split("router=")[1].split()[0]
+        direct = openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0)
+        first = direct.responses.create(model="gpt-3.5-turbo", input="My name is Ada.", max_output_tokens=16)
+        second = direct.responses.create(model="gpt-3.5-turbo", input="What is my name?", max_output_tokens=16,
+                                         previous_response_id=first.id)
+        assert second.previous_response_id == first.id and direct.responses.retrieve(first.id).id == first.id
+        seen = [item.content[0].text for item in direct.responses.input_items.list(second.id, order="asc").data
+                if item.type == "message" and item.role == "user"]
+        assert seen == ["My name is Ada.", "What is my name?"]
         with __import__("pytest").raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).files.list()
 
