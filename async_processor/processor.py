@@ -97,6 +97,7 @@ from common.contracts.queue import (
     error_result,
     http_result,
     invalid_request_result,
+    with_tenant,
 )
 
 log = logging.getLogger(__name__)
@@ -310,7 +311,7 @@ class Processor:
         held: dict[str, Work] | None = None
         for d in deliveries:
             try:
-                request = decode_request(d.body)
+                request = with_tenant(decode_request(d.body), settings.tenant_attribute)
             except InvalidMessage as exc:
                 self.metrics.shed(d.lane, Shed.INVALID)
                 self._add_settle(_Settle(d, invalid_request_result(exc), exc.result_queue_name, "",
@@ -344,7 +345,8 @@ class Processor:
                 self._add_settle(_Settle(d, None))
             elif admission is Admission.CANCELLED:
                 self.metrics.shed(d.lane, Shed.CANCELLED)
-                self._add_settle(_Settle(d, error_result(request.id, ErrorCode.CANCELLED, "batch cancelled",
+                reason = "cancelled" if request.request_token else "batch cancelled"
+                self._add_settle(_Settle(d, error_result(request.id, ErrorCode.CANCELLED, reason,
                                                          request.metadata), request.result_queue_name,
                                          request.id))
             else:

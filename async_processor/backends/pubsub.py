@@ -10,6 +10,9 @@ Layout in project ``pubsub_project`` (names from :mod:`common.contracts.queue`):
   dead-letters after ``max_deliveries`` and publishes a result first;
 - results to the topic named by the message's ``result_queue_name`` (topic id or full path) or
   ``backfill-results``; data = result JSON, attribute ``id``. Missing result topics are created.
+- a request message's attributes are merged into its ``metadata`` (an attribute wins), as
+  llm-d-async's Pub/Sub flow does, so e.g. its ``userid`` attribute names the tenant (the
+  processor's ``tenant_attribute``).
 
 Leases: after each pull the ack deadline of the pulled messages is set to the lease (seconds, rounded
 up, 1–600); :meth:`PubSubBackend.extend` renews it; :meth:`~PubSubBackend.nack` sets it to the delay.
@@ -56,6 +59,7 @@ from common.contracts.queue import (
     pubsub_dead_letter_topic,
     pubsub_request_topic,
     pubsub_subscription,
+    with_attributes,
 )
 
 _API_ERRORS = (gexc.GoogleAPIError,)
@@ -203,7 +207,8 @@ class PubSubBackend:
             count = m.delivery_attempt
             if not count:
                 count = self._counts[m.message.message_id] = self._counts.get(m.message.message_id, 0) + 1
-            out.append(Delivery(lane, bytes(m.message.data), count, m.message.message_id, handle=m.ack_id))
+            body = with_attributes(bytes(m.message.data), dict(m.message.attributes))
+            out.append(Delivery(lane, body, count, m.message.message_id, handle=m.ack_id))
         return out
 
     def _by_lane(self, deliveries: Sequence[Delivery]) -> dict[str, list[str]]:
