@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import orjson
 import pytest
 import redis
 from fastapi import FastAPI, Request
@@ -325,3 +326,32 @@ def test_held_work_of_a_batch_cancelled_later_is_dropped_not_run(ns):
     assert results["blocker"].status_code == 200
     assert [hint for hint, _ in seen] == ["blocker"]
     assert len(cancelled) == 3
+
+
+def test_llm_d_async_sorted_set_producer_gets_its_result_on_its_list_with_userid_as_tenant(ns):
+    """llm-d-async's SubmitRequest (MULTI; DEL request-cancel; SET request-active EX; ZADD
+    request-sortedset; EXEC), then its GetResult (BRPOP on the result list)."""
+    async def behaviour(body, request, seen):
+        return JSONResponse({"ok": True})
+    app, seen = _stub(behaviour)
+    port = free_port()
+    sorted_set, result_list, token = f"{ns.prefix}:request-sortedset", f"{ns.prefix}:result-list", "ab" * 16
+    deadline = int(time.time()) + 60
+    member = orjson.dumps({"internal": {"request_token": token, "request_queue_name": sorted_set,
+                                        "result_queue_name": result_list}, "request_kind": "redis",
+                           "data": {"id": "llmd-1", "created": int(time.time()), "deadline": deadline,
+                                    "payload": {"model": "m", "id_hint": "llmd-1"}, "metadata": {"userid": "u-7"},
+                                    "request_queue_name": sorted_set, "result_queue_name": result_list}})
+    with ns.client.pipeline(transaction=True) as pipe:
+        pipe.delete("request-cancel:llmd-1")
+        pipe.set("request-active:llmd-1", token, ex=60)
+        pipe.zadd(sorted_set, {member: deadline})
+        pipe.execute()
+    with serve(app, port), InProcess(ns.settings(f"http://127.0.0.1:{port}", llmd_sorted_sets=[sorted_set])):
+        reply = ns.client.brpop([result_list], timeout=30)
+    assert reply is not None
+    result = orjson.loads(reply[1])
+    assert (result["id"], result["status_code"], result["error_code"]) == ("llmd-1", 200, "")
+    assert [h["x-llm-d-inference-fairness-id"] for _, h in seen] == ["u-7"]
+    assert [h["x-llm-d-inference-objective"] for _, h in seen] == ["async"]
+    assert ns.client.zcard(sorted_set) == 0 and not ns.client.exists("request-active:llmd-1")
