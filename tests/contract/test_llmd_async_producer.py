@@ -28,6 +28,7 @@ from common.contracts.queue import (
     invalid_request_result,
     request_active_key,
     request_cancel_key,
+    with_tenant,
 )
 
 LANES = ["interactive", "async", "batch"]
@@ -271,3 +272,56 @@ def test_redis_pubsub_transport_publish_in_and_subscribe_for_the_result(names, r
             got.append(orjson.loads(message["data"]))
     listener.close()
     assert sorted((r["id"], r["error_code"]) for r in got) == [("ps-1", ""), ("ps-bad", "INVALID_REQUEST")]
+
+
+def test_pubsub_attributes_are_merged_into_metadata_and_userid_names_the_tenant(pubsub_fake):
+    from async_processor.backends.pubsub import PubSubBackend
+
+    body = orjson.dumps({"id": "a-1", "deadline": int(time.time()) + 60, "payload": {"model": "m"},
+                         "metadata": {"userid": "from-body", "kept": "yes"}})
+
+    async def main():
+        b = PubSubBackend(f"t{secrets.token_hex(4)}", lanes=LANES, emulator_host=pubsub_fake)
+        await b.start()
+        try:
+            await asyncio.wrap_future(b.publisher.publish(b.topic_path(b.topic_id("async")), body,
+                                                          userid="u-9", team="t"))
+            [d] = await receive_all(b, lease_s=10.0)
+            await b.ack([d])
+            return decode_request(d.body)
+        finally:
+            await b.close()
+    request = asyncio.run(main())
+    assert request.metadata == {"userid": "u-9", "kept": "yes", "team": "t"}  # the attribute wins
+    assert with_tenant(request).tenant == "u-9"
+    assert with_tenant(request, "team").tenant == "t" and with_tenant(request, "").tenant == ""
+
+
+def test_metadata_tenant_wins_over_the_tenant_attribute():
+    request = decode_request(orjson.dumps({"id": "x", "deadline": 1, "payload": {},
+                                           "metadata": {"tenant": "acme", "userid": "u"}}))
+    assert with_tenant(request).tenant == "acme"
+
+
+@pytest.mark.parametrize("raw, id, address", [
+    # no payload in data: the id and the result list of the envelope still answer it
+    ({"internal": {"request_token": "t1", "result_queue_name": "r"}, "request_kind": "redis",
+      "data": {"id": "e-1", "deadline": 5}}, "e-1", "redis-list:t1:r"),
+    # a request_kind llm-d-async does not define
+    ({"internal": {}, "request_kind": "carrier-pigeon",
+      "data": {"id": "e-2", "deadline": 5, "payload": {}, "result_queue_name": "mine"}}, "e-2", "redis-list::mine"),
+    # data not an object; the envelope's list is still known
+    ({"request_kind": "plain", "data": "nope"}, "", "redis-list::result-list"),
+    # a flat message keeps its stream
+    ({"id": "f-1", "deadline": 0, "payload": {}, "result_queue_name": "s"}, "f-1", "s"),
+])
+def test_an_invalid_message_keeps_every_id_and_destination_it_has(raw, id, address):
+    with pytest.raises(InvalidMessage) as caught:
+        decode_request(orjson.dumps(raw))
+    assert (caught.value.id, caught.value.result_queue_name) == (id, address)
+    assert invalid_request_result(caught.value).id == id
+
+
+def test_a_flat_message_mentioning_request_kind_in_its_payload_stays_flat():
+    request = decode_request(orjson.dumps({"id": "p", "deadline": 9, "payload": {"request_kind": "redis"}}))
+    assert (request.id, request.result_queue_name, request.request_token) == ("p", "", "")
