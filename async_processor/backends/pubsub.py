@@ -316,6 +316,10 @@ class PubSubBackend:
         """See :meth:`QueueBackend.cancelled_batches` (in-process markers only: Pub/Sub has no shared marker store)."""
         return self.claims.cancelled_among(batch_ids)
 
+    async def cancelled_requests(self, requests: Sequence[RequestMessage]) -> set[str]:
+        """None: llm-d-async's cancel keys live in Redis only."""
+        return set()
+
     async def release(self, ids: Sequence[str]) -> None:
         """Drop in-process running claims."""
         self.claims.release(ids)

@@ -596,6 +596,18 @@ class RedisStreamsBackend:
             flags = await pipe.execute()
         return {batch_id for batch_id, flag in zip(ids, flags) if flag}
 
+    async def cancelled_requests(self, requests: Sequence[RequestMessage]) -> set[str]:
+        """See :meth:`QueueBackend.cancelled_requests` (one pipelined ``GET request-cancel:{id}`` per
+        request with a token)."""
+        tokened = [r for r in requests if r.request_token]
+        if not tokened:
+            return set()
+        async with self.client.pipeline(transaction=False) as pipe:
+            for r in tokened:
+                pipe.get(request_cancel_key(r.id))
+            markers = await pipe.execute()
+        return {r.id for r, marker in zip(tokened, markers) if marker is not None and marker.decode() == r.request_token}
+
     async def release(self, ids: Sequence[str]) -> None:
         """Delete our running claims (another processor's claim or a done mark stays)."""
         if not ids:

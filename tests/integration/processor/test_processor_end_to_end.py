@@ -355,3 +355,49 @@ def test_llm_d_async_sorted_set_producer_gets_its_result_on_its_list_with_userid
     assert [h["x-llm-d-inference-fairness-id"] for _, h in seen] == ["u-7"]
     assert [h["x-llm-d-inference-objective"] for _, h in seen] == ["async"]
     assert ns.client.zcard(sorted_set) == 0 and not ns.client.exists("request-active:llmd-1")
+
+
+def _llmd_submit(client, sorted_set: str, result_list: str, id: str, deadline_in: int = 600) -> str:
+    """llm-d-async's SubmitRequest, command for command; returns the request token."""
+    token, deadline = secrets.token_hex(16), int(time.time()) + deadline_in
+    member = orjson.dumps({"internal": {"request_token": token, "request_queue_name": sorted_set,
+                                        "result_queue_name": result_list}, "request_kind": "redis",
+                           "data": {"id": id, "created": int(time.time()), "deadline": deadline,
+                                    "payload": {"model": "m", "id_hint": id}}})
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(f"request-cancel:{id}")
+        pipe.set(f"request-active:{id}", token, ex=deadline_in)
+        pipe.zadd(sorted_set, {member: deadline})
+        pipe.execute()
+    return token
+
+
+def test_an_llm_d_async_request_cancelled_while_held_is_answered_cancelled_not_run(ns):
+    release = threading.Event()
+
+    async def behaviour(body, request, seen):
+        while body["id_hint"] == "blocker" and not release.is_set():
+            await asyncio.sleep(0.01)  # hold the only slot until the request below is cancelled
+        return JSONResponse({"ok": True})
+    app, seen = _stub(behaviour)
+    port = free_port()
+    sorted_set, result_list = f"{ns.prefix}:request-sortedset", f"{ns.prefix}:result-list"
+    ns.put("batch", RequestMessage(id="blocker", deadline=int(time.time() + 120), payload={"id_hint": "blocker"}))
+    for id in ("gone", "kept"):
+        _llmd_submit(ns.client, sorted_set, result_list, id)
+    settings = ns.settings(f"http://127.0.0.1:{port}", concurrency=1, cancel_poll_s=0.1,
+                           llmd_sorted_sets=[sorted_set], llmd_lane="batch")
+    with serve(app, port), InProcess(settings):
+        until = time.monotonic() + 30
+        while not seen or ns.client.zcard(sorted_set):  # the blocker runs, both requests are held
+            assert time.monotonic() < until, "the blocker never reached the target"
+            time.sleep(0.02)
+        # llm-d-async's CancelRequests(["gone"]): copy the active token into the cancel key
+        ns.client.set("request-cancel:gone", ns.client.get("request-active:gone"), ex=7 * 24 * 3600)
+        first = orjson.loads(ns.client.brpop([result_list], timeout=30)[1])
+        release.set()
+        second = orjson.loads(ns.client.brpop([result_list], timeout=30)[1])
+    assert (first["id"], first["error_code"]) == ("gone", "CANCELLED")
+    assert (second["id"], second["status_code"]) == ("kept", 200)
+    assert [hint for hint, _ in seen] == ["blocker", "kept"]
+    assert not ns.client.exists("request-active:gone", "request-cancel:gone", "request-active:kept")
