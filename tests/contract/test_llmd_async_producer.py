@@ -111,7 +111,7 @@ async def receive_all(b: RedisStreamsBackend, lane: str = "async", want: int = 1
 
 def test_a_submitted_request_is_consumed_and_its_result_brpopped_from_its_list(names, redis_url):
     client, ns, result_list = names
-    token, _ = submit(client, "req-1", result_list)
+    token, _ = submit(client, "llmd-req-1", result_list)
 
     async def main():
         b = backend(redis_url, ns)
@@ -119,7 +119,7 @@ def test_a_submitted_request_is_consumed_and_its_result_brpopped_from_its_list(n
         try:
             [d] = await receive_all(b)
             request = decode_request(d.body)
-            assert (request.id, request.request_token, request.metadata) == ("req-1", token, {"userid": "u-7"})
+            assert (request.id, request.request_token, request.metadata) == ("llmd-req-1", token, {"userid": "u-7"})
             assert await b.admit([request], 5.0) == [Admission.NEW]
             assert await b.publish_results([(http_result(request, 200, '{"ok":true}'),
                                              request.result_queue_name)]) == [True]
@@ -130,14 +130,14 @@ def test_a_submitted_request_is_consumed_and_its_result_brpopped_from_its_list(n
     assert client.zcard(LLMD_REQUEST_SORTED_SET) == 0
     assert client.type(result_list) == b"list"
     result = get_result(client, result_list)
-    assert (result["id"], result["status_code"], result["payload"]) == ("req-1", 200, '{"ok":true}')
+    assert (result["id"], result["status_code"], result["payload"]) == ("llmd-req-1", 200, '{"ok":true}')
     # llm-d-async's cleanup: the active and cancel keys of this generation are gone with the result
-    assert not client.exists(request_active_key("req-1"), request_cancel_key("req-1"))
+    assert not client.exists(request_active_key("llmd-req-1"), request_cancel_key("llmd-req-1"))
 
 
 def test_members_come_out_earliest_deadline_first(names, redis_url):
     client, ns, result_list = names
-    for id, deadline_in in (("late", 900), ("early", 60), ("middle", 300)):
+    for id, deadline_in in (("llmd-late", 900), ("llmd-early", 60), ("llmd-middle", 300)):
         submit(client, id, result_list, deadline_in)
 
     async def main():
@@ -147,12 +147,12 @@ def test_members_come_out_earliest_deadline_first(names, redis_url):
             return [decode_request(d.body).id for d in await receive_all(b, want=3)]
         finally:
             await b.close()
-    assert asyncio.run(main()) == ["early", "middle", "late"]
+    assert asyncio.run(main()) == ["llmd-early", "llmd-middle", "llmd-late"]
 
 
 def test_two_processors_never_take_the_same_member_and_a_dead_ones_member_is_redelivered(names, redis_url):
     client, ns, result_list = names
-    ids = [f"m{i}" for i in range(40)]
+    ids = [f"llmd-m{i}" for i in range(40)]
     for id in ids:
         submit(client, id, result_list)
 
@@ -175,11 +175,11 @@ def test_two_processors_never_take_the_same_member_and_a_dead_ones_member_is_red
 
 def test_a_cancelled_request_is_answered_cancelled_and_a_stale_cancel_does_not_cancel(names, redis_url):
     client, ns, result_list = names
-    submit(client, "gone", result_list)
-    submit(client, "kept", result_list)
-    mark = client.register_script(MARK_CANCELLED)  # CancelRequests(["gone"])
-    assert mark(keys=[request_active_key("gone"), request_cancel_key("gone")], args=[CANCELLATION_MARKER_TTL_S]) == 1
-    client.set(request_cancel_key("kept"), "an-older-generation")  # a marker of an earlier submission
+    submit(client, "llmd-gone", result_list)
+    submit(client, "llmd-kept", result_list)
+    mark = client.register_script(MARK_CANCELLED)  # CancelRequests(["llmd-gone"])
+    assert mark(keys=[request_active_key("llmd-gone"), request_cancel_key("llmd-gone")], args=[CANCELLATION_MARKER_TTL_S]) == 1
+    client.set(request_cancel_key("llmd-kept"), "an-older-generation")  # a marker of an earlier submission
 
     async def main():
         b = backend(redis_url, ns)
@@ -188,22 +188,22 @@ def test_a_cancelled_request_is_answered_cancelled_and_a_stale_cancel_does_not_c
             deliveries = await receive_all(b, want=2)
             requests = [decode_request(d.body) for d in deliveries]
             admissions = dict(zip([r.id for r in requests], await b.admit(requests, 5.0)))
-            assert admissions == {"gone": Admission.CANCELLED, "kept": Admission.NEW}
-            gone = next(r for r in requests if r.id == "gone")
-            await b.publish_results([(error_result("gone", ErrorCode.CANCELLED, "cancelled"),
+            assert admissions == {"llmd-gone": Admission.CANCELLED, "llmd-kept": Admission.NEW}
+            gone = next(r for r in requests if r.id == "llmd-gone")
+            await b.publish_results([(error_result("llmd-gone", ErrorCode.CANCELLED, "cancelled"),
                                       gone.result_queue_name)])
         finally:
             await b.close()
     asyncio.run(main())
     result = get_result(client, result_list)
-    assert (result["id"], result["error_code"]) == ("gone", "CANCELLED")
-    assert not client.exists(request_active_key("gone"), request_cancel_key("gone"))
+    assert (result["id"], result["error_code"]) == ("llmd-gone", "CANCELLED")
+    assert not client.exists(request_active_key("llmd-gone"), request_cancel_key("llmd-gone"))
 
 
 def test_an_invalid_envelope_is_answered_on_its_list_with_its_id(names, redis_url):
     client, ns, result_list = names
     deadline = int(time.time()) + 300
-    bad = orjson.loads(envelope("bad-1", deadline, "t0", result_list))
+    bad = orjson.loads(envelope("llmd-bad-1", deadline, "t0", result_list))
     del bad["data"]["payload"]
     client.zadd(LLMD_REQUEST_SORTED_SET, {orjson.dumps(bad): deadline})
 
@@ -220,7 +220,7 @@ def test_an_invalid_envelope_is_answered_on_its_list_with_its_id(names, redis_ur
             await b.close()
     asyncio.run(main())
     result = get_result(client, result_list)
-    assert (result["id"], result["error_code"]) == ("bad-1", "INVALID_REQUEST")
+    assert (result["id"], result["error_code"]) == ("llmd-bad-1", "INVALID_REQUEST")
 
 
 def test_an_envelope_xadded_to_a_lane_stream_is_answered_on_a_list_never_a_stream(names, redis_url):
@@ -230,7 +230,7 @@ def test_an_envelope_xadded_to_a_lane_stream_is_answered_on_a_list_never_a_strea
         b = backend(redis_url, ns, sets=[])
         await b.start()
         try:
-            await b.publish_request("batch", envelope("x-1", int(time.time()) + 60, "", result_list))
+            await b.publish_request("batch", envelope("llmd-x-1", int(time.time()) + 60, "", result_list))
             [d] = await receive_all(b, lane="batch")
             request = decode_request(d.body)
             await b.publish_results([(http_result(request, 200, "{}"), request.result_queue_name)])
@@ -238,7 +238,7 @@ def test_an_envelope_xadded_to_a_lane_stream_is_answered_on_a_list_never_a_strea
             await b.close()
     asyncio.run(main())
     assert client.type(result_list) == b"list"
-    assert get_result(client, result_list)["id"] == "x-1"
+    assert get_result(client, result_list)["id"] == "llmd-x-1"
 
 
 def test_redis_pubsub_transport_publish_in_and_subscribe_for_the_result(names, redis_url):
@@ -255,11 +255,11 @@ def test_redis_pubsub_transport_publish_in_and_subscribe_for_the_result(names, r
             while client.pubsub_numsub(channel)[0][1] < 1:  # the subscriber is listening
                 assert time.monotonic() < until
                 await asyncio.sleep(0.01)
-            client.publish(channel, envelope("ps-1", int(time.time()) + 60, "", "", kind="plain"))
-            client.publish(channel, b'{"request_kind": "plain", "data": {"id": "ps-bad"}}')
+            client.publish(channel, envelope("llmd-ps-1", int(time.time()) + 60, "", "", kind="plain"))
+            client.publish(channel, b'{"request_kind": "plain", "data": {"id": "llmd-ps-bad"}}')
             [d] = await receive_all(b)
             request = decode_request(d.body)
-            assert request.id == "ps-1"
+            assert request.id == "llmd-ps-1"
             await b.publish_results([(http_result(request, 200, "{}"), request.result_queue_name)])
         finally:
             await b.close()
@@ -271,14 +271,14 @@ def test_redis_pubsub_transport_publish_in_and_subscribe_for_the_result(names, r
         if message:
             got.append(orjson.loads(message["data"]))
     listener.close()
-    assert sorted((r["id"], r["error_code"]) for r in got) == [("ps-1", ""), ("ps-bad", "INVALID_REQUEST")]
+    assert sorted((r["id"], r["error_code"]) for r in got) == [("llmd-ps-1", ""), ("llmd-ps-bad", "INVALID_REQUEST")]
 
 
 def test_pubsub_attributes_are_merged_into_metadata_and_userid_names_the_tenant(pubsub_fake):
     from async_processor.backends.pubsub import PubSubBackend
 
     body = orjson.dumps({"id": "a-1", "deadline": int(time.time()) + 60, "payload": {"model": "m"},
-                         "metadata": {"userid": "from-body", "kept": "yes"}})
+                         "metadata": {"userid": "from-body", "llmd-kept": "yes"}})
 
     async def main():
         b = PubSubBackend(f"t{secrets.token_hex(4)}", lanes=LANES, emulator_host=pubsub_fake)
@@ -292,7 +292,7 @@ def test_pubsub_attributes_are_merged_into_metadata_and_userid_names_the_tenant(
         finally:
             await b.close()
     request = asyncio.run(main())
-    assert request.metadata == {"userid": "u-9", "kept": "yes", "team": "t"}  # the attribute wins
+    assert request.metadata == {"userid": "u-9", "llmd-kept": "yes", "team": "t"}  # the attribute wins
     assert with_tenant(request).tenant == "u-9"
     assert with_tenant(request, "team").tenant == "t" and with_tenant(request, "").tenant == ""
 

@@ -376,14 +376,14 @@ def test_an_llm_d_async_request_cancelled_while_held_is_answered_cancelled_not_r
     release = threading.Event()
 
     async def behaviour(body, request, seen):
-        while body["id_hint"] == "blocker" and not release.is_set():
+        while body["id_hint"] == "llmd-blocker" and not release.is_set():
             await asyncio.sleep(0.01)  # hold the only slot until the request below is cancelled
         return JSONResponse({"ok": True})
     app, seen = _stub(behaviour)
     port = free_port()
     sorted_set, result_list = f"{ns.prefix}:request-sortedset", f"{ns.prefix}:result-list"
-    ns.put("batch", RequestMessage(id="blocker", deadline=int(time.time() + 120), payload={"id_hint": "blocker"}))
-    for id in ("gone", "kept"):
+    ns.put("batch", RequestMessage(id="llmd-blocker", deadline=int(time.time() + 120), payload={"id_hint": "llmd-blocker"}))
+    for id in ("llmd-gone", "llmd-kept"):
         _llmd_submit(ns.client, sorted_set, result_list, id)
     settings = ns.settings(f"http://127.0.0.1:{port}", concurrency=1, cancel_poll_s=0.1,
                            llmd_sorted_sets=[sorted_set], llmd_lane="batch")
@@ -392,12 +392,12 @@ def test_an_llm_d_async_request_cancelled_while_held_is_answered_cancelled_not_r
         while not seen or ns.client.zcard(sorted_set):  # the blocker runs, both requests are held
             assert time.monotonic() < until, "the blocker never reached the target"
             time.sleep(0.02)
-        # llm-d-async's CancelRequests(["gone"]): copy the active token into the cancel key
-        ns.client.set("request-cancel:gone", ns.client.get("request-active:gone"), ex=7 * 24 * 3600)
+        # llm-d-async's CancelRequests(["llmd-gone"]): copy the active token into the cancel key
+        ns.client.set("request-cancel:llmd-gone", ns.client.get("request-active:llmd-gone"), ex=7 * 24 * 3600)
         first = orjson.loads(ns.client.brpop([result_list], timeout=30)[1])
         release.set()
         second = orjson.loads(ns.client.brpop([result_list], timeout=30)[1])
-    assert (first["id"], first["error_code"]) == ("gone", "CANCELLED")
-    assert (second["id"], second["status_code"]) == ("kept", 200)
-    assert [hint for hint, _ in seen] == ["blocker", "kept"]
-    assert not ns.client.exists("request-active:gone", "request-cancel:gone", "request-active:kept")
+    assert (first["id"], first["error_code"]) == ("llmd-gone", "CANCELLED")
+    assert (second["id"], second["status_code"]) == ("llmd-kept", 200)
+    assert [hint for hint, _ in seen] == ["llmd-blocker", "llmd-kept"]
+    assert not ns.client.exists("request-active:llmd-gone", "request-cancel:llmd-gone", "request-active:llmd-kept")
