@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.contracts.queue import (
@@ -160,6 +160,12 @@ class ProcessorSettings(BaseSettings):
         if bad:
             raise ValueError(f"tenant weights must be finite and > 0, got {bad}")
         return weights
+
+    @model_validator(mode="after")
+    def _llmd_lane_read(self) -> ProcessorSettings:
+        if (self.llmd_sorted_sets or self.llmd_channels) and self.llmd_lane not in self.lanes:
+            raise ValueError(f"llmd_lane {self.llmd_lane!r} must be among the lanes read {self.lanes}")
+        return self
 
     def lane_capacity(self) -> dict[str, int]:
         """Buffer size of each lane read: ``lane_buffer_sizes`` where given, else ``buffer_size``."""

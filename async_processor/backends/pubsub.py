@@ -55,6 +55,7 @@ from common.contracts.queue import (
     decode_result,
     encode_request,
     encode_result,
+    parse_result_address,
     pubsub_dead_letter_subscription,
     pubsub_dead_letter_topic,
     pubsub_request_topic,
@@ -290,13 +291,13 @@ class PubSubBackend:
     async def _publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
         if not results:
             return
-        topics = {self.topic_path(queue or self.result_topic) for _, queue in results}
+        topics = {self._result_topic(queue) for _, queue in results}
 
         def create_topics() -> None:
             for topic in topics:
                 self._create_topic(topic)
         await self._call(create_topics)
-        await self._wait([self.publisher.publish(self.topic_path(queue or self.result_topic), encode_result(r),
+        await self._wait([self.publisher.publish(self._result_topic(queue), encode_result(r),
                                                  id=r.id) for r, queue in results])
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
@@ -315,6 +316,13 @@ class PubSubBackend:
     async def cancelled_batches(self, batch_ids: Sequence[str]) -> set[str]:
         """See :meth:`QueueBackend.cancelled_batches` (in-process markers only: Pub/Sub has no shared marker store)."""
         return self.claims.cancelled_among(batch_ids)
+
+    def _result_topic(self, queue: str) -> str:
+        """The topic path of a result queue name ("" = ``result_topic``); a Redis list or channel
+        address (an llm-d-async envelope sent over Pub/Sub) goes to ``result_topic``, as
+        llm-d-async's Pub/Sub flow publishes every result on its result topic."""
+        address = parse_result_address(queue)
+        return self.topic_path((address.name if address.kind == "stream" else "") or self.result_topic)
 
     async def cancelled_requests(self, requests: Sequence[RequestMessage]) -> set[str]:
         """None: llm-d-async's cancel keys live in Redis only."""

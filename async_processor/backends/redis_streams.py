@@ -370,7 +370,9 @@ class RedisStreamsBackend:
                         message = await pubsub.get_message(timeout=1.0)
                         if message and message.get("type") == "message":
                             await self.take_published(message["data"])
-            except (RedisError, OSError) as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis down, or a message that could not be put on the lane
                 log.warning("redis-pubsub subscription failed; subscribing again",
                             extra={"action": "llmd_subscribe_failed", "error": str(exc)})
                 await asyncio.sleep(backoff)

@@ -325,3 +325,24 @@ def test_an_invalid_message_keeps_every_id_and_destination_it_has(raw, id, addre
 def test_a_flat_message_mentioning_request_kind_in_its_payload_stays_flat():
     request = decode_request(orjson.dumps({"id": "p", "deadline": 9, "payload": {"request_kind": "redis"}}))
     assert (request.id, request.result_queue_name, request.request_token) == ("p", "", "")
+
+
+def test_an_envelope_s_result_over_google_pubsub_goes_to_the_result_topic(pubsub_fake):
+    from async_processor.backends.pubsub import PubSubBackend
+
+    async def main():
+        b = PubSubBackend(f"t{secrets.token_hex(4)}", lanes=LANES, emulator_host=pubsub_fake)
+        await b.start()
+        try:
+            reader = b.result_reader()
+            result = error_result("llmd-over-pubsub", ErrorCode.CANCELLED, "cancelled")
+            assert await b.publish_results([(result, "redis-list:t0:result-list")]) == [True]
+            got: list = []
+            until = time.monotonic() + 10
+            while not got and time.monotonic() < until:
+                got = await reader.read(1.0)
+            await reader.close()
+            return [r.id for r in got]
+        finally:
+            await b.close()
+    assert asyncio.run(main()) == ["llmd-over-pubsub"]
