@@ -258,7 +258,8 @@ def decode_request(data: bytes | str) -> RequestMessage:
         try:
             return _request_decoder.decode(data)
         except msgspec.ValidationError:
-            if b'"request_kind"' not in (data.encode() if isinstance(data, str) else data):
+            raw = orjson.loads(data)
+            if not (isinstance(raw, dict) and _is_envelope(raw)):
                 raise
         return _from_envelope(_envelope_decoder.decode(data))
     except Exception as exc:  # msgspec errors, bad UTF-8, recursion limits: all mean "not a request"

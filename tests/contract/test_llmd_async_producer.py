@@ -346,3 +346,9 @@ def test_an_envelope_s_result_over_google_pubsub_goes_to_the_result_topic(pubsub
         finally:
             await b.close()
     assert asyncio.run(main()) == ["llmd-over-pubsub"]
+
+
+def test_an_invalid_flat_message_is_not_read_as_an_envelope():
+    with pytest.raises(InvalidMessage, match="deadline") as caught:
+        decode_request(orjson.dumps({"id": "flat", "payload": {"request_kind": "redis"}}))
+    assert (caught.value.id, caught.value.result_queue_name) == ("flat", "")
