@@ -31,7 +31,8 @@ One :class:`Processor` runs five asyncio tasks around one :class:`~async_process
 - **lease keeper** and **gate refresher**: extend leases of held messages every ``lease/3`` seconds,
   re-read gate signals every ``saturation_poll_s``.
 - **cancel watcher**: every ``cancel_poll_s``, held work of batches whose cancel marker appeared
-  after admission is dropped with a ``CANCELLED`` result (it never reaches the router).
+  after admission, and of llm-d-async requests cancelled since (``request-cancel:{id}`` holding
+  their ``request_token``), is dropped with a ``CANCELLED`` result (it never reaches the router).
 
 On stop (SIGTERM in the CLI): the reader stops, held work not started is handed back at once, work
 in flight may finish within ``grace_s`` and is then cancelled and handed back.
@@ -97,6 +98,7 @@ from common.contracts.queue import (
     error_result,
     http_result,
     invalid_request_result,
+    with_tenant,
 )
 
 log = logging.getLogger(__name__)
@@ -310,7 +312,7 @@ class Processor:
         held: dict[str, Work] | None = None
         for d in deliveries:
             try:
-                request = decode_request(d.body)
+                request = with_tenant(decode_request(d.body), settings.tenant_attribute)
             except InvalidMessage as exc:
                 self.metrics.shed(d.lane, Shed.INVALID)
                 self._add_settle(_Settle(d, invalid_request_result(exc), exc.result_queue_name, "",
@@ -344,7 +346,8 @@ class Processor:
                 self._add_settle(_Settle(d, None))
             elif admission is Admission.CANCELLED:
                 self.metrics.shed(d.lane, Shed.CANCELLED)
-                self._add_settle(_Settle(d, error_result(request.id, ErrorCode.CANCELLED, "batch cancelled",
+                reason = "cancelled" if request.request_token else "batch cancelled"
+                self._add_settle(_Settle(d, error_result(request.id, ErrorCode.CANCELLED, reason,
                                                          request.metadata), request.result_queue_name,
                                          request.id))
             else:
@@ -640,23 +643,28 @@ class Processor:
                 await asyncio.wait_for(self._closed.wait(), self.settings.saturation_poll_s)
 
     async def _cancel_watcher(self) -> None:
-        """Drop held work of batches cancelled after it was admitted (answered ``CANCELLED``)."""
+        """Drop held work of batches cancelled after it was admitted, and of llm-d-async requests
+        cancelled since (their cancel key holds their token): answered ``CANCELLED``."""
         while not self._closed.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closed.wait(), self.settings.cancel_poll_s)
                 return
             batch_ids = {w.request.metadata["batch_id"] for w in self.buffer if w.request.metadata.get("batch_id")}
-            if not batch_ids:
+            tokened = [w for w in self.buffer if w.request.request_token]
+            if not batch_ids and not tokened:
                 continue
             try:
-                cancelled = await self.backend.cancelled_batches(sorted(batch_ids))
+                cancelled = await self.backend.cancelled_batches(sorted(batch_ids)) if batch_ids else set()
+                ids = await self.backend.cancelled_requests([w.request for w in tokened]) if tokened else set()
             except Exception as exc:  # a failed check only delays the drop to the next round
                 log.warning("cancel check failed", extra={"action": "cancel_check_failed", "error": str(exc)})
                 continue
-            for work in self.buffer.remove_batches(cancelled):
+            dropped = [(w, "batch cancelled") for w in self.buffer.remove_batches(cancelled)]
+            dropped += [(w, "cancelled") for w in self.buffer.remove([w for w in tokened if w.request.id in ids])]
+            for work, reason in dropped:
                 request = work.request
                 self.metrics.shed(work.lane, Shed.CANCELLED)
-                self._add_settle(_Settle(work.delivery, error_result(request.id, ErrorCode.CANCELLED, "batch cancelled",
+                self._add_settle(_Settle(work.delivery, error_result(request.id, ErrorCode.CANCELLED, reason,
                                                                      request.metadata),
                                          request.result_queue_name, request.id))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.contracts.queue import (
@@ -24,6 +24,8 @@ from common.contracts.queue import (
     DEFAULT_RESULT_STREAM,
     DEFAULT_RESULT_TOPIC,
     LANE_PRIORITIES,
+    LLMD_RESULT_CHANNEL,
+    LLMD_TENANT_ATTRIBUTE,
     PROCESSOR_GROUP,
     REQUEST_STREAM_PREFIX,
     REQUEST_TOPIC_PREFIX,
@@ -94,6 +96,18 @@ class ProcessorSettings(BaseSettings):
                                   "completed for this long (a frozen broker; a failing one is 503 at once); "
                                   "above a Pub/Sub pull's 10 s timeout")
 
+    llmd_sorted_sets: list[str] = Field(default_factory=list, description="Redis sorted sets of llm-d-async's "
+                                        "sorted-set producer to read (its default: request-sortedset; backfill up "
+                                        "reads it); members are moved into the llmd_lane stream, earliest deadline "
+                                        "first, and answered by LPUSH to their result list")
+    llmd_channels: list[str] = Field(default_factory=list, description="Redis Pub/Sub channels of llm-d-async's "
+                                     "redis-pubsub transport to subscribe to (its default: request-queue)")
+    llmd_result_channel: str = Field(LLMD_RESULT_CHANNEL, description="channel the results of llmd_channels "
+                                     "messages are PUBLISHed on (llm-d-async's default result-queue)")
+    llmd_lane: str = Field("async", description="lane llm-d-async's messages run in")
+    tenant_attribute: str = Field(LLMD_TENANT_ATTRIBUTE, description="metadata key (a Pub/Sub attribute "
+                                  "merged into metadata) naming the tenant when metadata.tenant is absent; "
+                                  "llm-d-async's default userid; \"\" for none")
     stream_prefix: str = REQUEST_STREAM_PREFIX
     result_stream: str = DEFAULT_RESULT_STREAM
     consumer_group: str = PROCESSOR_GROUP
@@ -113,6 +127,13 @@ class ProcessorSettings(BaseSettings):
                               validation_alias=AliasChoices("BACKFILL_PROCESSOR_METRICS_PORT", "BACKFILL_METRICS_PORT"))
     metrics_host: str = Field("0.0.0.0", description="address the metrics port binds",
                               validation_alias=AliasChoices("BACKFILL_PROCESSOR_METRICS_HOST", "BACKFILL_METRICS_HOST"))
+
+    @field_validator("llmd_lane")
+    @classmethod
+    def _known_lane(cls, lane: str) -> str:
+        if lane not in LANE_PRIORITIES:
+            raise ValueError(f"llmd_lane must be among {sorted(LANE_PRIORITIES)}, got {lane!r}")
+        return lane
 
     @field_validator("lanes")
     @classmethod
@@ -139,6 +160,12 @@ class ProcessorSettings(BaseSettings):
         if bad:
             raise ValueError(f"tenant weights must be finite and > 0, got {bad}")
         return weights
+
+    @model_validator(mode="after")
+    def _llmd_lane_read(self) -> ProcessorSettings:
+        if (self.llmd_sorted_sets or self.llmd_channels) and self.llmd_lane not in self.lanes:
+            raise ValueError(f"llmd_lane {self.llmd_lane!r} must be among the lanes read {self.lanes}")
+        return self
 
     def lane_capacity(self) -> dict[str, int]:
         """Buffer size of each lane read: ``lane_buffer_sizes`` where given, else ``buffer_size``."""

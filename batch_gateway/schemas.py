@@ -29,14 +29,14 @@ EXPIRES_AFTER_MIN, EXPIRES_AFTER_MAX = 3600, 2_592_000
 WINDOW_MIN, WINDOW_MAX = 60, 30 * 24 * 3600
 """Bounds of our ``completion_window`` extension: 1 minute .. 30 days (files live 30 days)."""
 
-_WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
+_WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def window_seconds(window: str) -> int:
     """Seconds in a completion window: OpenAI's ``24h``, or our extension ``<n>s|m|h|d`` between
     1 minute and 30 days (``30m``, ``2h``, ``7d``). Raises ``ValueError`` otherwise."""
-    match = _WINDOW.match(window)
+    match = _WINDOW.fullmatch(window)  # the whole string: "24h\n" is refused ($ matches before a final \n)
     if not match:
         raise ValueError("completion_window must be '24h' or a duration such as '30m', '2h' or '7d'")
     seconds = int(match.group(1)) * _UNIT_SECONDS[match.group(2)]

@@ -4,6 +4,10 @@
 may span chunks; a chunk boundary may split a CRLF, a UTF-8 BOM or a multi-byte character) and
 checks every line the way OpenAI's Batch API does before a batch leaves ``validating``:
 
+- the batch endpoint is one the platform serves (``served_endpoints``, default
+  :data:`~common.contracts.openai_request.ROUTED_ENDPOINTS`): a ``/v1/moderations`` batch fails here
+  with one ``invalid_request`` error, param ``endpoint``, instead of every line ending with a 404;
+
 - each non-blank line is a JSON object (``invalid_json_line``);
 - ``custom_id`` present, a non-empty string, unique in the file (``invalid_request`` /
   ``duplicate_custom_id``);
@@ -43,12 +47,13 @@ Model Studio's error-code page); the other messages are ours.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from common.contracts.openai_request import ROUTED_ENDPOINTS
 from common.json_types import json_type_name
 
 __all__ = [
@@ -619,6 +624,7 @@ def validate_batch_file(
     max_errors: int = 100,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+    served_endpoints: Collection[str] = ROUTED_ENDPOINTS,
 ) -> ValidationReport:
     """Validate a batch input file given as byte chunks; return a :class:`ValidationReport`.
 
@@ -630,6 +636,8 @@ def validate_batch_file(
     accepted line without its terminator (default :data:`DEFAULT_MAX_LINE_BYTES`, 32 MiB); a longer
     line is an ``invalid_request`` error and is never buffered whole. ``max_output_tokens``: the most
     ``n`` × output-token limit one line may ask for (default :data:`DEFAULT_MAX_OUTPUT_TOKENS`).
+    ``served_endpoints``: the endpoints the platform serves; for any other ``endpoint`` the report
+    holds one ``invalid_request`` error (param ``endpoint``) and the file is not read.
 
     Each line gets at most one error, the first check it fails in the order listed in the module
     docstring. Never raises for any file content; only errors raised by ``chunks`` itself propagate.
@@ -639,6 +647,11 @@ def validate_batch_file(
         raise ValueError("max_requests, max_errors, max_line_bytes and max_output_tokens must be positive")
     checker = _Checker(endpoint, max_errors, max_output_tokens)
     report = checker.report
+    if endpoint not in served_endpoints:
+        checker.error("invalid_request", f"This platform does not serve the endpoint {_show(endpoint)}: no engine "
+                      "answers it. Supported endpoints are: " + ", ".join(f"'{e}'" for e in served_endpoints) + ".",
+                      None, "endpoint")
+        return report
     counter = [0]
     request_lines = 0
     for line_no, offset, data, length in _lines(chunks, max_line_bytes, counter):

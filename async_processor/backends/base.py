@@ -13,7 +13,8 @@ them on memory, Redis Streams, the Pub/Sub emulator and the Pub/Sub fake):
 - **Dead letter.** :meth:`dead_letter` moves a message to the lane's dead-letter queue and acks it.
 - **Dedup by id.** :meth:`admit` claims request ids before dispatch: ``NEW`` (claimed, run it),
   ``RUNNING`` (claimed elsewhere and not lapsed: hand it back), ``DONE`` (a result was published:
-  just ack), ``CANCELLED`` (its batch carries a cancel marker). :meth:`publish_results` records
+  just ack), ``CANCELLED`` (its batch carries a cancel marker, or llm-d-async's cancel key holds
+  its ``request_token``). :meth:`publish_results` records
   ``DONE`` for the id of each result it publishes; :meth:`release` drops a claim of a message
   handed back.
 - **One result per id.** :meth:`publish_results` refuses (answers False for) a result whose id is done
@@ -140,6 +141,12 @@ class QueueBackend(Protocol):
 
     async def release(self, ids: Sequence[str]) -> None:
         """Drop running claims of these ids (they were handed back)."""
+        ...
+
+    async def cancelled_requests(self, requests: Sequence[RequestMessage]) -> set[str]:
+        """The ids of those ``requests`` carrying llm-d-async's ``request_token`` whose cancel key
+        (:func:`~common.contracts.queue.request_cancel_key`) holds that token now (held work of
+        theirs is dropped); empty where the transport has no such keys."""
         ...
 
     async def cancelled_batches(self, batch_ids: Sequence[str]) -> set[str]:

@@ -134,6 +134,10 @@ class MemoryBackend:
         """See :meth:`QueueBackend.cancelled_batches` (markers set with :meth:`cancel`)."""
         return self.claims.cancelled_among(batch_ids)
 
+    async def cancelled_requests(self, requests: Sequence[RequestMessage]) -> set[str]:
+        """None: llm-d-async's cancel keys live in Redis only."""
+        return set()
+
     async def release(self, ids: Sequence[str]) -> None:
         """Drop running claims."""
         self.claims.release(ids)

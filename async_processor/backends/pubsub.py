@@ -10,6 +10,9 @@ Layout in project ``pubsub_project`` (names from :mod:`common.contracts.queue`):
   dead-letters after ``max_deliveries`` and publishes a result first;
 - results to the topic named by the message's ``result_queue_name`` (topic id or full path) or
   ``backfill-results``; data = result JSON, attribute ``id``. Missing result topics are created.
+- a request message's attributes are merged into its ``metadata`` (an attribute wins), as
+  llm-d-async's Pub/Sub flow does, so e.g. its ``userid`` attribute names the tenant (the
+  processor's ``tenant_attribute``).
 
 Leases: after each pull the ack deadline of the pulled messages is set to the lease (seconds, rounded
 up, 1–600); :meth:`PubSubBackend.extend` renews it; :meth:`~PubSubBackend.nack` sets it to the delay.
@@ -52,10 +55,12 @@ from common.contracts.queue import (
     decode_result,
     encode_request,
     encode_result,
+    parse_result_address,
     pubsub_dead_letter_subscription,
     pubsub_dead_letter_topic,
     pubsub_request_topic,
     pubsub_subscription,
+    with_attributes,
 )
 
 _API_ERRORS = (gexc.GoogleAPIError,)
@@ -203,7 +208,8 @@ class PubSubBackend:
             count = m.delivery_attempt
             if not count:
                 count = self._counts[m.message.message_id] = self._counts.get(m.message.message_id, 0) + 1
-            out.append(Delivery(lane, bytes(m.message.data), count, m.message.message_id, handle=m.ack_id))
+            body = with_attributes(bytes(m.message.data), dict(m.message.attributes))
+            out.append(Delivery(lane, body, count, m.message.message_id, handle=m.ack_id))
         return out
 
     def _by_lane(self, deliveries: Sequence[Delivery]) -> dict[str, list[str]]:
@@ -285,13 +291,13 @@ class PubSubBackend:
     async def _publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> None:
         if not results:
             return
-        topics = {self.topic_path(queue or self.result_topic) for _, queue in results}
+        topics = {self._result_topic(queue) for _, queue in results}
 
         def create_topics() -> None:
             for topic in topics:
                 self._create_topic(topic)
         await self._call(create_topics)
-        await self._wait([self.publisher.publish(self.topic_path(queue or self.result_topic), encode_result(r),
+        await self._wait([self.publisher.publish(self._result_topic(queue), encode_result(r),
                                                  id=r.id) for r, queue in results])
 
     async def publish_request(self, lane: str, message: RequestMessage | bytes) -> str:
@@ -310,6 +316,17 @@ class PubSubBackend:
     async def cancelled_batches(self, batch_ids: Sequence[str]) -> set[str]:
         """See :meth:`QueueBackend.cancelled_batches` (in-process markers only: Pub/Sub has no shared marker store)."""
         return self.claims.cancelled_among(batch_ids)
+
+    def _result_topic(self, queue: str) -> str:
+        """The topic path of a result queue name ("" = ``result_topic``); a Redis list or channel
+        address (an llm-d-async envelope sent over Pub/Sub) goes to ``result_topic``, as
+        llm-d-async's Pub/Sub flow publishes every result on its result topic."""
+        address = parse_result_address(queue)
+        return self.topic_path((address.name if address.kind == "stream" else "") or self.result_topic)
+
+    async def cancelled_requests(self, requests: Sequence[RequestMessage]) -> set[str]:
+        """None: llm-d-async's cancel keys live in Redis only."""
+        return set()
 
     async def release(self, ids: Sequence[str]) -> None:
         """Drop in-process running claims."""

@@ -8,6 +8,18 @@ Layout (names from :mod:`common.contracts.queue`):
 - one consumer group ``backfill-processors`` (setting ``consumer_group``) shared by every processor,
   each processor one consumer (``{host}-{pid}-{random}`` unless named);
 - results ``XADD``-ed to the message's ``result_queue_name`` or ``backfill:results``, field ``result``;
+  llm-d-async's messages (its envelope) answered as it does: ``LPUSH`` to their result list, or
+  ``PUBLISH`` on the result channel for its redis-pubsub transport;
+- llm-d-async's sorted-set transport (setting ``llmd_sorted_sets``, e.g. ``request-sortedset``):
+  each receive of the ``llmd_lane`` lane first moves up to as many members as it asks for, earliest
+  deadline (lowest score) first, from the sets into that lane's stream, in one script (``ZPOPMIN``
+  + ``XADD``): a member is claimed by exactly one move, and once in the stream it has the stream's
+  leases, so a processor that dies holding it loses nothing. Its ``request-cancel:{id}`` marker
+  is checked at admission (cancelled while it holds the message's ``request_token``) and its
+  ``request-active:{id}``/``request-cancel:{id}`` keys are deleted with the result where they still
+  hold that token (llm-d-async's cleanup);
+- llm-d-async's redis-pubsub transport (setting ``llmd_channels``, e.g. ``request-queue``): a
+  subscriber puts each published message on the ``llmd_lane`` stream (see :meth:`RedisStreamsBackend.take_published`);
 - dead letters ``XADD``-ed to ``{stream}:dead`` with fields ``message``, ``reason``, ``source_id``,
   ``deliveries``;
 - id claims as keys ``backfill:claim:{id}`` (``running:{token}`` with the lease as TTL, the token
@@ -40,6 +52,8 @@ per command.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -48,6 +62,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 from redis.typing import EncodableT, FieldT
@@ -57,6 +72,7 @@ from async_processor.errors import BackendError
 from common.contracts.queue import (
     DEFAULT_POOL,
     DEFAULT_RESULT_STREAM,
+    LLMD_RESULT_CHANNEL,
     PROCESSOR_GROUP,
     REQUEST_FIELD,
     REQUEST_STREAM_PREFIX,
@@ -66,10 +82,16 @@ from common.contracts.queue import (
     ResultMessage,
     cancel_marker_key,
     dead_letter_stream,
+    decode_request,
     decode_result,
     encode_request,
     encode_result,
+    invalid_request_result,
+    parse_result_address,
+    request_active_key,
+    request_cancel_key,
     request_stream,
+    result_channel_address,
 )
 
 log = logging.getLogger(__name__)
@@ -79,14 +101,16 @@ CLAIM_PREFIX = "backfill:claim:"
 # One call per batch (a script runs atomically and answers once, where a pipeline answers per command).
 # A running claim holds the claiming backend's token (``running:{token}``), so a processor can tell
 # its own claim from one another processor took after its lease lapsed.
-# KEYS: claim key, cancel key (or "") per request; ARGV[1]: lease ms, ARGV[2]: claim value
+# KEYS: claim key, batch cancel key (or ""), llm-d-async request cancel key (or "") per request;
+# ARGV[1]: lease ms, ARGV[2]: claim value, ARGV[2 + j]: request j's token
 # -> per request 0 new, 1 running, 2 done, 3 cancelled
 _ADMIT = """
 local out = {}
-for i = 1, #KEYS, 2 do
+for i = 1, #KEYS, 3 do
   local state = redis.call('GET', KEYS[i])
   if state == 'done' then out[#out + 1] = 2
   elseif KEYS[i + 1] ~= '' and redis.call('EXISTS', KEYS[i + 1]) == 1 then out[#out + 1] = 3
+  elseif KEYS[i + 2] ~= '' and redis.call('GET', KEYS[i + 2]) == ARGV[2 + (i + 2) / 3] then out[#out + 1] = 3
   elseif state then out[#out + 1] = 1
   else
     redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[1])
@@ -114,30 +138,61 @@ for i = 1, #KEYS do
 end
 return 0
 """
-# KEYS: result stream, claim key (or "") per result; ARGV[1]: done TTL s, ARGV[2]: our claim value,
-# ARGV[3]: the prefix of private result streams, ARGV[3 + i]: result JSON i -> per result 1 published
-# (XADD, id marked done), 0 refused: the id is done already or claimed by another processor (a result
-# is published once per id). All or (on a failed XADD) a prefix; never an id done without its result.
-# A private result stream (one waiting client's) expires after the done TTL: a client that gave up
-# waiting has deleted it already, and the XADD would otherwise leave it behind for ever.
+# KEYS per result i: destination, claim key (or ""), llm-d-async active key, cancel key (or "" twice);
+# ARGV[1]: done TTL s, ARGV[2]: our claim value, ARGV[3]: the prefix of private result streams, then
+# per result: its JSON, its kind ('s' XADD to a stream, 'l' LPUSH to a list, 'c' PUBLISH on a channel)
+# and its request token -> per result 1 published (id marked done; the request's active and cancel
+# keys deleted where they still hold its token, as llm-d-async's cleanup does), 0 refused: the id is
+# done already or claimed by another processor (a result is published once per id). All or (on a
+# failed write) a prefix; never an id done without its result. A private result stream (one waiting
+# client's) expires after the done TTL: a client that gave up waiting has deleted it already, and
+# the XADD would otherwise leave it behind for ever.
 _PUBLISH = """
 local out = {}
 local private = ARGV[3]
-for i = 1, #ARGV - 3 do
-  local claim = KEYS[2 * i]
+for i = 1, #KEYS / 4 do
+  local dest, claim, active, cancel = KEYS[4 * i - 3], KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i]
+  local body, kind, token = ARGV[3 * i + 1], ARGV[3 * i + 2], ARGV[3 * i + 3]
   local state = false
   if claim ~= '' then state = redis.call('GET', claim) end
   if state and state ~= ARGV[2] then out[i] = 0
   else
-    local stream = KEYS[2 * i - 1]
-    redis.call('XADD', stream, '*', '""" + RESULT_FIELD + """', ARGV[i + 3])
-    if string.sub(stream, 1, #private) == private then redis.call('EXPIRE', stream, ARGV[1]) end
+    if kind == 'l' then redis.call('LPUSH', dest, body)
+    elseif kind == 'c' then redis.call('PUBLISH', dest, body)
+    else
+      redis.call('XADD', dest, '*', '""" + RESULT_FIELD + """', body)
+      if string.sub(dest, 1, #private) == private then redis.call('EXPIRE', dest, ARGV[1]) end
+    end
     if claim ~= '' then redis.call('SET', claim, 'done', 'EX', ARGV[1]) end
+    if token ~= '' then
+      if redis.call('GET', active) == token then redis.call('DEL', active) end
+      if redis.call('GET', cancel) == token then redis.call('DEL', cancel) end
+    end
     out[i] = 1
   end
 end
 return out
 """
+# KEYS[1]: the lane's stream, KEYS[2..]: llm-d-async request sorted sets; ARGV[1]: most members to
+# move, ARGV[2]: the request field -> members moved. Each step pops the member of lowest score
+# (earliest deadline) over all the sets and XADDs it, in one script: a member leaves its set only
+# into the stream, where leases keep it (at-least-once from there on).
+_MOVE = """
+local moved = 0
+for n = 1, tonumber(ARGV[1]) do
+  local best, low = nil, nil
+  for i = 2, #KEYS do
+    local head = redis.call('ZRANGE', KEYS[i], 0, 0, 'WITHSCORES')
+    if head[1] and (not low or tonumber(head[2]) < low) then best, low = KEYS[i], tonumber(head[2]) end
+  end
+  if not best then break end
+  local popped = redis.call('ZPOPMIN', best)
+  redis.call('XADD', KEYS[1], '*', ARGV[2], popped[1])
+  moved = moved + 1
+end
+return moved
+"""
+_KIND_CODES = {"stream": "s", "list": "l", "channel": "c"}
 
 
 def private_result_stream(result_stream: str, request_id: str) -> str:
@@ -217,7 +272,9 @@ class RedisStreamsBackend:
     def __init__(self, client: aioredis.Redis, *, pool: str = DEFAULT_POOL, lanes: Sequence[str] = (),
                  group: str = PROCESSOR_GROUP, consumer: str = "", stream_prefix: str = REQUEST_STREAM_PREFIX,
                  result_stream: str = DEFAULT_RESULT_STREAM, delete_acked: bool = True,
-                 done_ttl_s: float = 86400.0):
+                 done_ttl_s: float = 86400.0, llmd_sorted_sets: Sequence[str] = (),
+                 llmd_channels: Sequence[str] = (), llmd_lane: str = "async",
+                 llmd_result_channel: str = LLMD_RESULT_CHANNEL):
         self.client = client
         self.pool = pool
         self.lanes = list(lanes)
@@ -236,6 +293,12 @@ class RedisStreamsBackend:
         self._extend = client.register_script(_EXTEND)
         self._release = client.register_script(_RELEASE)
         self._publish = client.register_script(_PUBLISH)
+        self._move = client.register_script(_MOVE)
+        self.llmd_sorted_sets = list(llmd_sorted_sets)
+        self.llmd_channels = list(llmd_channels)
+        self.llmd_lane = llmd_lane
+        self.llmd_result_channel = llmd_result_channel
+        self._subscriber: asyncio.Task | None = None
 
     @classmethod
     def from_settings(cls, settings) -> RedisStreamsBackend:
@@ -243,7 +306,9 @@ class RedisStreamsBackend:
         return cls(aioredis.Redis.from_url(settings.redis_url), pool=settings.pool, lanes=settings.lanes,
                    group=settings.consumer_group, consumer=settings.consumer_name,
                    stream_prefix=settings.stream_prefix, result_stream=settings.result_stream,
-                   delete_acked=settings.delete_acked, done_ttl_s=settings.dedup_ttl_s)
+                   delete_acked=settings.delete_acked, done_ttl_s=settings.dedup_ttl_s,
+                   llmd_sorted_sets=settings.llmd_sorted_sets, llmd_channels=settings.llmd_channels,
+                   llmd_lane=settings.llmd_lane, llmd_result_channel=settings.llmd_result_channel)
 
     def stream(self, lane: str) -> str:
         """The stream of ``lane`` in this pool."""
@@ -270,16 +335,62 @@ class RedisStreamsBackend:
         await self._ensure(lane)
 
     async def start(self) -> None:
-        """Create the streams and the consumer group of every configured lane."""
+        """Create the streams and the consumer group of every configured lane; subscribe to the
+        llm-d-async redis-pubsub channels (``llmd_channels``), if any."""
         try:
             for lane in self.lanes:
                 await self._ensure(lane)
         except RedisError as exc:
             raise BackendError(f"redis: {exc}") from exc
+        if self.llmd_channels and self._subscriber is None:
+            self._subscriber = asyncio.create_task(self._subscribe(), name="llmd-redis-pubsub")
 
     async def close(self) -> None:
-        """Close the client (pending entries stay for other consumers)."""
+        """Stop the subscriber, close the client (pending entries stay for other consumers)."""
+        if self._subscriber is not None:
+            self._subscriber.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._subscriber
+            self._subscriber = None
         await self.client.aclose()
+
+    async def _subscribe(self) -> None:
+        """llm-d-async's redis-pubsub transport: each message ``PUBLISH``-ed on ``llmd_channels``
+        goes onto the ``llmd_lane`` stream, answered by ``PUBLISH`` on ``llmd_result_channel``.
+        Redis Pub/Sub keeps nothing: a message published while no processor listens is lost, as
+        with llm-d-async; every subscribed processor gets each message, and the id claims let one
+        run it. Reconnects after a failure, backing off up to 5 s."""
+        backoff = 0.1
+        while True:
+            try:
+                async with self.client.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(*self.llmd_channels)
+                    backoff = 0.1
+                    while True:
+                        message = await pubsub.get_message(timeout=1.0)
+                        if message and message.get("type") == "message":
+                            await self.take_published(message["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis down, or a message that could not be put on the lane
+                log.warning("redis-pubsub subscription failed; subscribing again",
+                            extra={"action": "llmd_subscribe_failed", "error": str(exc)})
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    async def take_published(self, data: bytes) -> None:
+        """One message of the redis-pubsub transport: onto the ``llmd_lane`` stream with its result
+        address set to the result channel; an invalid one is answered there at once."""
+        channel = result_channel_address(self.llmd_result_channel)
+        try:
+            request = decode_request(data)
+        except InvalidMessage as exc:
+            await self.client.publish(parse_result_address(channel).name,
+                                      encode_result(invalid_request_result(exc)))
+            return
+        await self.client.xadd(self.stream(self.llmd_lane),
+                               request_fields(encode_request(msgspec.structs.replace(
+                                   request, result_queue_name=channel))))
 
     async def receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
         """Lapsed entries (``XAUTOCLAIM``) then new ones (``XREADGROUP >``), up to ``max_messages``.
@@ -299,6 +410,8 @@ class RedisStreamsBackend:
 
     async def _receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
         await self._ensure(lane)
+        if lane == self.llmd_lane and self.llmd_sorted_sets:
+            await self._move(keys=[self.stream(lane), *self.llmd_sorted_sets], args=[max_messages, REQUEST_FIELD])
         out: list[Delivery] = []
         now = time.monotonic()
         if now - self._claimed_at.get(lane, 0.0) >= min(1.0, lease_s / 4):
@@ -425,7 +538,9 @@ class RedisStreamsBackend:
         await self.ack(deliveries)
 
     async def publish_results(self, results: Sequence[tuple[ResultMessage, str]]) -> list[bool]:
-        """``XADD`` each result and mark its id done (``SET backfill:claim:{id} done EX
+        """Write each result where its result address says (``XADD`` to a stream, llm-d-async's
+        ``LPUSH`` to a list or ``PUBLISH`` on a channel: :func:`~common.contracts.queue.parse_result_address`)
+        and mark its id done (``SET backfill:claim:{id} done EX
         dedup_ttl_s``), in one script call: atomic, so a crash leaves both or neither. A result whose
         id is done already or claimed by another processor is refused (False in the answer): one
         result per id across every processor of the pool."""
@@ -435,8 +550,11 @@ class RedisStreamsBackend:
         args: list[bytes | int | str] = [max(1, int(self.done_ttl_s)), self.claim_value,
                                          private_result_stream(self.result_stream, "")]
         for result, queue in results:
-            keys += (queue or self.result_stream, CLAIM_PREFIX + result.id if result.id else "")
-            args.append(encode_result(result))
+            address = parse_result_address(queue)
+            token = address.token if result.id else ""
+            keys += (address.name or self.result_stream, CLAIM_PREFIX + result.id if result.id else "",
+                     request_active_key(result.id) if token else "", request_cancel_key(result.id) if token else "")
+            args += (encode_result(result), _KIND_CODES[address.kind], token)
         try:
             published = await self._publish(keys=keys, args=args)
         except RedisError as exc:
@@ -453,15 +571,18 @@ class RedisStreamsBackend:
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def admit(self, requests: Sequence[RequestMessage], lease_s: float) -> list[Admission]:
-        """One script call for the batch (per id: done, cancel and claim checks)."""
+        """One script call for the batch (per id: done, cancel and claim checks). A request carrying
+        llm-d-async's ``request_token`` is cancelled while ``request-cancel:{id}`` holds that token."""
         if not requests:
             return []
         keys: list[str] = []
         for r in requests:
             batch_id = r.metadata.get("batch_id", "")
-            keys += (CLAIM_PREFIX + r.id, cancel_marker_key(batch_id) if batch_id else "")
+            keys += (CLAIM_PREFIX + r.id, cancel_marker_key(batch_id) if batch_id else "",
+                     request_cancel_key(r.id) if r.request_token else "")
         try:
-            replies = await self._admit(keys=keys, args=[max(1, int(lease_s * 1000)), self.claim_value])
+            replies = await self._admit(keys=keys, args=[max(1, int(lease_s * 1000)), self.claim_value,
+                                                         *(r.request_token for r in requests)])
         except RedisError as exc:
             raise BackendError(f"redis admit: {exc}") from exc
         return [_ADMISSIONS[int(r)] for r in replies]
@@ -476,6 +597,18 @@ class RedisStreamsBackend:
                 pipe.exists(cancel_marker_key(batch_id))
             flags = await pipe.execute()
         return {batch_id for batch_id, flag in zip(ids, flags) if flag}
+
+    async def cancelled_requests(self, requests: Sequence[RequestMessage]) -> set[str]:
+        """See :meth:`QueueBackend.cancelled_requests` (one pipelined ``GET request-cancel:{id}`` per
+        request with a token)."""
+        tokened = [r for r in requests if r.request_token]
+        if not tokened:
+            return set()
+        async with self.client.pipeline(transaction=False) as pipe:
+            for r in tokened:
+                pipe.get(request_cancel_key(r.id))
+            markers = await pipe.execute()
+        return {r.id for r, marker in zip(tokened, markers) if marker is not None and marker.decode() == r.request_token}
 
     async def release(self, ids: Sequence[str]) -> None:
         """Delete our running claims (another processor's claim or a done mark stays)."""

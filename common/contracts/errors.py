@@ -133,9 +133,11 @@ ENGINE_ERRORS: Final[tuple[EngineErrorRule, ...]] = (
     # vLLM: "This model's maximum context length is 4096 tokens. However, your request has 5000 input
     # tokens…"; "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context
     # length is 4096 tokens…"; "The decoder prompt (length 5000) is longer than the maximum model length
-    # of 4096."; "Prompt length of 5000 is longer than the maximum model length of 4096."
+    # of 4096."; "Prompt length of 5000 is longer than the maximum model length of 4096."; vLLM 0.32:
+    # "max_tokens=1000000 cannot be greater than max_model_len=131072." (OpenAI answers that request
+    # context_length_exceeded, param messages)
     EngineErrorRule("context_length_exceeded", ErrorType.INVALID_REQUEST, _CLIENT, _rx(
-        r"maximum context length|longer than the maximum model length|"
+        r"maximum context length|longer than the maximum model length|cannot be greater than max_model_len|"
         r"max_(completion_)?tokens'? (or '?max_completion_tokens'? )?(is )?too large"), param=PROMPT),
     # vLLM and the router: "The model `m` does not exist."
     EngineErrorRule("model_not_found", ErrorType.INVALID_REQUEST, frozenset({404}),

@@ -7,6 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
+ROUTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+"""The OpenAI paths the platform serves: those the router forwards to the engines
+(``router/app.py`` ``INFERENCE_PATHS``, kept equal by a test). A batch for any other endpoint (e.g.
+``/v1/moderations``, which OpenAI's Batch API takes but no vLLM engine serves) fails validation."""
+
 OUTPUT_TOKEN_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 """Output budget fields per choice, in the order they are looked for: Chat Completions'
 ``max_completion_tokens`` (which replaces its ``max_tokens``), Completions' ``max_tokens``,

@@ -38,12 +38,25 @@ Where messages live (``pool`` defaults to ``"default"``, lanes are ``interactive
   subscription :func:`pubsub_subscription` (Pub/Sub).
 - Cancellation: a batch is cancelled for the processor while the Redis key
   :func:`cancel_marker_key` exists; its queued messages then get a ``CANCELLED`` result.
+
+llm-d-async's own wire format (``api/internal_api.go`` ``internalRequestWire``) is accepted too: the
+envelope ``{"internal": {"request_token", "request_queue_name", "result_queue_name", ...},
+"request_kind": "plain" | "redis" | "pubsub", "data": {<request message>}}``. Its result goes where
+llm-d-async's consumers read it: ``LPUSH`` to the Redis list ``internal.result_queue_name`` (else
+``data.result_queue_name``, else :data:`LLMD_RESULT_LIST`), read with ``BRPOP``; a message that
+came through the redis-pubsub transport is answered with ``PUBLISH`` on the result channel. The
+processor carries that destination as a *result address* (:func:`result_list_address`,
+:func:`result_channel_address`, :func:`parse_result_address`) in ``result_queue_name``; a plain
+name stays a Redis stream (or Pub/Sub topic). ``internal.request_token`` is the request generation
+of llm-d-async's cancel keys: the request is cancelled while ``GET`` :func:`request_cancel_key`
+equals it; :func:`request_active_key` holds it while the request is live.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import orjson
@@ -62,6 +75,20 @@ REQUEST_STREAM_PREFIX = "backfill:requests"
 REQUEST_TOPIC_PREFIX = "backfill-requests"
 PROCESSOR_GROUP = "backfill-processors"
 """Redis consumer group every processor shares on the request streams."""
+
+LLMD_REQUEST_SORTED_SET = "request-sortedset"
+"""llm-d-async's default request sorted set (``producer/redis_sortedset_producer.go``), scored by deadline."""
+LLMD_REQUEST_CHANNEL = "request-queue"
+"""llm-d-async's default redis-pubsub request channel (``PUBLISH request-queue <envelope>``)."""
+LLMD_RESULT_LIST = "result-list"
+"""llm-d-async's default sorted-set result list (``pkg/redis/options.go``), read with ``BRPOP``."""
+LLMD_RESULT_CHANNEL = "result-queue"
+"""llm-d-async's default redis-pubsub result channel (``pkg/redis/options.go``)."""
+LLMD_TENANT_ATTRIBUTE = "userid"
+"""llm-d-async's default tenant attribute (its quota gate and fairness stamping, ``fairness.go``)."""
+LLMD_REQUEST_KINDS = ("plain", "redis", "pubsub")
+RESULT_LIST_SCHEME = "redis-list"
+RESULT_CHANNEL_SCHEME = "redis-channel"
 
 BATCH_LANE = "batch"
 BATCH_RESULT_STREAM = "backfill:results:batch"
@@ -114,6 +141,8 @@ class RequestMessage(msgspec.Struct, kw_only=True, frozen=True):
     headers: dict[str, str] = {}
     metadata: dict[str, str] = {}
     result_queue_name: str = ""
+    request_token: str = ""
+    """llm-d-async's request generation (``internal.request_token``); "" for backfill's messages."""
 
     @property
     def tenant(self) -> str:
@@ -142,7 +171,24 @@ class ResultMessage(msgspec.Struct, kw_only=True, frozen=True):
         return 200 <= self.status_code < 300 and not self.error_code
 
 
+class _Routing(msgspec.Struct, kw_only=True):
+    """``internal`` of llm-d-async's envelope (``InternalRouting``); other fields ignored."""
+
+    request_token: str = ""
+    request_queue_name: str = ""
+    result_queue_name: str = ""
+
+
+class _Envelope(msgspec.Struct, kw_only=True):
+    """llm-d-async's ``internalRequestWire``."""
+
+    internal: _Routing = msgspec.field(default_factory=_Routing)
+    request_kind: str
+    data: RequestMessage
+
+
 _request_decoder = msgspec.json.Decoder(RequestMessage)
+_envelope_decoder = msgspec.json.Decoder(_Envelope)
 _result_decoder = msgspec.json.Decoder(ResultMessage)
 _encoder = msgspec.json.Encoder()
 
@@ -173,29 +219,121 @@ def _salvage(data: bytes | str) -> dict[str, Any]:
         return {}
     if not isinstance(raw, dict):
         return {}
+    body = raw.get("data")
+    inner: dict[str, Any] = body if isinstance(body, dict) else {}
     found: dict[str, Any] = {}
-    if isinstance(raw.get("id"), str):
-        found["id"] = raw["id"]
-    meta = raw.get("metadata")
-    if isinstance(meta, dict):
-        found["metadata"] = {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, str)}
-    if isinstance(raw.get("result_queue_name"), str):
+    for source in (raw, inner):  # a flat message, else the envelope's data
+        if isinstance(source.get("id"), str) and source["id"] and "id" not in found:
+            found["id"] = source["id"]
+        meta = source.get("metadata")
+        if isinstance(meta, dict) and "metadata" not in found:
+            found["metadata"] = {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, str)}
+    if _is_envelope(raw):
+        internal = raw.get("internal")
+        routing = internal if isinstance(internal, dict) else {}
+        name = routing.get("result_queue_name") or inner.get("result_queue_name")
+        token = routing.get("request_token")
+        found["result_queue_name"] = result_list_address(name if isinstance(name, str) else "",
+                                                         token if isinstance(token, str) else "")
+    elif isinstance(raw.get("result_queue_name"), str):
         found["result_queue_name"] = raw["result_queue_name"]
     return found
+
+
+def _is_envelope(raw: dict[str, Any]) -> bool:
+    """llm-d-async's envelope: ``request_kind`` or ``internal`` beside ``data``."""
+    return "request_kind" in raw or ("internal" in raw and "data" in raw)
 
 
 def decode_request(data: bytes | str) -> RequestMessage:
     """Parse and validate a request message.
 
-    Raises :class:`InvalidMessage` (with whatever ``id``, ``metadata`` and ``result_queue_name``
-    could be salvaged) when ``data`` is not JSON, not an object, lacks ``id``/``deadline``/``payload``,
+    Accepts backfill's flat message and llm-d-async's envelope (see the module docstring; its
+    ``data`` is the request, answered on its result list). Raises :class:`InvalidMessage` (with
+    whatever ``id``, ``metadata`` and ``result_queue_name`` could be salvaged, from ``data`` too) when ``data`` is not JSON, not an object, lacks ``id``/``deadline``/``payload``,
     has a non-positive deadline or mistyped fields. A past deadline is *not* invalid: the processor
     answers it with ``DEADLINE_EXCEEDED``.
     """
     try:
-        return _request_decoder.decode(data)
+        try:
+            return _request_decoder.decode(data)
+        except msgspec.ValidationError:
+            raw = orjson.loads(data)
+            if not (isinstance(raw, dict) and _is_envelope(raw)):
+                raise
+        return _from_envelope(_envelope_decoder.decode(data))
     except Exception as exc:  # msgspec errors, bad UTF-8, recursion limits: all mean "not a request"
         raise InvalidMessage(f"invalid request message: {exc}", **_salvage(data)) from None
+
+
+def _from_envelope(envelope: _Envelope) -> RequestMessage:
+    """The request of an llm-d-async envelope, answered on its result list (see the module docstring).
+    Raises ``ValueError`` for a ``request_kind`` llm-d-async does not define."""
+    if envelope.request_kind not in LLMD_REQUEST_KINDS:
+        raise ValueError(f"unknown request_kind {envelope.request_kind!r}")
+    routing, data = envelope.internal, envelope.data
+    token = routing.request_token
+    address = result_list_address(routing.result_queue_name or data.result_queue_name, token)
+    return msgspec.structs.replace(data, result_queue_name=address, request_token=token)
+
+
+class ResultAddress(NamedTuple):
+    """Where a result goes: ``kind`` ``"stream"`` (a Redis stream or Pub/Sub topic, backfill's
+    default), ``"list"`` (``LPUSH``, llm-d-async's sorted-set transport) or ``"channel"``
+    (``PUBLISH``, its redis-pubsub transport); ``name`` the key, topic or channel ("" = the
+    default); ``token`` the request generation whose cancel/active keys are cleared with it."""
+
+    kind: str
+    name: str
+    token: str = ""
+
+
+def result_list_address(name: str = "", token: str = "") -> str:
+    """``redis-list:{token}:{name}`` (name "" = :data:`LLMD_RESULT_LIST`)."""
+    return f"{RESULT_LIST_SCHEME}:{token}:{name or LLMD_RESULT_LIST}"
+
+
+def result_channel_address(name: str = "") -> str:
+    """``redis-channel::{name}`` (name "" = :data:`LLMD_RESULT_CHANNEL`)."""
+    return f"{RESULT_CHANNEL_SCHEME}::{name or LLMD_RESULT_CHANNEL}"
+
+
+def parse_result_address(text: str) -> ResultAddress:
+    """The :class:`ResultAddress` of a message's ``result_queue_name``: the two schemes above, any
+    other text a stream (or topic) of that name. Tokens are hex, so the first ``:`` after the
+    token ends it."""
+    for scheme, kind in ((RESULT_LIST_SCHEME, "list"), (RESULT_CHANNEL_SCHEME, "channel")):
+        if text.startswith(scheme + ":"):
+            token, _, name = text[len(scheme) + 1:].partition(":")
+            return ResultAddress(kind, name, token)
+    return ResultAddress("stream", text)
+
+
+def with_attributes(body: bytes, attributes: Mapping[str, str]) -> bytes:
+    """``body`` with Pub/Sub message ``attributes`` merged into its ``metadata`` (an attribute wins
+    over a metadata key of the same name), as llm-d-async's Pub/Sub flow does
+    (``pkg/pubsub/pubsubimpl.go``). A body that is not a JSON object is returned unchanged (it is
+    answered ``INVALID_REQUEST`` when decoded)."""
+    if not attributes:
+        return body
+    try:
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(raw, dict):
+        return body
+    target = raw["data"] if _is_envelope(raw) and isinstance(raw.get("data"), dict) else raw
+    meta = target.get("metadata")
+    target["metadata"] = {**(meta if isinstance(meta, dict) else {}), **attributes}
+    return orjson.dumps(raw)
+
+
+def with_tenant(request: RequestMessage, attribute: str = LLMD_TENANT_ATTRIBUTE) -> RequestMessage:
+    """``request`` with ``metadata.tenant`` set from ``metadata[attribute]`` when it has no tenant of
+    its own (``metadata.tenant`` wins); unchanged otherwise or when ``attribute`` is ""."""
+    if not attribute or request.metadata.get("tenant") or not request.metadata.get(attribute):
+        return request
+    return msgspec.structs.replace(request, metadata={**request.metadata, "tenant": request.metadata[attribute]})
 
 
 def http_result(request: RequestMessage, status_code: int, body: bytes | str) -> ResultMessage:
@@ -245,6 +383,18 @@ def pubsub_dead_letter_topic(topic_id: str) -> str:
 def pubsub_dead_letter_subscription(topic_id: str) -> str:
     """Subscription id on the dead-letter topic (so dead letters are kept): ``{topic_id}-dead-reader``."""
     return f"{topic_id}-dead-reader"
+
+
+def request_cancel_key(request_id: str) -> str:
+    """llm-d-async's cancel marker of one request: ``request-cancel:{id}`` holding the cancelled
+    ``request_token`` (``api.RequestCancellationKey``)."""
+    return f"request-cancel:{request_id}"
+
+
+def request_active_key(request_id: str) -> str:
+    """llm-d-async's live generation of one request: ``request-active:{id}`` holding its
+    ``request_token`` until the deadline (``api.RequestActiveTokenKey``)."""
+    return f"request-active:{request_id}"
 
 
 def cancel_marker_key(batch_id: str) -> str:

@@ -553,6 +553,7 @@ def test_hostile_create_batch_bodies_are_400(gateway):
         "NUL in input_file_id": body(input_file_id="file-\u0000"),
         "bad endpoint": body(endpoint="/v1/images/generations"),
         "bad window": body(completion_window="forever"),
+        "window with a trailing newline": body(completion_window="24h\n"),
         "window too long": body(completion_window="9999999d"),
         "metadata 17 pairs": body(metadata={f"k{i}": "v" for i in range(17)}),
         "metadata 65-char key": body(metadata={"k" * 65: "v"}),

@@ -204,3 +204,46 @@ def test_a_killed_stacks_file_is_reported_stale(tmp_path, monkeypatch):
     (tmp_path / "stack.json").write_text(json.dumps(info))
     result = CliRunner().invoke(main, ["batches", "list", "--data-dir", str(tmp_path)])
     assert result.exit_code == 1 and "stale" in result.output and "Traceback" not in result.output
+
+
+def test_llm_d_async_producers_work_unchanged_on_llm_d_async_s_default_names(stack):
+    """``backfill up`` reads llm-d-async's default sorted set and channel: its SubmitRequest (MULTI;
+    DEL request-cancel; SET request-active EX; ZADD request-sortedset; EXEC) is answered on its result
+    list (BRPOP), and a PUBLISH on request-queue on the result-queue channel."""
+    import secrets
+
+    import redis
+
+    _, data_dir = stack
+    client = redis.Redis.from_url(json.loads((data_dir / "stack.json").read_text())["redis_url"])
+    listener = client.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe("result-queue")
+    payload = {"model": "gpt-3.5-turbo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    id, token, deadline = f"llmd-{secrets.token_hex(4)}", secrets.token_hex(16), int(time.time()) + 120
+    results = f"llm-d-async:results:{id}"
+    envelope = {"internal": {"request_token": token, "request_queue_name": "request-sortedset",
+                             "result_queue_name": results}, "request_kind": "redis",
+                "data": {"id": id, "created": int(time.time()), "deadline": deadline, "payload": payload}}
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(f"request-cancel:{id}")
+        pipe.set(f"request-active:{id}", token, ex=120)
+        pipe.zadd("request-sortedset", {orjson.dumps(envelope): deadline})
+        pipe.execute()
+    reply = client.brpop([results], timeout=60)
+    assert reply is not None, "no result on the producer's list"
+    answer = orjson.loads(reply[1])
+    assert (answer["id"], answer["status_code"]) == (id, 200), answer
+
+    until = time.monotonic() + 30
+    while client.pubsub_numsub("request-queue")[0][1] < 1:
+        assert time.monotonic() < until, "no processor subscribes to request-queue"
+        time.sleep(0.05)
+    published = {**envelope, "request_kind": "plain", "data": {**envelope["data"], "id": id + "-ps"}}
+    client.publish("request-queue", orjson.dumps(published))
+    message = None
+    while message is None and time.monotonic() < until + 30:
+        message = listener.get_message(timeout=1.0)
+    assert message is not None, "no result on result-queue"
+    assert orjson.loads(message["data"])["id"] == id + "-ps"
+    listener.close()
+    client.close()

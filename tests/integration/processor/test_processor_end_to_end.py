@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import orjson
 import pytest
 import redis
 from fastapi import FastAPI, Request
@@ -325,3 +326,78 @@ def test_held_work_of_a_batch_cancelled_later_is_dropped_not_run(ns):
     assert results["blocker"].status_code == 200
     assert [hint for hint, _ in seen] == ["blocker"]
     assert len(cancelled) == 3
+
+
+def test_llm_d_async_sorted_set_producer_gets_its_result_on_its_list_with_userid_as_tenant(ns):
+    """llm-d-async's SubmitRequest (MULTI; DEL request-cancel; SET request-active EX; ZADD
+    request-sortedset; EXEC), then its GetResult (BRPOP on the result list)."""
+    async def behaviour(body, request, seen):
+        return JSONResponse({"ok": True})
+    app, seen = _stub(behaviour)
+    port = free_port()
+    sorted_set, result_list, token = f"{ns.prefix}:request-sortedset", f"{ns.prefix}:result-list", "ab" * 16
+    deadline = int(time.time()) + 60
+    member = orjson.dumps({"internal": {"request_token": token, "request_queue_name": sorted_set,
+                                        "result_queue_name": result_list}, "request_kind": "redis",
+                           "data": {"id": "llmd-1", "created": int(time.time()), "deadline": deadline,
+                                    "payload": {"model": "m", "id_hint": "llmd-1"}, "metadata": {"userid": "u-7"},
+                                    "request_queue_name": sorted_set, "result_queue_name": result_list}})
+    with ns.client.pipeline(transaction=True) as pipe:
+        pipe.delete("request-cancel:llmd-1")
+        pipe.set("request-active:llmd-1", token, ex=60)
+        pipe.zadd(sorted_set, {member: deadline})
+        pipe.execute()
+    with serve(app, port), InProcess(ns.settings(f"http://127.0.0.1:{port}", llmd_sorted_sets=[sorted_set])):
+        reply = ns.client.brpop([result_list], timeout=30)
+    assert reply is not None
+    result = orjson.loads(reply[1])
+    assert (result["id"], result["status_code"], result["error_code"]) == ("llmd-1", 200, "")
+    assert [h["x-llm-d-inference-fairness-id"] for _, h in seen] == ["u-7"]
+    assert [h["x-llm-d-inference-objective"] for _, h in seen] == ["async"]
+    assert ns.client.zcard(sorted_set) == 0 and not ns.client.exists("request-active:llmd-1")
+
+
+def _llmd_submit(client, sorted_set: str, result_list: str, id: str, deadline_in: int = 600) -> str:
+    """llm-d-async's SubmitRequest, command for command; returns the request token."""
+    token, deadline = secrets.token_hex(16), int(time.time()) + deadline_in
+    member = orjson.dumps({"internal": {"request_token": token, "request_queue_name": sorted_set,
+                                        "result_queue_name": result_list}, "request_kind": "redis",
+                           "data": {"id": id, "created": int(time.time()), "deadline": deadline,
+                                    "payload": {"model": "m", "id_hint": id}}})
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(f"request-cancel:{id}")
+        pipe.set(f"request-active:{id}", token, ex=deadline_in)
+        pipe.zadd(sorted_set, {member: deadline})
+        pipe.execute()
+    return token
+
+
+def test_an_llm_d_async_request_cancelled_while_held_is_answered_cancelled_not_run(ns):
+    release = threading.Event()
+
+    async def behaviour(body, request, seen):
+        while body["id_hint"] == "llmd-blocker" and not release.is_set():
+            await asyncio.sleep(0.01)  # hold the only slot until the request below is cancelled
+        return JSONResponse({"ok": True})
+    app, seen = _stub(behaviour)
+    port = free_port()
+    sorted_set, result_list = f"{ns.prefix}:request-sortedset", f"{ns.prefix}:result-list"
+    ns.put("batch", RequestMessage(id="llmd-blocker", deadline=int(time.time() + 120), payload={"id_hint": "llmd-blocker"}))
+    for id in ("llmd-gone", "llmd-kept"):
+        _llmd_submit(ns.client, sorted_set, result_list, id)
+    settings = ns.settings(f"http://127.0.0.1:{port}", concurrency=1, cancel_poll_s=0.1,
+                           llmd_sorted_sets=[sorted_set], llmd_lane="batch")
+    with serve(app, port), InProcess(settings):
+        until = time.monotonic() + 30
+        while not seen or ns.client.zcard(sorted_set):  # the blocker runs, both requests are held
+            assert time.monotonic() < until, "the blocker never reached the target"
+            time.sleep(0.02)
+        # llm-d-async's CancelRequests(["llmd-gone"]): copy the active token into the cancel key
+        ns.client.set("request-cancel:llmd-gone", ns.client.get("request-active:llmd-gone"), ex=7 * 24 * 3600)
+        first = orjson.loads(ns.client.brpop([result_list], timeout=30)[1])
+        release.set()
+        second = orjson.loads(ns.client.brpop([result_list], timeout=30)[1])
+    assert (first["id"], first["error_code"]) == ("llmd-gone", "CANCELLED")
+    assert (second["id"], second["status_code"]) == ("llmd-kept", 200)
+    assert [hint for hint, _ in seen] == ["llmd-blocker", "llmd-kept"]
+    assert not ns.client.exists("request-active:llmd-gone", "request-cancel:llmd-gone", "request-active:llmd-kept")

@@ -207,3 +207,18 @@ def test_the_router_token_is_the_processors_own_never_a_producers():
     h = request_headers(req, "batch", 1.0, "s3cret")
     assert h["x-backfill-router-token"] == "s3cret" and h["x-llm-d-inference-fairness-id"] == "acme"
     assert [k for k in h if k.lower() == "x-backfill-router-token"] == ["x-backfill-router-token"]
+
+
+def test_llm_d_async_settings_need_their_lane_read_and_parse_json_lists_from_the_environment(monkeypatch):
+    from pydantic import ValidationError
+
+    from async_processor.settings import build_settings
+
+    monkeypatch.setenv("BACKFILL_PROCESSOR_LLMD_SORTED_SETS", '["request-sortedset"]')
+    monkeypatch.setenv("BACKFILL_PROCESSOR_LLMD_CHANNELS", '["request-queue"]')
+    settings = build_settings()
+    assert (settings.llmd_sorted_sets, settings.llmd_channels, settings.llmd_lane, settings.llmd_result_channel,
+            settings.tenant_attribute) == (["request-sortedset"], ["request-queue"], "async", "result-queue", "userid")
+    with pytest.raises(ValidationError, match="llmd_lane"):
+        build_settings(lanes=["batch"])
+    assert build_settings(lanes=["batch"], llmd_lane="batch").llmd_lane == "batch"

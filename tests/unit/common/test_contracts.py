@@ -87,7 +87,7 @@ ENGINE_ERRORS = [
      ("invalid_request_error", "model_not_found", "model")),
     ("/v1/chat/completions", 400, _vllm("max_tokens=9000 cannot be greater than max_model_len=4096. Please "
                                         "request fewer output tokens. (parameter=max_tokens, value=9000)"),
-     ("invalid_request_error", "invalid_value", "max_tokens")),
+     ("invalid_request_error", "context_length_exceeded", "messages")),  # OpenAI's line for this request
     ("/v1/chat/completions", 400, _vllm("max_tokens: Input should be a valid integer", param="max_tokens"),
      ("invalid_request_error", "invalid_type", "max_tokens")),
     ("/v1/chat/completions", 400, _vllm(

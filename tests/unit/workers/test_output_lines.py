@@ -46,6 +46,16 @@ def test_an_engine_error_is_written_in_openai_s_words():
     assert line["error"] is None and line["response"]["status_code"] == 400
 
 
+def test_vllm_0_32_s_max_tokens_over_max_model_len_is_openai_s_context_length_exceeded():
+    # OpenAI answers max_tokens 1000000 on a 128k model with code context_length_exceeded, param messages
+    vllm = (b'{"error": {"message": "max_tokens=1000000 cannot be greater than max_model_len=131072. Please '
+            b'request fewer output tokens. (parameter=max_tokens, value=1000000)", "type": "BadRequestError", '
+            b'"param": "max_tokens", "code": 400}}')
+    error = orjson.loads(render_line("batch_1", RequestOutcome("c1", 400, None, vllm, None), **CHAT))
+    assert (error["response"]["body"]["error"]["code"], error["response"]["body"]["error"]["param"]) == \
+        ("context_length_exceeded", "messages")
+
+
 def test_an_error_already_in_openai_s_words_is_copied_byte_for_byte():
     body = b'{"error": {"message": "m", "type": "invalid_request_error", "param": null, "code": "unknown_url"}}'
     assert error_body(404, body, **CHAT) == body

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
+from common.contracts.openai_request import ROUTED_ENDPOINTS
 from lab.bench.batchfile import write_batch_file
 from workers.validation import (
     DEFAULT_MAX_OUTPUT_TOKENS,
@@ -320,7 +321,7 @@ def test_deep_but_parseable_body_is_fine_on_any_endpoint() -> None:
             b'{"custom_id": "a", "method": "POST", "url": "' + endpoint.encode() + b'", "body": {"model": "m", '
             b'"messages": [{"role": "user", "content": ' + deep + b'}], "x": ' + deep + b"}}"
         )
-        report = run(jsonl(line), endpoint=endpoint)
+        report = run(jsonl(line), endpoint=endpoint, served_endpoints=(endpoint,))  # the prompt helper
         assert report.errors == [] and len(report.requests) == 1
 
 
@@ -517,3 +518,19 @@ def test_loads_line_refuses_what_is_not_json_after_the_replacement() -> None:
         loads_line(b'{"a": "\\ud800", NaN}')
     with pytest.raises(orjson.JSONDecodeError):
         loads_line(b'{"a": "\\u00"}')
+
+
+def test_an_endpoint_no_engine_serves_fails_the_batch_at_once() -> None:
+    data = jsonl(req(url="/v1/moderations", body={"model": "m", "input": "hi"}))
+    report = validate_batch_file([data], endpoint="/v1/moderations")
+    assert not report.ok and report.requests == [] and report.bytes_read == 0  # the file is not read
+    assert [(e.code, e.line, e.param) for e in report.errors] == [("invalid_request", None, "endpoint")]
+    assert "'/v1/moderations'" in report.errors[0].message and "'/v1/chat/completions'" in report.errors[0].message
+    assert validate_batch_file([data], endpoint="/v1/moderations",
+                               served_endpoints=("/v1/moderations",)).ok
+
+
+def test_the_served_endpoints_are_the_ones_the_router_routes() -> None:
+    from router.app import INFERENCE_PATHS
+
+    assert set(ROUTED_ENDPOINTS) == set(INFERENCE_PATHS)
