@@ -36,6 +36,7 @@ from batch_gateway.store.task_names import (
     RESEND_STALE_VALIDATIONS_TASK,
     SWEEP_TASK,
     SWEEP_TEMP_FILES_TASK,
+    TICK_RESPONSES_TASK,
 )
 from common.logging import configure_logging
 from workers import tasks
@@ -193,6 +194,8 @@ def create_celery(settings: WorkerSettings) -> WorkerCelery:
                        "options": {"queue": settings.task_queue, "expires": interval * 4}}
                 for name, task, interval in (("feed", FEED_TASK, settings.feed_interval_seconds),
                                              ("collect", COLLECT_TASK, settings.collect_interval_seconds),
+                                             ("tick_responses", TICK_RESPONSES_TASK,
+                                              settings.collect_interval_seconds),
                                              ("sweep", SWEEP_TASK, settings.sweep_interval_seconds),
                                              ("finalize_due", FINALIZE_DUE_TASK, settings.finalize_interval_seconds),
                                              ("deliver_webhooks", DELIVER_WEBHOOKS_TASK,

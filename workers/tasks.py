@@ -7,6 +7,7 @@
 - ``backfill.relay_outbox()``: resend outbox events that never reached the broker.
 - ``backfill.feed``, ``collect``, ``sweep``, ``finalize_due``, ``cancel_batch``: the lifecycle
   (``workers.lifecycle``: feeder, collector, sweeper, finalizer).
+- ``backfill.tick_responses()``: background responses (``workers.responses``).
 - ``backfill.deliver_webhooks()``: signed terminal-state events (``workers.webhooks``).
 - ``backfill.purge_files()``: remove the bytes of deleted or expired files once no running batch
   reads them.
@@ -32,9 +33,10 @@ from batch_gateway.store.task_names import (
     RESEND_STALE_VALIDATIONS_TASK,
     SWEEP_TASK,
     SWEEP_TEMP_FILES_TASK,
+    TICK_RESPONSES_TASK,
     VALIDATE_BATCH_TASK,
 )
-from workers import lifecycle, webhooks
+from workers import lifecycle, responses, webhooks
 from workers.context import WorkerContext
 from workers.lifecycle.validator import give_up_validation, resend_stale_validations, validate_batch
 
@@ -113,6 +115,10 @@ def register(app: Celery, ctx: WorkerContext) -> None:
     @app.task(name=FINALIZE_DUE_TASK, shared=False)
     def finalize_due_task() -> list[str]:
         return lifecycle.finalize_due(ctx)
+
+    @app.task(name=TICK_RESPONSES_TASK, shared=False)
+    def tick_responses_task() -> int:
+        return responses.tick_responses(ctx)
 
     @app.task(name=DELIVER_WEBHOOKS_TASK, shared=False)
     def deliver_webhooks_task() -> int:
