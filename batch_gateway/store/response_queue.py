@@ -22,8 +22,9 @@ class LanePublisher(Protocol):
 
 
 def response_message(row: BackgroundResponse, pool: str) -> RequestMessage:
-    """The request message of ``row`` (its deadline: the row's, in Unix seconds)."""
-    return request_message(row.id, row.tenant_id, created=int(row.created_at), deadline=int(row.deadline.timestamp()),
+    """The request message of ``row`` (its deadline: the row's, in Unix seconds, rounded as
+    Postgres rounds ``created_at``)."""
+    return request_message(row.id, row.tenant_id, created=int(row.created_at), deadline=round(row.deadline.timestamp()),
                            body=engine_body(row.request, row.input), pool=pool)
 
 

@@ -5,6 +5,7 @@ refused over the tenant's quota, and scoped to their tenant."""
 
 from __future__ import annotations
 
+import httpx
 import orjson
 import pytest
 import redis
@@ -28,11 +29,14 @@ from common.contracts.queue import (
 from workers.responses import collect_responses, expire_responses, publish_unpublished, start_responses
 from workers.webhooks import event_body, new_secret
 
+ADMIN_KEY = "admin-responses-" + "x" * 24
+
 
 @pytest.fixture
 def gateway_settings(gateway_settings):
-    """The gateway publishing on the pool the test's worker reads (its task queue's name)."""
-    return gateway_settings.model_copy(update={"queue_pool": gateway_settings.task_queue})
+    """The gateway publishing on the pool the test's worker reads (its task queue's name), with an
+    admin key."""
+    return gateway_settings.model_copy(update={"queue_pool": gateway_settings.task_queue, "admin_key": ADMIN_KEY})
 
 
 class Processor:
@@ -85,7 +89,7 @@ def test_created_queued_then_in_progress_then_completed(gateway, processor):
     assert message.metadata["tenant"].startswith("tenant_") and message.metadata["objective"] == "async"
     assert message.payload["input"] == [{"type": "message", "role": "user", "content": "Write about otters."}]
     assert message.payload["store"] is False and "background" not in message.payload
-    assert message.deadline - message.created == gateway.settings.background_queue_seconds
+    assert abs(message.deadline - message.created - gateway.settings.background_queue_seconds) <= 1  # rounding
 
     assert start_responses(_ctx(gateway)) == 1
     assert client.responses.retrieve(created.id).status == "in_progress"
@@ -240,3 +244,17 @@ def test_ended_responses_are_webhook_events(gateway, processor):
         [event] = session.query(Event).filter(Event.type == "response.completed").all()
     assert event.webhook_next_at is not None  # due: delivered and signed as the batch events
     assert orjson.loads(event_body(event)[1])["data"] == {"id": created.id}
+
+
+def test_admin_dashboard_lists_responses_newest_first_by_status(gateway, processor):
+    client = gateway.client()
+    ids = [client.responses.create(model="m", input=str(n), background=True).id for n in range(3)]
+    client.responses.cancel(ids[0])
+    admin = httpx.Client(base_url=gateway.base_url, timeout=30, headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    listed = admin.get("/admin/api/responses").json()
+    assert [row["id"] for row in listed["data"]] == ids[::-1] and listed["has_more"] is False
+    assert [row["id"] for row in admin.get("/admin/api/responses", params={"status": "cancelled"}).json()["data"]] \
+        == [ids[0]]
+    page = admin.get("/admin/responses")
+    assert page.status_code == 200 and all(response_id in page.text for response_id in ids)
+    assert admin.get("/admin/responses", params={"status": "nope"}).status_code == 400

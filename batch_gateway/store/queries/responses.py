@@ -170,3 +170,21 @@ def add_response_event(session: Session, row: BackgroundResponse, type_: str) ->
     session.add(event)
     session.flush()
     return event
+
+
+def admin_list_responses(session: Session, *, status: str | None, limit: int,
+                         after: str | None = None) -> tuple[list, bool]:
+    """The dashboard's page of background responses over every tenant, newest first, after the
+    response ``after`` (an unknown one starts from the newest): rows ``(id, tenant, status, model,
+    created_at, in_progress_at, finished_at, error)`` and whether more follow."""
+    stmt = (select(BackgroundResponse.id, Tenant.name.label("tenant"), BackgroundResponse.status,
+                   BackgroundResponse.model, BackgroundResponse.created_at, BackgroundResponse.in_progress_at,
+                   BackgroundResponse.finished_at, BackgroundResponse.error)
+            .join(Tenant, Tenant.id == BackgroundResponse.tenant_id))
+    if status:
+        stmt = stmt.where(BackgroundResponse.status == status)
+    if after and can_exist(after):
+        cursor = select(BackgroundResponse.seq).where(BackgroundResponse.id == after).scalar_subquery()
+        stmt = stmt.where(BackgroundResponse.seq < func.coalesce(cursor, BackgroundResponse.seq + 1))
+    rows = list(session.execute(stmt.order_by(BackgroundResponse.seq.desc()).limit(limit + 1)).all())
+    return rows[:limit], len(rows) > limit
