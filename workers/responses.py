@@ -6,8 +6,9 @@ responses`), so running it twice, or in two workers at once, changes nothing twi
    :data:`~common.contracts.background.RESPONSE_COLLECTOR_GROUP`), end each response by its result
    (:func:`~common.contracts.background.result_outcome`; one already ended, by a cancel or an
    expiry, keeps its status and the result is discarded), then acknowledge the entries;
-2. **start**: ``queued`` responses whose message a processor holds (or has answered) become
-   ``in_progress`` (the queue's read-only whereabouts);
+2. **check**: where each open response's message is (the queue's read-only whereabouts, as the
+   batch sweeper asks): ``queued`` ones a processor holds (or has answered) become ``in_progress``;
+   one whose message is gone (Redis lost it) is published again, or ``failed`` past its deadline;
 3. **publish**: ``queued`` responses whose publish was never recorded (the gateway's failed) are
    published on the async lane;
 4. **expire**: ``queued`` responses past their deadline become ``failed``
@@ -39,6 +40,9 @@ REPUBLISH_AFTER_SECONDS = 30.0
 """A ``queued`` response without a recorded publish this old is published by the workers (the
 gateway publishes right after its commit; this leaves it time to record the entry id)."""
 CANCEL_MARKER_SECONDS = 7 * 24 * 3600
+LOST_ERROR = {"code": "server_error", "message": "The request of this background response was lost by the queue "
+                                                "after its deadline; create it again."}
+"""``error`` of a response whose message the queue lost (Redis emptied) past its deadline."""
 
 
 def collect_responses(ctx: WorkerContext, count: int = 500) -> int:
@@ -65,18 +69,29 @@ def collect_responses(ctx: WorkerContext, count: int = 500) -> int:
     return ended
 
 
-def start_responses(ctx: WorkerContext) -> int:
-    """Step 2: how many ``queued`` responses became ``in_progress``."""
+def check_published(ctx: WorkerContext) -> int:
+    """Step 2: how many open responses changed (started, published again, or failed as lost)."""
     with ctx.session() as session:
-        published = response_queries.published_queued_responses(session)
+        published = response_queries.published_open_responses(session)
         if not published:
             return 0
-        places = ctx.queue.lanes.whereabouts(ASYNC_LANE, ctx.settings.processor_group, published)
-        taken = [response_id for (_, response_id), place in zip(published, places)
-                 if place in (Whereabouts.HELD, Whereabouts.ANSWERED)]
-        started = response_queries.start_responses(session, taken)
+        places = ctx.queue.lanes.whereabouts(ASYNC_LANE, ctx.settings.processor_group,
+                                             [(row.queue_entry_id, row.id) for row in published])
+        taken = [row.id for row, place in zip(published, places)
+                 if row.status == ResponseStatus.QUEUED and place in (Whereabouts.HELD, Whereabouts.ANSWERED)]
+        lost = [row for row, place in zip(published, places) if place == Whereabouts.GONE]
+        changed = len(response_queries.start_responses(session, taken))
+        for row in lost:
+            if row.overdue and response_queries.finish_response(session, row.id, ResponseStatus.FAILED,
+                                                                error=LOST_ERROR) is not None:
+                changed += 1
+        again = response_queries.responses_by_id(session, [row.id for row in lost if not row.overdue])
+        for row, entry_id in zip(again, publish_responses(ctx.queue.lanes, again, ctx.settings.pool)):
+            response_queries.record_published(session, row.id, entry_id)
+            log.warning("background response lost, published again", extra={
+                "action": "response_republished", "response_id": row.id, "tenant": row.tenant_id})
         session.commit()
-        return len(started)
+        return changed + len(again)
 
 
 def publish_unpublished(ctx: WorkerContext) -> int:
@@ -107,5 +122,5 @@ def expire_responses(ctx: WorkerContext) -> int:
 
 
 def tick_responses(ctx: WorkerContext) -> int:
-    """Steps 1 to 4 in order; how many responses they acted on (ended, started, published, expired)."""
-    return collect_responses(ctx) + start_responses(ctx) + publish_unpublished(ctx) + expire_responses(ctx)
+    """Steps 1 to 4 in order; how many responses they acted on (ended, started, published, failed, expired)."""
+    return collect_responses(ctx) + check_published(ctx) + publish_unpublished(ctx) + expire_responses(ctx)

@@ -26,7 +26,7 @@ from common.contracts.queue import (
     http_result,
     request_stream,
 )
-from workers.responses import collect_responses, expire_responses, publish_unpublished, start_responses
+from workers.responses import check_published, collect_responses, expire_responses, publish_unpublished
 from workers.webhooks import event_body, new_secret
 
 ADMIN_KEY = "admin-responses-" + "x" * 24
@@ -91,7 +91,7 @@ def test_created_queued_then_in_progress_then_completed(gateway, processor):
     assert message.payload["store"] is False and "background" not in message.payload
     assert abs(message.deadline - message.created - gateway.settings.background_queue_seconds) <= 1  # rounding
 
-    assert start_responses(_ctx(gateway)) == 1
+    assert check_published(_ctx(gateway)) == 1
     assert client.responses.retrieve(created.id).status == "in_progress"
     processor.complete(message)
     assert collect_responses(_ctx(gateway)) == 1
@@ -258,3 +258,14 @@ def test_admin_dashboard_lists_responses_newest_first_by_status(gateway, process
     page = admin.get("/admin/responses")
     assert page.status_code == 200 and all(response_id in page.text for response_id in ids)
     assert admin.get("/admin/responses", params={"status": "nope"}).status_code == 400
+
+
+def test_a_message_lost_by_the_queue_is_published_again(gateway, processor):
+    created = gateway.client().responses.create(model="m", input="x", background=True)
+    [message] = processor.take()
+    assert check_published(_ctx(gateway)) == 1  # held: in_progress
+    processor.redis.delete(processor.stream)  # Redis lost the lane (and the processor's hold)
+    processor.redis.xgroup_create(processor.stream, PROCESSOR_GROUP, id="0", mkstream=True)
+    assert check_published(_ctx(gateway)) == 1
+    assert [m.id for m in processor.take()] == [created.id]
+    assert check_published(_ctx(gateway)) == 0  # held again: nothing to do

@@ -85,17 +85,26 @@ def unpublished_responses(session: Session, older_than_seconds: float, limit: in
                BackgroundResponse.deadline > func.now(),
                BackgroundResponse.created_at <= text(f"extract(epoch from now())::bigint - {float(older_than_seconds)}"))
         .order_by(BackgroundResponse.seq).limit(limit)
+        .with_for_update(skip_locked=True)
     ).scalars())
 
 
-def published_queued_responses(session: Session, limit: int = 500) -> list[tuple[str, str]]:
-    """``(queue_entry_id, id)`` of ``queued`` responses whose message was published, oldest first
-    (asked where they are, to see which a processor has taken)."""
-    return [(row.queue_entry_id, row.id) for row in session.execute(
-        select(BackgroundResponse.queue_entry_id, BackgroundResponse.id)
-        .where(BackgroundResponse.status == ResponseStatus.QUEUED, BackgroundResponse.queue_entry_id.is_not(None))
+def published_open_responses(session: Session, limit: int = 500) -> list:
+    """Open (``queued`` / ``in_progress``) responses whose message was published, oldest first:
+    rows ``(queue_entry_id, id, status, overdue)``, ``overdue`` true at or past the deadline (asked
+    where their message is, to see which a processor has taken and which were lost)."""
+    return list(session.execute(
+        select(BackgroundResponse.queue_entry_id, BackgroundResponse.id, BackgroundResponse.status,
+               (BackgroundResponse.deadline <= func.now()).label("overdue"))
+        .where(BackgroundResponse.status.in_(OPEN_RESPONSE_STATUSES), BackgroundResponse.queue_entry_id.is_not(None))
         .order_by(BackgroundResponse.seq).limit(limit)
-    ).all()]
+    ).all())
+
+
+def responses_by_id(session: Session, response_ids: Sequence[str]) -> list[BackgroundResponse]:
+    """The responses of these ids (any tenant), oldest first."""
+    return list(session.execute(select(BackgroundResponse).where(BackgroundResponse.id.in_(list(response_ids)))
+                                .order_by(BackgroundResponse.seq)).scalars())
 
 
 def start_responses(session: Session, response_ids: Sequence[str]) -> list[str]:
