@@ -34,6 +34,7 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from batch_gateway.api.batches import json_body
@@ -59,12 +60,25 @@ router = APIRouter(prefix="/v1/responses", tags=["responses"])
 
 CHAINABLE_STATUSES = (ResponseStatus.COMPLETED, ResponseStatus.INCOMPLETE)
 """Statuses of a response another may name as ``previous_response_id``."""
+MAX_MODEL_CHARS = 256
+"""Longest ``model`` stored (the column's width)."""
 STREAM_POLL_SECONDS = 0.5
 """How often a live stream re-reads a response that has not ended."""
 
 
 def _bad(message: str, param: str | None, code: str | None = "invalid_value") -> InvalidRequestError:
     return InvalidRequestError(message, param=param, code=code)
+
+
+def _has_nul(value: Any) -> bool:
+    """Whether a NUL character is in any string (key or value) of a JSON value."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(item) for item in value)
+    return False
 
 
 def check_create(body: dict[str, Any]) -> None:
@@ -81,6 +95,9 @@ def check_create(body: dict[str, Any]) -> None:
         raise _bad("The Conversations API is not supported; use previous_response_id.", "conversation",
                    "unsupported_value")
     model = body.get("model")
+    if isinstance(model, str) and len(model) > MAX_MODEL_CHARS:
+        raise _bad(f"Invalid 'model': string too long. Expected a string with maximum length {MAX_MODEL_CHARS}, "
+                   f"but got a string with length {len(model)} instead.", "model", "string_above_max_length")
     if not isinstance(model, str) or not model:
         raise _bad("Missing required parameter: 'model'." if model is None else
                    f"Invalid type for 'model': expected a string, but got {json_type_name(model)} instead.",
@@ -89,6 +106,8 @@ def check_create(body: dict[str, Any]) -> None:
     if not isinstance(value, (str, list)) or (isinstance(value, list)
                                              and not all(isinstance(item, dict) for item in value)):
         raise _bad("Invalid type for 'input': expected a string or an array of input items.", "input", "invalid_type")
+    if _has_nul(body):  # Postgres JSON cannot hold NUL: refused, never a 500
+        raise _bad("The request contains a NUL character (\\u0000), which is not supported.", None)
     previous = body.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or not previous):
         raise _bad("Invalid type for 'previous_response_id': expected a non-empty string.", "previous_response_id",
@@ -136,7 +155,7 @@ async def create_response(request: Request, tenant: TenantDep, session: SessionD
     return response_object(row)
 
 
-def _publish(request: Request, session: SessionDep, row: BackgroundResponse) -> None:
+def _publish(request: Request, session: Session, row: BackgroundResponse) -> None:
     """Publish ``row`` and record its entry id; a failure is logged (the workers publish it later)."""
     state = request.app.state
     try:

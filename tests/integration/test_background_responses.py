@@ -157,7 +157,9 @@ def test_requests_it_does_not_serve_are_refused(gateway):
                         ({"model": "m", "input": "x", "background": True, "stream": True}, "stream"),
                         ({"model": "m", "input": "x", "background": True, "store": False}, "store"),
                         ({"input": "x", "background": True}, "model"),
-                        ({"model": "m", "input": 3, "background": True}, "input")):
+                        ({"model": "m" * 257, "input": "x", "background": True}, "model"),
+                        ({"model": "m", "input": 3, "background": True}, "input"),
+                        ({"model": "m", "input": "a\u0000b", "background": True}, None)):
         answer = http.post("/v1/responses", json=body)
         assert answer.status_code == 400, body
         assert answer.json()["error"]["param"] == param
