@@ -7,6 +7,7 @@
 ``GET /v1/responses/{id}``                  the Response object; with ``stream=true`` its events
                                             (SSE) after ``starting_after`` (a sequence number),
                                             following it live until it ends
+``DELETE /v1/responses/{id}``               forgets it (an open one is cancelled first)
 ``POST /v1/responses/{id}/cancel``          a ``queued`` or ``in_progress`` one becomes
                                             ``cancelled`` (its message dropped, its run aborted, a
                                             late result discarded); a cancelled one answers as it
@@ -48,6 +49,7 @@ from batch_gateway.store.states import OPEN_RESPONSE_STATUSES, ResponseStatus
 from common.contracts.background import conversation_input, input_items
 from common.contracts.responses import (
     PREVIOUS_NOT_FOUND_CODE,
+    deleted_object,
     new_response_id,
     not_found_json,
     previous_not_found_message,
@@ -206,6 +208,29 @@ async def _event_stream(request: Request, tenant_id: str, response_id: str,
         await asyncio.sleep(STREAM_POLL_SECONDS)
 
 
+def _stop(request: Request, response_id: str) -> None:
+    """Set the cancel marker: processors drop the response's message or abort its attempt."""
+    try:
+        request.app.state.response_lanes.mark_cancelled(response_id,
+                                                        request.app.state.settings.background_queue_seconds + 3600)
+    except Exception as exc:  # the result of a run that was not stopped is discarded anyway
+        log.warning("cancel marker not set", extra={"action": "response_cancel_marker_failed",
+                                                    "response_id": response_id, "error": str(exc)[:200]})
+
+
+@router.delete("/{response_id}")
+def delete_response(response_id: str, request: Request, tenant: TenantDep, session: SessionDep) -> dict:
+    """Delete a background response: ``{"id", "object": "response.deleted", "deleted": true}``; one
+    still open is stopped as by a cancel."""
+    found = response_queries.delete_response(session, tenant.id, response_id)
+    if found is None:
+        raise _not_found(response_id)
+    session.commit()
+    if found in OPEN_RESPONSE_STATUSES:
+        _stop(request, response_id)
+    return deleted_object(response_id)
+
+
 @router.post("/{response_id}/cancel")
 def cancel_response(response_id: str, request: Request, tenant: TenantDep, session: SessionDep) -> dict:
     """Cancel a background response (module docstring); the processors are told through the cancel
@@ -215,12 +240,7 @@ def cancel_response(response_id: str, request: Request, tenant: TenantDep, sessi
         raise _not_found(response_id)
     session.commit()
     if outcome.found in OPEN_RESPONSE_STATUSES:
-        try:
-            request.app.state.response_lanes.mark_cancelled(response_id, request.app.state.settings.
-                                                            background_queue_seconds + 3600)
-        except Exception as exc:  # the result of a run that was not stopped is discarded anyway
-            log.warning("cancel marker not set", extra={"action": "response_cancel_marker_failed",
-                                                        "response_id": response_id, "error": str(exc)[:200]})
+        _stop(request, response_id)
         log.info("background response cancelled", extra={"action": "response_cancelled", "response_id": response_id,
                                                          **tenant_fields(tenant.id, tenant.name)})
     elif outcome.found != ResponseStatus.CANCELLED:

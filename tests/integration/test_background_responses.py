@@ -271,3 +271,16 @@ def test_a_message_lost_by_the_queue_is_published_again(gateway, processor):
     assert check_published(_ctx(gateway)) == 1
     assert [m.id for m in processor.take()] == [created.id]
     assert check_published(_ctx(gateway)) == 0  # held again: nothing to do
+
+
+def test_delete_forgets_a_response_and_stops_an_open_one(gateway, processor):
+    client = gateway.client()
+    created = client.responses.create(model="m", input="x", background=True)
+    [message] = processor.take()
+    assert gateway.http("other").delete(f"/v1/responses/{created.id}").status_code == 404
+    deleted = gateway.http().delete(f"/v1/responses/{created.id}")
+    assert deleted.json() == {"id": created.id, "object": "response.deleted", "deleted": True}
+    assert processor.redis.exists(cancel_marker_key(created.id))
+    processor.complete(message)
+    assert collect_responses(_ctx(gateway)) == 0  # nothing left to end
+    assert gateway.http().get(f"/v1/responses/{created.id}").status_code == 404

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -158,6 +158,17 @@ def cancel_response(session: Session, tenant_id: str, response_id: str) -> Respo
     if found in OPEN_RESPONSE_STATUSES:
         row = finish_response(session, response_id, ResponseStatus.CANCELLED) or _get(session, response_id)
     return ResponseCancel(row, found)
+
+
+def delete_response(session: Session, tenant_id: str, response_id: str) -> str | None:
+    """Delete the tenant's response; the status it had, or None when there was none."""
+    if not can_exist(response_id):
+        return None
+    return session.execute(
+        delete(BackgroundResponse).where(BackgroundResponse.id == response_id,
+                                         BackgroundResponse.tenant_id == tenant_id)
+        .returning(BackgroundResponse.status)
+    ).scalar_one_or_none()
 
 
 def overdue_responses(session: Session, limit: int = 100) -> list[str]:
