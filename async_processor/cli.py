@@ -12,10 +12,11 @@ import sys
 import time
 
 import click
+import msgspec
 import orjson
 
 from async_processor.settings import build_settings
-from common.contracts.queue import LANE_PRIORITIES, RequestMessage, encode_result
+from common.contracts.queue import LANE_PRIORITIES, RequestMessage, ResultMessage
 
 _BACKENDS = click.Choice(["redis", "pubsub", "memory"])
 
@@ -112,6 +113,17 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def result_json(result: ResultMessage) -> str:
+    """``result`` as one JSON object, its ``payload`` (the engine's answer) as the JSON it holds
+    rather than a string of it (kept a string when it is not JSON)."""
+    fields = msgspec.to_builtins(result)
+    try:
+        fields["payload"] = orjson.loads(result.payload)
+    except orjson.JSONDecodeError:
+        pass
+    return orjson.dumps(fields).decode()
+
+
 @click.command("enqueue")
 @click.option("--backend", type=click.Choice(["redis", "pubsub"]), help="queue transport (default: redis)")
 @click.option("--redis-url", help="redis-py URL (default: REDIS_URL, else redis://127.0.0.1:6379/0)")
@@ -169,7 +181,7 @@ def enqueue_command(lane: str, payload: str, endpoint: str, request_id: str | No
                 while time.monotonic() < until:
                     for result in await reader.read(min(1.0, max(0.01, until - time.monotonic()))):
                         if result.id == request_id:
-                            click.echo(encode_result(result).decode())
+                            click.echo(result_json(result))
                             return 0 if result.ok else 3
                 click.echo(f"no result for {request_id} within {timeout} s", err=True)
                 return 1

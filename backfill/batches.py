@@ -1,5 +1,8 @@
 """``backfill batches list|show|cancel|download`` and ``backfill files list|show|download|delete``:
-existing batches and files on a gateway, through the ``openai`` client.
+existing batches and files on a gateway, through the ``openai`` client; with the admin key
+(``--admin-key`` / ``BACKFILL_ADMIN_KEY``) every tenant's (``list --all-tenants``, ``batches show``
+of any batch) through the gateway's operator JSON (:class:`backfill.client.Operator`). A list ends
+with how many were shown and the ``--after`` of the next page.
 
 Every command finds the gateway as ``backfill submit`` does (:mod:`backfill.client`), prints a
 table or the object's fields, and with ``--json`` the API's JSON objects instead (a list for
@@ -12,9 +15,11 @@ import sys
 from pathlib import Path
 
 import click
+from openai.types import Batch as SdkBatch
+from openai.types import FileObject
 
-from backfill.client import Gateway, api_errors, with_gateway
-from backfill.output import echo_json, echo_table, format_time
+from backfill.client import ADMIN_KEY_OPTION, Gateway, Operator, api_errors, with_gateway
+from backfill.output import echo_json, echo_table, format_time, page_hint
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the API's JSON instead of a table.")
 
@@ -37,9 +42,9 @@ def _counts(batch) -> str:
     return f"{counts.completed}/{counts.total} ok, {counts.failed} failed" if counts else "-"
 
 
-def echo_batch(batch) -> None:
-    """The fields of a batch a person asks about, one per line."""
-    rows = [("id", batch.id), ("status", batch.status), ("endpoint", batch.endpoint),
+def echo_batch(batch, tenant: str | None = None) -> None:
+    """The fields of a batch a person asks about, one per line (its ``tenant`` when given)."""
+    rows = [("id", batch.id), *([("tenant", tenant)] if tenant else []), ("status", batch.status), ("endpoint", batch.endpoint),
             ("input_file_id", batch.input_file_id), ("output_file_id", batch.output_file_id or "-"),
             ("error_file_id", batch.error_file_id or "-"), ("requests", _counts(batch)),
             ("completion_window", batch.completion_window), ("created_at", format_time(batch.created_at))]
@@ -65,29 +70,59 @@ def batches_group() -> None:
 
 @batches_group.command("list")
 @click.option("--limit", type=click.IntRange(1, 100), default=20, show_default=True, help="Batches to show.")
-@click.option("--after", help="Show batches after this batch id (the next page).")
+@click.option("--after", help="Show batches after this one (the next page; the cursor the last line gives).")
+@click.option("--all-tenants", is_flag=True, help="Every tenant's batches (needs the admin key).")
+@click.option("--status", help="With --all-tenants: only batches of this status.")
+@click.option("--tenant", help="With --all-tenants: only this tenant's batches.")
+@ADMIN_KEY_OPTION
 @JSON_OPTION
 @with_gateway
-def batches_list(gateway: Gateway, limit: int, after: str | None, as_json: bool) -> None:
-    """List batches, newest first."""
-    with api_errors(gateway.base_url):
-        page = gateway.client().batches.list(limit=limit, **({"after": after} if after else {}))
+def batches_list(gateway: Gateway, limit: int, after: str | None, all_tenants: bool, status: str | None,
+                 tenant: str | None, admin_key: str | None, as_json: bool) -> None:
+    """List batches, newest first; with --all-tenants every tenant's, with a TENANT column."""
+    if all_tenants:
+        page = Operator.of(gateway, admin_key, "--all-tenants").get(
+            "/batches", limit=limit, after=after, status=status, tenant=tenant)
+        batches = [SdkBatch.model_validate(row) for row in page["data"]]
+        tenants, more, cursor, total = [row["tenant"] for row in page["data"]], page["has_more"], page["next"], \
+            page["total"]
+    else:
+        if status or tenant:
+            raise click.UsageError("--status and --tenant need --all-tenants")
+        with api_errors(gateway.base_url):
+            found = gateway.client().batches.list(limit=limit, **({"after": after} if after else {}))
+        batches, more, total = found.data, bool(found.has_more), None
+        cursor, tenants = (batches[-1].id if batches else None), []
     if as_json:
-        echo_json(page.data)
+        echo_json([{**b.model_dump(mode="json"), "tenant": t} for b, t in zip(batches, tenants)] if all_tenants
+                  else batches)
         return
-    echo_table(("ID", "STATUS", "ENDPOINT", "REQUESTS", "CREATED"),
-               [(b.id, b.status, b.endpoint, _counts(b), format_time(b.created_at)) for b in page.data])
+    rows = [(b.id, b.status, b.endpoint, _counts(b), format_time(b.created_at)) for b in batches]
+    if all_tenants:
+        echo_table(("ID", "TENANT", "STATUS", "ENDPOINT", "REQUESTS", "CREATED"),
+                   [(row[0], name, *row[1:]) for row, name in zip(rows, tenants)])
+    else:
+        echo_table(("ID", "STATUS", "ENDPOINT", "REQUESTS", "CREATED"), rows)
+    click.echo(page_hint(len(batches), more, cursor, total))
 
 
 @batches_group.command("show")
 @click.argument("batch_id")
+@ADMIN_KEY_OPTION
 @JSON_OPTION
 @with_gateway
-def batches_show(gateway: Gateway, batch_id: str, as_json: bool) -> None:
-    """Show BATCH_ID."""
-    with api_errors(gateway.base_url):
-        batch = gateway.client().batches.retrieve(batch_id)
-    echo_json(batch) if as_json else echo_batch(batch)
+def batches_show(gateway: Gateway, batch_id: str, admin_key: str | None, as_json: bool) -> None:
+    """Show BATCH_ID; with the admin key any tenant's (and its tenant)."""
+    if admin_key:
+        found = Operator.of(gateway, admin_key, "--admin-key").get(f"/batches/{batch_id}")
+        batch, tenant = SdkBatch.model_validate(found), found["tenant"]
+    else:
+        with api_errors(gateway.base_url):
+            batch, tenant = gateway.client().batches.retrieve(batch_id), None
+    if as_json:
+        echo_json({**batch.model_dump(mode="json"), **({"tenant": tenant} if tenant else {})})
+    else:
+        echo_batch(batch, tenant)
 
 
 @batches_group.command("cancel")
@@ -126,18 +161,35 @@ def files_group() -> None:
 
 @files_group.command("list")
 @click.option("--purpose", help="Only files of this purpose (batch, batch_output).")
-@click.option("--limit", type=click.IntRange(1, 10000), default=20, show_default=True, help="Files to show.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True, help="Files to show.")
+@click.option("--after", help="Show files after this file id (the next page; the last line gives it).")
+@click.option("--all-tenants", is_flag=True, help="Every tenant's files (needs the admin key).")
+@ADMIN_KEY_OPTION
 @JSON_OPTION
 @with_gateway
-def files_list(gateway: Gateway, purpose: str | None, limit: int, as_json: bool) -> None:
-    """List files, newest first."""
-    with api_errors(gateway.base_url):
-        page = gateway.client().files.list(limit=limit, **({"purpose": purpose} if purpose else {}))
+def files_list(gateway: Gateway, purpose: str | None, limit: int, after: str | None, all_tenants: bool,
+               admin_key: str | None, as_json: bool) -> None:
+    """List files, newest first; with --all-tenants every tenant's, with a TENANT column."""
+    if all_tenants:
+        page = Operator.of(gateway, admin_key, "--all-tenants").get("/files", limit=limit, after=after, purpose=purpose)
+        files = [FileObject.model_validate(row) for row in page["data"]]
+        tenants, more, total = [row["tenant"] for row in page["data"]], page["has_more"], page["total"]
+    else:
+        with api_errors(gateway.base_url):
+            found = gateway.client().files.list(limit=limit, **({"purpose": purpose} if purpose else {}),
+                                                **({"after": after} if after else {}))
+        files, tenants, more, total = found.data, [], bool(found.has_more), None
     if as_json:
-        echo_json(page.data)
+        echo_json([{**f.model_dump(mode="json"), "tenant": t} for f, t in zip(files, tenants)] if all_tenants
+                  else files)
         return
-    echo_table(("ID", "PURPOSE", "BYTES", "FILENAME", "CREATED"),
-               [(f.id, f.purpose, f.bytes, f.filename, format_time(f.created_at)) for f in page.data])
+    rows = [(f.id, f.purpose, f.bytes, f.filename, format_time(f.created_at)) for f in files]
+    if all_tenants:
+        echo_table(("ID", "TENANT", "PURPOSE", "BYTES", "FILENAME", "CREATED"),
+                   [(row[0], name, *row[1:]) for row, name in zip(rows, tenants)])
+    else:
+        echo_table(("ID", "PURPOSE", "BYTES", "FILENAME", "CREATED"), rows)
+    click.echo(page_hint(len(files), more, files[-1].id if files else None, total))
 
 
 @files_group.command("show")

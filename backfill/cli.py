@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("backfill.commands:worker_command", "Run a Celery worker of the batch lifecycle."),
     "beat": ("backfill.commands:beat_command", "Run the Celery beat scheduler."),
     "keys": ("backfill.commands:keys_group", "Manage tenants' API keys."),
-    "tenants": ("backfill.commands:tenants_group", "Manage tenants' webhooks and quotas."),
+    "tenants": ("backfill.commands:tenants_group", "List tenants (admin key); set their webhooks and quotas."),
     "submit": ("backfill.submit:submit_command", "Upload a batch file and create a batch."),
     "demo": ("backfill.submit:demo_command", "Start the stack, run an example batch, stop."),
     "batches": ("backfill.batches:batches_group", "List, show, cancel and download batches."),

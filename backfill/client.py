@@ -62,9 +62,10 @@ class Gateway:
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=max_retries)
 
 
-def find_gateway(data_dir: Path, base_url: str | None, api_key: str | None) -> Gateway:
+def find_gateway(data_dir: Path, base_url: str | None, api_key: str | None, *, need_key: bool = True) -> Gateway:
     """Resolve the gateway URL and key (module docstring). Raises ``click.ClickException`` when one
-    of them is found nowhere, with the reason the stack file gave."""
+    of them is found nowhere (the key only when ``need_key``; else it may be ""), with the reason the
+    stack file gave."""
     from backfill.stack_file import NoStack, load_stack
 
     stack: dict[str, Any] = {}
@@ -78,9 +79,50 @@ def find_gateway(data_dir: Path, base_url: str | None, api_key: str | None) -> G
     key = api_key or stack.get("api_key") or os.environ.get("OPENAI_API_KEY")
     if not url:
         raise click.ClickException(f"no gateway to talk to: {reason}; or give --base-url")
-    if not key:
+    if not key and need_key:
         raise click.ClickException(f"no API key for {url}: {reason or 'none given'}; give --api-key")
-    return Gateway(base_url=url.rstrip("/"), api_key=key)
+    return Gateway(base_url=url.rstrip("/"), api_key=key or "")
+
+
+ADMIN_KEY_OPTION = click.option("--admin-key", envvar="BACKFILL_ADMIN_KEY",
+                                help="The gateway's admin key (the dashboard's, BACKFILL_ADMIN_KEY): every tenant.")
+
+
+@dataclass
+class Operator:
+    """The gateway's operator JSON over every tenant (``/admin/api/operator``), authenticated with
+    the admin key as the dashboard is."""
+
+    base_url: str
+    """The gateway's API URL (ending in ``/v1``), as :class:`Gateway` has it."""
+    admin_key: str
+
+    @classmethod
+    def of(cls, gateway: Gateway, admin_key: str | None, flag: str) -> Operator:
+        """The operator view of ``gateway``; raises ``click.UsageError`` naming ``flag`` without a key."""
+        if not admin_key:
+            raise click.UsageError(f"{flag} needs the admin key: --admin-key or BACKFILL_ADMIN_KEY")
+        return cls(gateway.base_url, admin_key)
+
+    def get(self, path: str, **params: Any) -> dict:
+        """``GET /admin/api/operator{path}`` with ``params`` (None ones left out); the JSON answer.
+        Raises ``click.ClickException`` with the gateway's error message or the connection error."""
+        import httpx
+
+        root = self.base_url.removesuffix("/v1")
+        try:
+            response = httpx.get(f"{root}/admin/api/operator{path}", timeout=30,
+                                 params={k: v for k, v in params.items() if v is not None},
+                                 headers={"authorization": f"Bearer {self.admin_key}"})
+        except httpx.HTTPError as exc:
+            raise click.ClickException(f"cannot reach the gateway at {root}: {exc}") from None
+        if response.status_code != 200:
+            try:
+                error = response.json().get("error", {})
+            except ValueError:
+                error = {"message": response.text[:200]}
+            raise click.ClickException(f"{root} answered {response.status_code}: {error.get('message')}")
+        return response.json()
 
 
 @contextlib.contextmanager

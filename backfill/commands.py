@@ -21,6 +21,8 @@ from pathlib import Path
 
 import click
 
+from backfill.client import ADMIN_KEY_OPTION, gateway_options
+
 DATA_DIR_OPTION = click.option(
     "--data-dir", type=click.Path(path_type=Path), default=Path(".data"), show_default=True,
     envvar="BACKFILL_DATA_DIR", help="Where embedded stores and file bytes live.",
@@ -246,7 +248,30 @@ def keys_revoke(key: str, data_dir: Path) -> None:
 
 @click.group("tenants")
 def tenants_group() -> None:
-    """Manage tenants: webhooks and quotas."""
+    """Manage tenants: list them (admin key), webhooks and quotas."""
+
+
+@tenants_group.command("list")
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True, help="Tenants to show.")
+@click.option("--after", help="Show tenants after this name (the next page; the last line gives it).")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON array instead of the table.")
+@ADMIN_KEY_OPTION
+@gateway_options
+def tenants_list(limit: int, after: str | None, as_json: bool, admin_key: str | None, data_dir: Path,
+                 base_url: str | None, api_key: str | None) -> None:
+    """List tenants by name with their active batches and enqueued tokens (reserved of the limit),
+    through the gateway with the admin key (--admin-key or BACKFILL_ADMIN_KEY)."""
+    from backfill.client import Operator, find_gateway
+    from backfill.output import echo_table, page_hint
+
+    gateway = find_gateway(data_dir, base_url, api_key, need_key=False)
+    page = Operator.of(gateway, admin_key, "tenants list").get("/tenants", limit=limit, after=after)
+    if as_json:
+        click.echo(json.dumps(page["data"]))
+        return
+    echo_table(("TENANT", "ACTIVE BATCHES", "ENQUEUED TOKENS", "LIMIT"),
+               [(t["name"], t["active_batches"], t["reserved_tokens"], t["enqueued_token_limit"]) for t in page["data"]])
+    click.echo(page_hint(len(page["data"]), page["has_more"], page["next"], page["total"]))
 
 
 @tenants_group.command("webhook")

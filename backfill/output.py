@@ -41,3 +41,12 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_plain(item) for item in value]
     return value
+
+
+def page_hint(shown: int, more: bool, after: str | None, total: int | None = None) -> str:
+    """The line under a page of a list: ``20 of 54 shown; --after ID for more`` (``20 shown`` without
+    a total; ``all 3 shown`` on the last page)."""
+    if not more:
+        return f"all {shown} shown" if total in (None, shown) else f"{shown} of {total} shown"
+    count = f"{shown} of {total}" if total is not None else f"{shown}"
+    return f"{count} shown; --after {after} for more"

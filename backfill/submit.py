@@ -40,13 +40,33 @@ def endpoint_of(path: Path) -> str:
 
 def create_batch(client, path: Path, *, endpoint: str | None, window: str):
     """Upload ``path`` and create a batch of it; returns the batch. Raises ``openai.APIError``
-    subclasses on API errors."""
+    subclasses on API errors; when the batch is refused, the uploaded file is deleted first."""
+    import openai
+
     with path.open("rb") as handle:
         uploaded = client.files.create(file=handle, purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint or endpoint_of(path),
-                                  completion_window=window)
+    try:
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint or endpoint_of(path),
+                                      completion_window=window)
+    except openai.APIError:
+        _drop_upload(client, path, uploaded.id)
+        raise
     click.echo(f"uploaded {path} as {uploaded.id}; created {batch.id}", err=True)
     return batch
+
+
+def _drop_upload(client, path: Path, file_id: str) -> None:
+    """After a refused batch: delete the file uploaded for it, saying so on standard error with its
+    id; when the delete fails too, say the file is kept and how to delete it."""
+    import openai
+
+    try:
+        client.files.delete(file_id)
+    except openai.APIError:
+        click.echo(f"uploaded {path} as {file_id}; the batch was refused and the file is kept "
+                   f"(backfill files delete {file_id})", err=True)
+        return
+    click.echo(f"uploaded {path} as {file_id}; the batch was refused, so {file_id} was deleted", err=True)
 
 
 def follow(client, batch, *, wait_until: tuple[str, ...] = TERMINAL, poll_seconds: float = 0.5):

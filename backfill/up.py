@@ -32,9 +32,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 import httpx
@@ -341,7 +342,10 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     The router honours fairness ids and objectives only from callers with its trusted token
     (``router/trust.py``): ``stack.env`` gets one (the one already in it, else a new random one) as
     both ``BACKFILL_ROUTER_TRUSTED_TOKEN`` and ``BACKFILL_PROCESSOR_ROUTER_TOKEN``, so a processor
-    started later from ``stack.env`` is trusted."""
+    started later from ``stack.env`` is trusted.
+
+    The router keeps the Responses API state (``store``, ``previous_response_id``) in the stack's
+    Redis (``--state-redis-url``; ``BACKFILL_ROUTER_STATE_REDIS_URL`` in the environment wins)."""
     from router.cli import router_argv
 
     env = stack.env
@@ -360,7 +364,8 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     both = [u for u in stack.engine_urls if stack.engine_roles.get(u, "both") == "both"]
     stack.start("router", router_argv(port, both, host=host, engine_priority=simulated,
                                       prefill_engines=by_role["prefill"], decode_engines=by_role["decode"],
-                                      extra=["--log-level", "INFO", *slots]))
+                                      extra=["--log-level", "INFO", *slots, "--state-redis-url",
+                                             env.get("BACKFILL_ROUTER_STATE_REDIS_URL") or env["REDIS_URL"]]))
     _wait_ready(f"{stack.router_url}/health", stack, owner="router")
 
 
@@ -432,6 +437,49 @@ def _stores(data_dir: Path):
         yield stores
 
 
+GENERATED_KEY_FILE = "generated-api-key"
+"""``DATA_DIR/generated-api-key`` (0600): the key a stack made for itself (no ``--api-key``) while it
+runs; its stop revokes the key and removes the file, and a start finding the file (a stack that died
+before its stop) revokes that key first. So every run without ``--api-key`` gets a fresh key that
+is active only while its stack runs."""
+
+
+def _with_session(database_url: str, work: Callable[[Any], Any]) -> Any:
+    """``work(session)`` in one committed transaction on ``database_url``."""
+    from batch_gateway.store.db import make_engine, make_sessionmaker
+    from batch_gateway.store.settings import sqlalchemy_url
+
+    engine = make_engine(sqlalchemy_url(database_url), pool_size=1)
+    try:
+        with make_sessionmaker(engine)() as session:
+            result = work(session)
+            session.commit()
+            return result
+    finally:
+        engine.dispose()
+
+
+def revoke_generated_key(database_url: str, data_dir: Path) -> bool:
+    """Revoke the key in ``DATA_DIR/generated-api-key`` and remove the file; returns whether there was
+    one. A database error leaves the file (the next start revokes the key)."""
+    from batch_gateway.store import queries
+
+    path = data_dir / GENERATED_KEY_FILE
+    try:
+        key = path.read_text().strip()
+    except FileNotFoundError:
+        return False
+    if key:
+        _with_session(database_url, lambda session: queries.revoke_api_key(session, key))
+    path.unlink(missing_ok=True)
+    return True
+
+
+def _remember_generated_key(data_dir: Path, api_key: str) -> None:
+    with os.fdopen(open_private(data_dir / GENERATED_KEY_FILE, os.O_WRONLY | os.O_TRUNC), "w") as handle:
+        handle.write(api_key + "\n")
+
+
 def _register_key(database_url: str, api_key: str) -> None:
     """Accept ``api_key`` for the ``default`` tenant (refused clearly when another tenant owns it)."""
     from batch_gateway.store import queries
@@ -453,12 +501,16 @@ def _register_key(database_url: str, api_key: str) -> None:
 def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engines: int = 2,
               served_model_names: list[str] | None = None,
               engine_urls: list[str] | None = None, admin_key: str | None = None,
-              prefill_engines: int = 0, decode_engines: int = 0) -> Iterator[Stack]:
+              prefill_engines: int = 0, decode_engines: int = 0,
+              progress: Callable[[str], None] | None = None) -> Iterator[Stack]:
     """Start the stack, yield it once the gateway and the engines answer, and stop everything on
     exit. ``engines`` simulated engines serve ``served_model_names`` unless ``engine_urls`` name
     real ones; ``prefill_engines`` / ``decode_engines`` simulated engines more in those roles
     (prefill/decode disaggregation; :func:`check_pd_counts` says which combinations are valid).
-    ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one).
+    ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one). Without
+    ``api_key`` the stack makes one for tenant ``default``, active only while it runs
+    (:data:`GENERATED_KEY_FILE`). ``progress`` is
+    called with one short line (``"router ready http://…"``) as each service becomes ready.
     Raises ``click.UsageError`` for an invalid combination, before anything starts."""
     from backfill.stack_file import remove_stack, write_stack
     from migrations.config import upgrade
@@ -468,9 +520,16 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
     data_dir = data_dir.resolve()
     private_dir(data_dir)
     private_dir(data_dir / "logs")
+    generated = not api_key
     api_key = api_key or "sk-bf-" + secrets.token_urlsafe(24)
+    say = progress or (lambda line: None)
     with _private_umask(), _data_dir_lock(data_dir), _stores(data_dir) as stores:
+        say(f"redis ready {'(REDIS_URL)' if os.environ.get('REDIS_URL') else 'embedded'}")
         upgrade(stores.database_url)
+        say(f"postgres ready {'(DATABASE_URL)' if os.environ.get('DATABASE_URL') else 'embedded'}, migrated")
+        revoke_generated_key(stores.database_url, data_dir)  # left by a stack that died before its stop
+        if generated:
+            _remember_generated_key(data_dir, api_key)
         _register_key(stores.database_url, api_key)
         env = dict(os.environ, DATABASE_URL=stores.database_url, REDIS_URL=stores.redis_url,
                    BACKFILL_DATA_DIR=str(data_dir), BACKFILL_API_KEY=api_key)
@@ -487,22 +546,35 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         try:
             start_engines(stack, engines, served_model_names or list(DEFAULT_MODELS), engine_urls or [],
                           prefill=prefill_engines, decode=decode_engines)
+            for url in stack.engine_urls:
+                say(f"engine ready {url}" + (f" ({stack.engine_roles[url]})" if url in stack.engine_roles else "")
+                    + (" (given)" if engine_urls else ""))
             if stack.engine_urls:
                 start_router(stack, host, simulated=not engine_urls)
                 assert stack.router_url is not None  # start_router set it
+                say(f"router ready {stack.router_url}")
                 stack.start("processor", _backfill("processor", "--backend", "redis", "--router-url",
                                                    stack.router_url, "--saturation-gate", "--log-level", "INFO"))
             stack.start("worker", _backfill("worker", "--log-level", "INFO"))
             stack.start("beat", _backfill("beat", "--data-dir", str(data_dir), "--log-level", "INFO"))
+            say("beat started")
             stack.start("gateway", _backfill("gateway", "--host", host, "--port", str(port), "--log-level", "info"))
             _wait_ready(f"http://{host}:{port}/health", stack, owner="gateway")
+            say(f"gateway ready {stack.gateway_url}")
             if "processor" in stack.children:
                 _wait_processor_groups(stack)
+                say("processor ready (reading every lane)")
+            worker_health = stack.health_urls().get("worker")
+            if worker_health:  # served once the worker's pool runs and its broker answers
+                _wait_ready(worker_health, stack)
+            say("worker ready" if worker_health else "worker started")
             write_stack(data_dir, stack.describe(stores.database_url))
             yield stack
         finally:
             remove_stack(data_dir)
             stack.stop()
+            with contextlib.suppress(Exception):  # the database may be gone: the next start revokes it
+                revoke_generated_key(stores.database_url, data_dir)
 
 
 def check_pd_counts(prefill: int, decode: int, engine_urls: bool) -> None:
@@ -533,6 +605,25 @@ def _role_fields(stack: Stack) -> str:
         if urls:
             out += f"{role}_engines={','.join(urls)} "
     return out
+
+
+def ready_line(stack: Stack, admin_key: str | None) -> str:
+    """The one line ``up`` prints on stdout once the stack is ready: ``backfill ready gateway=URL
+    admin=URL|- api_key=KEY engines=URL,… stack_file=PATH`` (the rest of the map, the router, Redis,
+    the broker, metrics and logs, is in ``stack.json``)."""
+    admin = stack.gateway_url.removesuffix("/v1") + "/admin" if admin_key else "-"  # closed without a key
+    return (f"backfill ready gateway={stack.gateway_url} admin={admin} api_key={stack.api_key} "
+            f"engines={','.join(stack.engine_urls) or '-'} stack_file={stack.data_dir / 'stack.json'}")
+
+
+def summary(stack: Stack, admin_key: str | None) -> list[str]:
+    """The short lines on stderr after the ready line: the dashboard and how to log in, the key, and
+    where the full map is."""
+    base = stack.gateway_url.removesuffix("/v1")
+    dashboard = (f"dashboard {base}/admin (log in with the --admin-key)" if admin_key
+                 else "dashboard closed (start with --admin-key KEY to open it at /admin)")
+    return [f"  {dashboard}", f"  API key {stack.api_key} (tenant default) at {stack.gateway_url}",
+            f"  the full map (router, Redis, broker, metrics, logs) is in {stack.data_dir / 'stack.json'}"]
 
 
 class Stop(Exception):
@@ -586,13 +677,11 @@ def up_command(ctx: click.Context, data_dir: Path, host: str, port: int, api_key
     try:
         with run_stack(data_dir, host, port, api_key, engines=engines, served_model_names=names,
                        engine_urls=list(engine_urls), admin_key=admin_key, prefill_engines=prefill_engines,
-                       decode_engines=decode_engines) as stack:
-            admin = stack.gateway_url.removesuffix("/v1") + "/admin" if admin_key else "-"  # closed without a key
-            click.echo(f"backfill ready gateway={stack.gateway_url} admin={admin} api_key={stack.api_key} "
-                       f"router={stack.router_url or '-'} engines={','.join(stack.engine_urls) or '-'} "
-                       f"{_role_fields(stack)}"
-                       f"redis={stack.env['REDIS_URL']} broker={stack.broker_url} data_dir={stack.data_dir} logs={stack.data_dir / 'logs'} "
-                       f"metrics={stack.metrics_urls()} stack_file={stack.data_dir / 'stack.json'}", err=False)
+                       decode_engines=decode_engines, progress=lambda line: click.echo(f"backfill: {line}", err=True),
+                       ) as stack:
+            click.echo(ready_line(stack, admin_key))
+            for line in summary(stack, admin_key):
+                click.echo(line, err=True)
             sys.stdout.flush()
             while True:
                 lost = stack.postgres_lost()

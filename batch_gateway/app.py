@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from async_processor.backends.redis_producer import RedisLaneProducer
 from batch_gateway import admin
-from batch_gateway.api import batches, files, responses
+from batch_gateway.api import batches, files, operator, responses
 from batch_gateway.errors import GatewayError, ServiceUnavailableError, error_body
 from batch_gateway.metrics import install_metrics
 from batch_gateway.request_ids import RequestIdMiddleware
@@ -116,6 +116,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(responses.router)
+    app.include_router(operator.router)  # the operator's JSON over every tenant (admin key)
     admin.install(app)  # the dashboard at /admin
     install_metrics(app, settings.admin_key)  # GET /metrics (admin key when set), HTTP series
     instrument_fastapi(app, "backfill-gateway")  # server spans continuing the client's traceparent

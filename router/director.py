@@ -60,6 +60,7 @@ from router.decisions import (
     uncached_tokens,
 )
 from router.flow_control import Admission, DropReason, FlowController, FlowItem, RequestDropped
+from router.flow_control.config import FLEX_OBJECTIVE
 from router.observer import RouterObserver
 from router.parsing import ParsedRequest
 from router.pool.state import InFlight, PoolState
@@ -67,6 +68,7 @@ from router.scheduling.errors import NoCandidatesError
 from router.scheduling.plugins.disagg import PDReason
 from router.scheduling.scheduler import SINGLE_PROFILE, Scheduler
 from router.scheduling.types import Endpoint, LLMRequest, PDDecision, SchedulingResult
+from router.service_tier import flex_objective, flex_refusal, is_flex
 from router.tokenizers import Prompt, to_llm_request
 
 #: Drop reason header (shared/contracts/queue-and-headers.md).
@@ -312,7 +314,14 @@ class Director:
 
     # ---- admit ---------------------------------------------------------------------------------------
     def objective(self, parsed: ParsedRequest) -> str:
-        """The request's objective (band): its own when known, else the default."""
+        """The request's objective (band): ``flex`` for OpenAI's ``service_tier: "flex"``
+        (:mod:`router.service_tier`), else its own when known, else the default.
+
+        Raises:
+            RequestError: 400, a flex request on a router with no ``flex`` band.
+        """
+        if is_flex(parsed):
+            return flex_objective(self.objective_priority)
         name = parsed.objective or self.default_objective
         return name if name in self.objective_priority else self.default_objective
 
@@ -351,9 +360,21 @@ class Director:
             raise
         except RequestDropped as exc:
             self.observer.shed(objective, exc.reason)
+            if objective == FLEX_OBJECTIVE and is_flex(parsed):
+                return self._flex_rejected(exc)
             return Rejected.dropped(exc)
         self.observer.admitted(objective, time.monotonic() - received)
         return Admitted(admission)
+
+    def _flex_rejected(self, drop: RequestDropped) -> Rejected:
+        """A flex request's refusal: OpenAI's 429 "Resource Unavailable" when there was no room
+        (:func:`router.service_tier.flex_refusal`), else flow control's."""
+        wait_s = self.flow.config.band(FLEX_OBJECTIVE).ttl_s if self.flow is not None else None
+        refusal = flex_refusal(drop, wait_s)
+        if refusal is None:
+            return Rejected.dropped(drop)
+        message, code = refusal
+        return Rejected(drop.status, message, code, error_type=ErrorType.RATE_LIMIT, headers=drop.headers())
 
     # ---- schedule ------------------------------------------------------------------------------------
     def schedule(self, llm_request: LLMRequest, exclude: set[str]) -> SchedulingResult | None:

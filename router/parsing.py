@@ -140,6 +140,9 @@ class ParsedRequest:
         request_id: ``x-request-id``, or a new uuid4 hex.
         cache_salt: vLLM's ``cache_salt`` from the body, or None.
         traceparent: the W3C ``traceparent`` header, or None.
+        service_tier: OpenAI's ``service_tier`` from the body when it is a string (``auto``,
+            ``default``, ``flex``, ...), else None; only :data:`FLEX_TIER` changes what the router
+            does (``router/service_tier.py``).
     """
 
     path: str
@@ -161,6 +164,7 @@ class ParsedRequest:
     request_id: str
     cache_salt: str | None
     traceparent: str | None
+    service_tier: str | None = None
 
 
 # ---- field checks ------------------------------------------------------------------------------
@@ -431,6 +435,7 @@ def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> ParsedR
         fairness_id=fairness_id, slo_ttft_ms=_slo_ttft_ms(_header(h, SLO_TTFT_HEADER)[0]),
         session_id=session_id(h), request_id=_header(h, REQUEST_ID_HEADER)[0] or uuid.uuid4().hex,
         cache_salt=cache_salt, traceparent=_header(h, TRACEPARENT_HEADER)[0],
+        service_tier=tier if isinstance(tier := data.get("service_tier"), str) else None,
     )
 
 
@@ -463,9 +468,17 @@ def engine_priority(objective_priority: int) -> int:
 ROUTER_ONLY_FIELDS = frozenset({"kv_transfer_params", "priority"})
 
 
+#: OpenAI's ``service_tier`` value of flex processing: the router serves it from its ``flex`` band
+#: (``router/service_tier.py``) and does not send it to the engine. vLLM's ``ResponsesRequest``
+#: declares ``service_tier`` (and only echoes it back); its other request models do not, and vLLM
+#: ignores an undeclared field with a warning, so the tier is not the engine's business either way.
+FLEX_TIER = "flex"
+
+
 def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_usage: bool = False) -> bytes:
     """The body to send to the engine: the original bytes when nothing changes, else re-serialised
-    without the client's :data:`ROUTER_ONLY_FIELDS`.
+    without the client's :data:`ROUTER_ONLY_FIELDS` (and without ``service_tier`` when it is
+    :data:`FLEX_TIER`; any other tier passes unchanged).
 
     Args:
         parsed: the request.
@@ -485,7 +498,9 @@ def engine_body(parsed: ParsedRequest, *, priority: int | None = None, stream_us
         changes["priority"] = priority
     if stream_usage and parsed.stream and parsed.kind in _USAGE_STREAM_KINDS and not parsed.stream_include_usage:
         changes["stream_options"] = {**(parsed.body.get("stream_options") or {}), "include_usage": True}
-    dropped = ROUTER_ONLY_FIELDS.intersection(parsed.body)
+    dropped = set(ROUTER_ONLY_FIELDS.intersection(parsed.body))
+    if parsed.service_tier == FLEX_TIER:
+        dropped.add("service_tier")
     if not changes and not dropped:
         return parsed.raw
     body = {k: v for k, v in parsed.body.items() if k not in dropped}

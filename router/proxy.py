@@ -13,6 +13,7 @@ One request:
    chunk (SSE passed through as it comes); a failure mid-stream ends the client's stream with an
    error event; the client going away cancels the upstream request (aiohttp closes the
    connection, which vLLM treats as an abort);
+   a flex request's answer says ``"service_tier": "flex"`` (:mod:`router.service_tier`);
 4. the cached prompt tokens the engine reported (:mod:`router.usage`) go back to the director.
 
 Prefill/decode disaggregation (a P/D profile handler in the scheduling config): for a chat or
@@ -62,6 +63,7 @@ from router.parsing import (
 )
 from router.scheduling.plugins.disagg import PDReason
 from router.scheduling.types import LLMRequest
+from router.service_tier import FlexAnswer, is_flex
 from router.tokenizers import PromptTokenizer
 from router.trust import HeaderTrust
 from router.usage import SSE_TAIL_BYTES, cached_tokens_from_json, cached_tokens_from_sse_tail
@@ -239,7 +241,7 @@ class _Exchange:
     (the original body plus those params), whose answer goes to the client as any other."""
 
     __slots__ = ("proxy", "request", "parsed", "body", "headers", "objective", "received", "response", "hook",
-                 "disaggregable", "not_disaggregable_reason", "_send_body", "_client_usage")
+                 "disaggregable", "not_disaggregable_reason", "_send_body", "_client_usage", "_flex")
 
     def __init__(self, proxy: Proxy, request: web.Request, parsed: ParsedRequest, body: bytes, objective: str,
                  received: float, hook: ExchangeHook | None = None) -> None:
@@ -257,6 +259,7 @@ class _Exchange:
         self.not_disaggregable_reason = (PDReason.MULTIPLE_OUTPUTS if generation else PDReason.NOT_GENERATION).value
         self._send_body = body
         self._client_usage: ClientUsage | None = None
+        self._flex = FlexAnswer() if is_flex(parsed) else None  # the answer says service_tier "flex"
 
     def use_kv_transfer(self, params: dict[str, Any] | None, prefill_cached_tokens: int | None = None) -> None:
         """The next :meth:`send` sends ``body`` plus ``kv_transfer_params`` = ``params`` (the
@@ -360,8 +363,11 @@ class _Exchange:
         """
         out_headers = {k: v for k in RETURNED_HEADERS if (v := upstream.headers.get(k)) is not None}
         content_type = upstream.headers.get("content-type", "")
+        flex = self._flex if upstream.status == 200 else None
         if not content_type.startswith("text/event-stream"):
             data = await upstream.read()
+            if flex is not None:  # before the hook: a stored response says what served it
+                data = flex.answer(data)
             usage = self._client_usage
             if self.hook is not None:
                 data = await self.hook.answer(upstream.status, data)
@@ -376,6 +382,8 @@ class _Exchange:
         await _to_client(response.prepare(self.request))
         tail = b""
         chunks: AsyncIterator[bytes] = upstream.content.iter_any()
+        if flex is not None:
+            chunks = flex.stream(chunks)
         usage = self._client_usage if self.hook is None else None
         if self.hook is not None:
             chunks = self.hook.stream(chunks)

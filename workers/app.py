@@ -7,8 +7,8 @@ Postgres.
 
 Logging (docs/observability.md "Logs"): the worker and beat log through
 :func:`common.logging.configure_logging` (a ``setup_logging`` receiver, so Celery leaves the root
-logger alone); beat's ``Scheduler: Sending due task …`` line, four to five a second at INFO with the
-default intervals, is demoted to DEBUG (:class:`DemoteFilter`; beat's errors keep their level);
+logger alone); beat's ``Scheduler: Sending due task …`` line, several a second at INFO while there is
+work, is demoted to DEBUG (:class:`DemoteFilter`; beat's errors keep their level);
 Celery's start-up banners, which it prints to stdout as plain text, are one JSON line each
 (``action`` ``worker_started`` / ``beat_started``) instead.
 """
@@ -26,23 +26,12 @@ from celery.signals import setup_logging, worker_ready
 from kombu.utils.objects import cached_property
 
 from batch_gateway.store.outbox import celery_broker_url
-from batch_gateway.store.task_names import (
-    COLLECT_TASK,
-    DELIVER_WEBHOOKS_TASK,
-    FEED_TASK,
-    FINALIZE_DUE_TASK,
-    PURGE_FILES_TASK,
-    RELAY_OUTBOX_TASK,
-    RESEND_STALE_VALIDATIONS_TASK,
-    SWEEP_TASK,
-    SWEEP_TEMP_FILES_TASK,
-    TICK_RESPONSES_TASK,
-)
 from common.logging import configure_logging
 from workers import tasks
 from workers.context import WorkerContext
 from workers.lifecycle.validator import resend_stale_validations
 from workers.metrics import install_task_hooks
+from workers.schedule import beat_schedule
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -167,7 +156,9 @@ worker_ready.connect(_resend_on_start, weak=False, dispatch_uid="backfill.resend
 
 
 def create_celery(settings: WorkerSettings) -> WorkerCelery:
-    """The Celery app with every lifecycle task registered and the beat schedule set."""
+    """The Celery app with every lifecycle task registered and the beat schedule set
+    (:func:`workers.schedule.beat_schedule`, sent by :class:`workers.schedule.QuietScheduler`: the
+    frequent lifecycle tasks only while there is work)."""
     app = WorkerCelery(settings)
     app.conf.update(
         task_default_queue=settings.task_queue,
@@ -178,40 +169,8 @@ def create_celery(settings: WorkerSettings) -> WorkerCelery:
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
         worker_hijack_root_logger=False,
-        beat_schedule={
-            "relay-outbox": {
-                "task": RELAY_OUTBOX_TASK,
-                "schedule": settings.relay_interval_seconds,
-                "options": {"queue": settings.task_queue},
-            },
-            "resend-stale-validations": {
-                "task": RESEND_STALE_VALIDATIONS_TASK,
-                "schedule": settings.relay_interval_seconds,
-                "options": {"queue": settings.task_queue},
-            },
-            **{
-                name: {"task": task, "schedule": interval,
-                       "options": {"queue": settings.task_queue, "expires": interval * 4}}
-                for name, task, interval in (("feed", FEED_TASK, settings.feed_interval_seconds),
-                                             ("collect", COLLECT_TASK, settings.collect_interval_seconds),
-                                             ("tick_responses", TICK_RESPONSES_TASK,
-                                              settings.collect_interval_seconds),
-                                             ("sweep", SWEEP_TASK, settings.sweep_interval_seconds),
-                                             ("finalize_due", FINALIZE_DUE_TASK, settings.finalize_interval_seconds),
-                                             ("deliver_webhooks", DELIVER_WEBHOOKS_TASK,
-                                              settings.webhook_interval_seconds))
-            },
-            "purge-files": {
-                "task": PURGE_FILES_TASK,
-                "schedule": settings.purge_interval_seconds,
-                "options": {"queue": settings.task_queue},
-            },
-            "sweep-temp-files": {
-                "task": SWEEP_TEMP_FILES_TASK,
-                "schedule": settings.purge_interval_seconds,
-                "options": {"queue": settings.task_queue, "expires": settings.purge_interval_seconds},
-            },
-        },
+        beat_schedule=beat_schedule(settings),
+        beat_scheduler="workers.schedule:QuietScheduler",
     )
     tasks.register(app, app.backfill)
     install_task_hooks(app, app.backfill.metrics)

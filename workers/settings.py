@@ -70,6 +70,10 @@ files older than ``temp_file_max_age_seconds``); ``validation_stale_seconds``: a
     finalize_interval_seconds: float = 2.0
     webhook_interval_seconds: float = 2.0
     validation_stale_seconds: float = 120.0
+    catch_up_interval_seconds: float = Field(default=60.0, gt=0)
+    """How often beat sends ``backfill.catch_up`` (every lifecycle step once) whatever its probe says
+    (``workers.schedule``): on an idle stack the only lifecycle task, one a minute; the bound on how
+    late work a wrong probe hid is picked up."""
     max_output_tokens_per_request: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1)
     """Most output tokens one input line may ask for, ``n`` × ``max_tokens`` (or
     ``max_completion_tokens`` / ``max_output_tokens``); a line asking for more fails validation

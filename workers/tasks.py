@@ -9,6 +9,8 @@
   (``workers.lifecycle``: feeder, collector, sweeper, finalizer).
 - ``backfill.tick_responses()``: background responses (``workers.responses``).
 - ``backfill.deliver_webhooks()``: signed terminal-state events (``workers.webhooks``).
+- ``backfill.catch_up()``: every periodic step above once (:func:`catch_up`), beat's slow safety
+  net while the frequent ones are not sent (an idle stack, ``workers.schedule``).
 - ``backfill.purge_files()``: remove the bytes of deleted or expired files once no running batch
   reads them.
 - ``backfill.sweep_temp_files()``: remove the file store's temporary files (multipart uploads on
@@ -24,6 +26,7 @@ from celery import Celery
 from batch_gateway.store import queries
 from batch_gateway.store.task_names import (
     CANCEL_BATCH_TASK,
+    CATCH_UP_TASK,
     COLLECT_TASK,
     DELIVER_WEBHOOKS_TASK,
     FEED_TASK,
@@ -40,7 +43,7 @@ from workers import lifecycle, responses, webhooks
 from workers.context import WorkerContext
 from workers.lifecycle.validator import give_up_validation, resend_stale_validations, validate_batch
 
-__all__ = ["VALIDATE_RETRIES", "give_up_validation", "purge_files", "register", "relay_outbox",
+__all__ = ["VALIDATE_RETRIES", "catch_up", "give_up_validation", "purge_files", "register", "relay_outbox",
            "resend_stale_validations", "sweep_temp_files", "validate_batch"]
 """The validation step's functions are re-exported: the task bodies look them up in this module."""
 
@@ -72,6 +75,25 @@ def sweep_temp_files(ctx: WorkerContext) -> int:
     """Remove the file store's leftovers of killed writes older than ``temp_file_max_age_seconds``;
     returns how many."""
     return ctx.store.sweep_temp(ctx.settings.temp_file_max_age_seconds)
+
+
+def catch_up(ctx: WorkerContext) -> list[str]:
+    """Run each periodic lifecycle step once, in the order a request travels (relay the outbox,
+    resend stale validations, feed, collect, sweep, finalize, the background responses' tick, deliver
+    webhooks); a step that raises
+    is logged and the next one still runs. Returns the names of the steps that raised."""
+    steps = (("relay_outbox", relay_outbox), ("resend_stale_validations", resend_stale_validations),
+             ("feed", lifecycle.feed), ("collect", lifecycle.collect), ("sweep", lifecycle.sweep),
+             ("finalize_due", lifecycle.finalize_due), ("tick_responses", responses.tick_responses),
+             ("deliver_webhooks", webhooks.deliver_webhooks))
+    failed = []
+    for name, step in steps:
+        try:
+            step(ctx)
+        except Exception:
+            log.exception("catch-up step failed", extra={"action": "catch_up_failed", "step": name})
+            failed.append(name)
+    return failed
 
 
 def register(app: Celery, ctx: WorkerContext) -> None:
@@ -123,6 +145,10 @@ def register(app: Celery, ctx: WorkerContext) -> None:
     @app.task(name=DELIVER_WEBHOOKS_TASK, shared=False)
     def deliver_webhooks_task() -> int:
         return webhooks.deliver_webhooks(ctx)
+
+    @app.task(name=CATCH_UP_TASK, shared=False)
+    def catch_up_task() -> list[str]:
+        return catch_up(ctx)
 
     @app.task(name=PURGE_FILES_TASK, shared=False)
     def purge_files_task() -> int:

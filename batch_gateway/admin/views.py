@@ -744,7 +744,8 @@ def _lanes(request: Request) -> dict:
         lanes.append({**queue, "band": band, "rate": rate(queue["lane"]), **refusals(band)})
     lanes += [{"lane": name, "priority": band.priority, "stream": None, "length": None, "pending": None,
                "dead": None, "band": band, "rate": rate(name), **refusals(band)}
-              for name, band in bands.items()]  # objectives the router knows that have no stream
+              for name, band in bands.items()]  # objectives the router knows with no stream (flex)
+    lanes.sort(key=lambda lane: -lane["priority"])  # flex (OpenAI's service_tier) between async and batch
     now = time.time()
     saturation = {"least saturated engine (gate)": [(s.state.time, s.state.gate_saturation) for s in samples],
                   "pool mean": [(s.state.time, s.state.pool_saturation) for s in samples]}

@@ -1,4 +1,4 @@
-"""HTTP routes: ``files`` and ``batches`` under ``/v1``."""
+"""HTTP routes: ``files`` and ``batches`` under ``/v1``; ``operator`` (every tenant, admin key) under ``/admin/api/operator``."""
 
 from __future__ import annotations
 

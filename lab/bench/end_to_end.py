@@ -219,6 +219,7 @@ def end_to_end_command(lines: int, time_scale: float, max_num_seqs: int, max_tok
     from lab.bench.batchfile import write_batch_file
     from lab.toolkit.launch import environment, free_port
     from lab.toolkit.stack import backfill_up
+    from lab.toolkit.tables import print_table
 
     console = Console()
     endpoint: Literal["/v1/chat/completions"] = "/v1/chat/completions"
@@ -323,7 +324,7 @@ def end_to_end_command(lines: int, time_scale: float, max_num_seqs: int, max_tok
         if isinstance(value, dict):
             continue
         table.add_row(name, f"{value:,.3f}" if isinstance(value, float) else str(value), goals.get(name, ""))
-    console.print(table)
+    print_table(table, console)
     wall = figures["create_to_completed_s"]
     cpu_table = Table(title=f"CPU seconds per component during the stack run ({wall:.0f} s wall)")
     cpu_table.add_column("component")
@@ -331,7 +332,7 @@ def end_to_end_command(lines: int, time_scale: float, max_num_seqs: int, max_tok
     cpu_table.add_column("share of one core", justify="right")
     for name, value in figures["cpu_seconds_stack_run"].items():
         cpu_table.add_row(name, f"{value:,.1f}", f"{value / wall:.2f}")
-    console.print(cpu_table)
+    print_table(cpu_table, console)
     if json_path:
         json_path.write_text(json.dumps(figures, indent=2) + "\n")
     if problems:

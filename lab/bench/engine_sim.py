@@ -101,8 +101,9 @@ def _pin(cpu: int) -> None:
 def bench_engine_sim_command(seconds: float, concurrency: int, prompt_tokens: tuple[int, ...],
                              json_path: str | None) -> None:
     """Requests/s of one simulator process at --time-scale 0 (goal: >= 1,000 at 1,000 tokens)."""
-    from rich.console import Console
     from rich.table import Table
+
+    from lab.toolkit.tables import print_table
 
     results: list[BenchResult] = []
     for tokens in prompt_tokens:
@@ -125,7 +126,7 @@ def bench_engine_sim_command(seconds: float, concurrency: int, prompt_tokens: tu
     for r in results:
         table.add_row(str(r.prompt_tokens), str(r.requests), f"{r.seconds:.2f}", f"{r.requests_per_s:.0f}",
                       str(r.errors), str(r.concurrency))
-    Console().print(table)
+    print_table(table)
     if json_path:
         payload = {"benchmark": "engine-sim", "python": sys.version.split()[0], "cpus": os.cpu_count(),
                    "results": [asdict(r) for r in results]}

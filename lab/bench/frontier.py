@@ -357,6 +357,8 @@ def frontier_command(concurrencies: tuple[int, ...], quick: bool, json_path: Pat
     from rich.console import Console
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     cs = list(concurrencies) or [1, 2, 4, 8, 16, 32, 64, 128, 256]
     policies = list(DEFAULT_POLICIES)
     if quick:
@@ -378,7 +380,7 @@ def frontier_command(concurrencies: tuple[int, ...], quick: bool, json_path: Pat
                       f"{pt['batch_rps'] / spare:.3f}", f"{pt['p50_ratio']:.2f}", f"{pt['ttft_p99_ms']:.1f}",
                       f"{pt['p99_ratio']:.2f}", str(pt["evictions"]), f"{pt['wasted_tokens_per_eviction']:.0f}",
                       str(pt["preemptions"]))
-    console.print(table)
+    print_table(table, console)
     if json_path:
         json_path.write_text(json.dumps(figures, indent=2) + "\n")
     plot_path = plot_path or (json_path.with_suffix(".svg") if json_path else None)

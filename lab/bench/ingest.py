@@ -128,6 +128,7 @@ def ingest_command(lines: int, megabytes: int, json_path: Path | None, data_dir:
     from lab.bench.batchfile import write_batch_file
     from lab.toolkit.launch import free_port
     from lab.toolkit.stack import backfill_up
+    from lab.toolkit.tables import print_table
 
     console = Console()
     with tempfile.TemporaryDirectory(prefix="backfill-bench-") as tmp:
@@ -176,6 +177,6 @@ def ingest_command(lines: int, megabytes: int, json_path: Path | None, data_dir:
     goals = {"validation_mb_s": "≥ 100", "finalize_mb_s": "≥ 100", "gateway_peak_growth_mb": "≤ 150", "worker_peak_growth_mb": "≤ 150"}
     for name, value in figures.items():
         table.add_row(name, f"{value:,.2f}" if isinstance(value, float) else str(value), goals.get(name, ""))
-    console.print(table)
+    print_table(table, console)
     if json_path:
         json_path.write_text(json.dumps(figures, indent=2) + "\n")

@@ -137,6 +137,8 @@ def interference_command(budgets: tuple[int, ...], stream_prompt: int, long_prom
     from rich.console import Console
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     if idle_tokens < 4:
         raise click.BadParameter("at least 4 idle tokens are needed for an idle gap", param_hint="--idle-tokens")
     console = Console()
@@ -149,7 +151,7 @@ def interference_command(budgets: tuple[int, ...], stream_prompt: int, long_prom
     for g in gaps:
         table.add_row(f"{g.max_num_batched_tokens:,}", f"{g.idle_gap_ms:.2f}", f"{g.largest_gap_ms:.1f}",
                       f"{g.ratio:.1f}", str(g.prefill_steps), f"{g.long_ttft_ms:,.0f}")
-    console.print(table)
+    print_table(table, console)
 
     runs = [pressure(p, requests, pressure_prompt, pressure_output, pressure_blocks) for p in ("fcfs", "priority")]
     table = Table(title=f"KV pressure: {requests} x ({pressure_prompt} + {pressure_output}) tokens on "
@@ -159,7 +161,7 @@ def interference_command(budgets: tuple[int, ...], stream_prompt: int, long_prom
     for r in runs:
         table.add_row(r.policy, f"{r.completed}/{r.requests}", f"{r.tokens_generated}/{r.tokens_expected}",
                       str(r.preemptions), str(r.steps), f"{r.model_seconds:.2f}")
-    console.print(table)
+    print_table(table, console)
     if json_path:
         with open(json_path, "w") as fh:
             json.dump({"benchmark": "interference", "time": "model seconds",

@@ -355,6 +355,8 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
 def _print(figures: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     table = Table(title=f"isolation: {figures['engines']} simulated engines, time scale {figures['time_scale']}, "
                         f"interactive at {figures['load']:.0%} of C")
     for column in ("figure", "interactive alone", "interactive + batch", "ratio", "goal"):
@@ -372,7 +374,7 @@ def _print(figures: dict[str, Any], console: Any) -> None:
     table.add_row("batch throughput (requests/s)", "", f"{figures['batch_throughput']:,.1f}",
                   f"{figures['batch_vs_spare']:.3f}", "≥ 0.90")
     table.add_row("used ÷ C (interactive + batch)", "", f"{figures['used_vs_capacity_with_batch']:.3f}", "", "")
-    console.print(table)
+    print_table(table, console)
     means = figures["router_means_with_batch"]
     if means:
         console.print("router during B (means): " + ", ".join(f"{k} {v:.2f}" for k, v in means.items()))

@@ -587,6 +587,8 @@ def _met(value: float, sign: str, goal: float) -> bool | None:
 def _print(figures: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     def num(value: float, unit: str = "") -> str:
         return "-" if value is None or math.isnan(value) else f"{value:,.2f}{unit}"
 
@@ -630,7 +632,7 @@ def _print(figures: dict[str, Any], console: Any) -> None:
         num(figures["batch_throughput_rps"]), "batch_vs_spare")
     table.add_row("engines' req/s ÷ C", "", num(figures["engine_served_in_window_rps"]),
                   num(figures["engine_used_vs_capacity"]), "", "")
-    console.print(table)
+    print_table(table, console)
     unfinished = [f"{t} {s['mixed']['status']}" for t, s in figures["small_tenants"].items() if s["lower_bound"]]
     if unfinished:
         console.print(f"* not completed when waited out ({', '.join(unfinished)}): the ratio is a lower bound")

@@ -376,6 +376,8 @@ def _table(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     table = Table(title="bench pd: aggregated vs prefill:decode (model time)")
     for column in ("layout", "errors", "ITL p50 ms", "ITL p99 ms", "chat ITL p99", "TTFT p50 ms",
                    "long TTFT p50", "tok/s", "agg/PD ITL p99", "PD/agg TTFT p50", "PD/agg tok/s",
@@ -388,7 +390,7 @@ def _table(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
                       str(fig["output_tokens_per_s"]), str(r.get("itl_p99_aggregated_over_pd", "-")),
                       str(r.get("ttft_p50_pd_over_aggregated", "-")), str(r.get("throughput_pd_over_aggregated", "-")),
                       str(r.get("prefill_max_generated_per_request", "-")))
-    Console(stderr=True, width=200).print(table)
+    print_table(table, Console(stderr=True))
 
 
 @click.command("pd")

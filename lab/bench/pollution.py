@@ -331,6 +331,8 @@ def pollution_command(batch_requests: int, batch_concurrency: int, conversations
     from rich.console import Console
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     if min(batch_requests, batch_concurrency, conversations, tenants, turns_after) < 1 or turns_before < 1:
         raise click.BadParameter("batch requests, concurrency, conversations, tenants and turns must be at least 1")
     if not 0 < doc_tokens_min <= doc_tokens_max:
@@ -361,7 +363,7 @@ def pollution_command(batch_requests: int, batch_concurrency: int, conversations
                       f"{r.batch_hit_pct:.1f}" if r.sweep else "—", f"{r.batch_model_s:,.0f}" if r.sweep else "—")
     console = Console()
     console.width = max(console.width, 180)  # 12 columns: keep them readable when piped
-    console.print(table)
+    print_table(table, console)
     if json_path:
         with open(json_path, "w") as fh:
             json.dump({"benchmark": "pollution", "time": "model seconds", "workload": asdict(work),

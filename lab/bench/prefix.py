@@ -272,6 +272,8 @@ def run_shape(shape: str, trace: list[TimedRequest], opts: EngineOptions, polici
 def _print_shape(console: Any, payload: dict[str, Any]) -> None:
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     results, opts = payload["policies"], payload["fleet"]
     rr = results.get("round-robin", {}).get("ttft_p50_s")
     table = Table(title=f"bench prefix, {payload['shape']}: {payload['trace']['requests']} calls, "
@@ -287,11 +289,13 @@ def _print_shape(console: Any, payload: dict[str, Any]) -> None:
         table.add_row(name, _fmt(r["captured_reuse"]), _fmt(r["ttft_p50_s"]), _fmt(r["ttft_p99_s"]), _fmt(ratio, 2),
                       _fmt(r["output_tokens_per_s"], 1), str(r["engines"]["cpu_blocks_used"]),
                       " / ".join(map(str, r["engines"]["requests_per_engine"])), str(r["errors"]))
-    console.print(table)
+    print_table(table, console)
 
 
 def _print_summary(console: Any, shapes: dict[str, dict[str, Any]]) -> None:
     from rich.table import Table
+
+    from lab.toolkit.tables import print_table
 
     table = Table(title="ours vs best peer, per shape (reuse higher is better, p50 lower)")
     for column in ("shape", "best peer reuse", "approx reuse", "precise reuse", "best peer p50 s", "approx p50 s",
@@ -306,7 +310,7 @@ def _print_summary(console: Any, shapes: dict[str, dict[str, Any]]) -> None:
                       f"{_fmt(v['best_peer_ttft_p50_s'])} ({v['best_peer_ttft_p50_by'] or '—'})",
                       _fmt(a["ttft_p50_s"]) + yes[a["p50_beats"]], _fmt(p["ttft_p50_s"]) + yes[p["p50_beats"]],
                       {True: "yes", False: "NO", None: "—"}[v["precise_reuse_at_least_approximate"]])
-    console.print(table)
+    print_table(table, console)
 
 
 @click.command("prefix")
@@ -378,13 +382,15 @@ def prefix_command(quick: bool, shape: str, trace_path: Path | None, trace_forma
     else:
         from rich.table import Table
 
+        from lab.toolkit.tables import print_table
+
         goal_table = Table(title="goals (ours)")
         for column in ("goal", "value", "bound", "met"):
             goal_table.add_column(column)
         for key, g in next(iter(shapes.values()))["goals"].items():
             goal_table.add_row(key, _fmt(g["value"]), _fmt(g["goal"], 2),
                                {True: "yes", False: "NO", None: "—"}[g["met"]])
-        console.print(goal_table)
+        print_table(goal_table, console)
     if json_path:
         common = {"benchmark": "prefix", "python": sys.version.split()[0], "cpus": os.cpu_count(), "seed": seed,
                   "quick": quick, "load": load, "round_robin": "vllm-router --policy round_robin"}

@@ -267,8 +267,9 @@ def bench_processor_command(n: int, pubsub_messages: int, concurrency: int, redi
                             loop_kind: str, json_path: Path | None) -> None:
     """Messages/s through one processor to an instant target, beside its baselines."""
     import uvloop
-    from rich.console import Console
     from rich.table import Table
+
+    from lab.toolkit.tables import print_table
 
     run = uvloop.run if loop_kind == "uvloop" else asyncio.run
 
@@ -323,7 +324,7 @@ def bench_processor_command(n: int, pubsub_messages: int, concurrency: int, redi
     base = by_name["baseline http (no queue)"]
     for name, count, rate in rows:
         table.add_row(name, f"{count:,}", f"{rate:,.0f}", f"{rate / base:.2f}")
-    Console().print(table)
+    print_table(table)
     if json_path:
         json_path.write_bytes(orjson.dumps({"benchmark": "processor", "concurrency": concurrency, "loop": loop_kind,
                                             "goal_msgs_per_s_redis": 5000,

@@ -183,6 +183,8 @@ def router_overhead_command(quick: bool, prompt_tokens: int, connections: int, j
     from rich.console import Console
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     console = Console()
     if not console.is_terminal:
         console = Console(width=150)
@@ -196,7 +198,7 @@ def router_overhead_command(quick: bool, prompt_tokens: int, connections: int, j
     for d in decisions:
         table.add_row(str(d["endpoints"]), str(d["prompt_tokens"]), _fmt(d["decision_p50_ms"]),
                       _fmt(d["decision_p99_ms"]), _fmt(d["learn_p50_ms"]), _fmt(d["chosen_prefix_score_mean"], 2))
-    console.print(table)
+    print_table(table, console)
 
     targets = proxy_targets(quick, prompt_tokens, connections, log_dir)
     direct = targets["direct"]
@@ -211,14 +213,14 @@ def router_overhead_command(quick: bool, prompt_tokens: int, connections: int, j
         table.add_row(name, _fmt(t["latency_p50_ms"]), _fmt(t["latency_p99_ms"]),
                       _fmt(t["latency_p50_ms"] - direct["latency_p50_ms"]), _fmt(t["requests_per_s"], 0),
                       _fmt(t["requests_per_s"] / direct["requests_per_s"], 2))
-    console.print(table)
+    print_table(table, console)
     figures = summary(decisions, targets)
     goals = Table(title="goals (ours)")
     for column in ("figure", "value", "goal", "met"):
         goals.add_column(column)
     for key, g in figures["goals"].items():
         goals.add_row(key, _fmt(figures[key]), _fmt(g["goal"], 2), {True: "yes", False: "NO", None: "—"}[g["met"]])
-    console.print(goals)
+    print_table(goals, console)
     if json_path:
         payload = {**figures, "benchmark": "router-overhead", "python": sys.version.split()[0],
                    "cpus": os.cpu_count(), "quick": quick, "prompt_tokens": prompt_tokens,

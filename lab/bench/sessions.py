@@ -195,6 +195,8 @@ def sessions_command(engines: int, n_sessions: int, spread: float, batch_workers
     from rich.console import Console
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     console = Console(width=160)
     opts = EngineOptions(engines=engines, num_gpu_blocks=2048, cpu_offload_blocks=0, max_num_seqs=4,
                          max_model_len=16384, time_scale=1.0, scheduling_policy=engine_policy)
@@ -231,7 +233,7 @@ def sessions_command(engines: int, n_sessions: int, spread: float, batch_workers
         table.add_column(column, justify="left" if column == "turn priority" else "right")
     for name, m in mean.items():
         table.add_row(name, *(_fmt(m[key]) for key in keys))
-    console.print(table)
+    print_table(table, console)
     console.print(f"later turns' TTFT p99, on ÷ off: {_fmt(ratio)} (goal < 1)")
     if json_path:
         json_path.write_text(json.dumps({

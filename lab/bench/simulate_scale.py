@@ -179,6 +179,8 @@ def print_tables(payload: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     out = Console() if Console().is_terminal else Console(width=200)
     runs = payload["runs"]
     opts = payload["options"]
@@ -194,7 +196,7 @@ def print_tables(payload: dict[str, Any]) -> None:
                       _fmt(r["index_bytes"] / 2**20, 1), _fmt(r["captured_reuse"]),
                       f"{_fmt(r['ttft_p50_s'])} / {_fmt(r['ttft_p99_s'])}", _fmt(r["ttft_p50_vs_round_robin"]),
                       _fmt(r["wall_s"], 1), _fmt(r["wall_us_per_request"], 0))
-    out.print(table)
+    print_table(table, out)
     lanes = Table(title="TTFT by lane, every tenant pooled: p50 / p99 s (worst tenant's p99)")
     for col in ("engines", "policy", *LANES):
         lanes.add_column(col, justify="left" if col == "policy" else "right")
@@ -205,7 +207,7 @@ def print_tables(payload: dict[str, Any]) -> None:
             cells.append("-" if g is None else
                          f"{_fmt(g['ttft_p50_s'])} / {_fmt(g['ttft_p99_s'])} ({_fmt(g['worst_tenant_p99_s'])})")
         lanes.add_row(_fmt(r["engines"]), r["policy"], *cells)
-    out.print(lanes)
+    print_table(lanes, out)
 
 
 def _engine_list(value: str) -> tuple[int, ...]:

@@ -327,6 +327,8 @@ def _print_tables(results: list[dict[str, Any]], comparison: dict[str, dict[str,
     from rich.console import Console
     from rich.table import Table
 
+    from lab.toolkit.tables import print_table
+
     out = Console()
     table = Table(title=f"simulate: {' / '.join(layout_name(*lay) + f' ({sum(lay)})' for lay in layouts)} engines x "
                         f"{gpu_blocks} GPU + {cpu_blocks} CPU blocks, {total:,} requests")
@@ -338,7 +340,7 @@ def _print_tables(results: list[dict[str, Any]], comparison: dict[str, dict[str,
                       _fmt(r["ttft_p99_s"]), _fmt(r["itl_p99_s"]), _fmt(r["throughput_rps"], 1),
                       _fmt(r.get("ttft_p50_vs_round_robin")), _fmt(r["decision_p50_ms"], 4),
                       _fmt(r["index_bytes"] / 2**20, 1), _fmt(r["wall_s"], 1), _fmt(r["virtual_s"], 1))
-    out.print(table)
+    print_table(table, out)
     lanes = Table(title="TTFT by lane / tenant (p50 / p99 s)")
     lanes.add_column("lane/tenant")
     for r in results:
@@ -350,9 +352,9 @@ def _print_tables(results: list[dict[str, Any]], comparison: dict[str, dict[str,
             g = r["by_lane_tenant"].get(key)
             cells.append("-" if g is None else f"{_fmt(g['ttft_p50_s'])} / {_fmt(g['ttft_p99_s'])} ({g['requests']:,})")
         lanes.add_row(key, *cells)
-    out.print(lanes)
+    print_table(lanes, out)
     if any(r["pd"] for r in results):
-        out.print(_pd_table(results, comparison))
+        print_table(_pd_table(results, comparison), out)
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -389,6 +391,7 @@ def pd_comparison(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def _pd_table(results: list[dict[str, Any]], comparison: dict[str, dict[str, Any]]) -> Any:
     from rich.table import Table
+
 
     table = Table(title="prefill/decode disaggregation")
     for col in ("run", "disagg share", "fallbacks", "transfers", "GiB moved", "transfer p50 ms",

@@ -31,6 +31,17 @@ Where the defaults come from:
 
 * priorities ``interactive`` 100, ``async`` 10, ``batch`` −10: the project's objectives (DESIGN.md),
   spaced around 0 as llm-d's priority bands are ("highest value first, centred on 0").
+* ``flex`` (OpenAI's ``service_tier: "flex"``, ``router/service_tier.py``): priority 0, below
+  ``async`` and above ``batch``. OpenAI prices flex at its Batch API rates and promises "slower
+  response times and occasional resource unavailability" (platform.openai.com/docs/guides/
+  flex-processing), so it is spare-capacity work like the other sheddable bands; it goes before
+  batch files (a client holds its connection open; a batch has a 24 h window) and after the async
+  lane (queued work with deadlines, and the lane background responses run in). Sheddable and gated
+  by saturation: no interactive slot, no bypass, evictable by make-room.
+* ``flex`` TTL 600 s: the longest a flex request waits in the router for room before OpenAI's 429
+  "Resource Unavailable" (``rejected-ttl-expired``). OpenAI's own client default timeout is 10 min
+  and its flex guide tells clients to raise it to 15 min; 600 s answers before either, leaving the
+  difference for the generation itself. Set ``ttl_s`` of the ``flex`` band to change it.
 * ``max_queued_bytes`` 1 GB per band: llm-d's ``defaultPriorityBandMaxBytes``. Lower it on a small
   router host: queued bodies live in the router's memory.
 * ``max_queued_requests`` 10,000 per band: ours; at llm-d's byte limit that is 100 kB per request, and
@@ -99,6 +110,10 @@ DEFAULT_MAX_QUEUED_REQUESTS = 10_000
 #: ``interactive``'s bypass bound (``max_in_flight``) and its per-tenant share (module docstring).
 DEFAULT_INTERACTIVE_MAX_IN_FLIGHT = 64
 DEFAULT_INTERACTIVE_TENANT_MAX = DEFAULT_INTERACTIVE_MAX_IN_FLIGHT // 4
+#: The band of OpenAI's ``service_tier: "flex"`` requests (``router/service_tier.py``).
+FLEX_OBJECTIVE = "flex"
+#: ``flex``'s TTL: the longest a flex request waits for spare capacity before its 429 (module docstring).
+DEFAULT_FLEX_WAIT_S = 600.0
 
 
 class BandConfig(BaseModel):
@@ -130,13 +145,15 @@ class BandConfig(BaseModel):
 
 
 def default_bands() -> list[BandConfig]:
-    """The three default bands (module docstring explains each number)."""
+    """The four default bands (module docstring explains each number)."""
     tenant_max_queued = DEFAULT_MAX_QUEUED_REQUESTS // 4
     return [
         BandConfig(objective="interactive", priority=100, ttl_s=30.0, bypass_saturation=True,
                    max_in_flight=DEFAULT_INTERACTIVE_MAX_IN_FLIGHT, tenant_max_in_flight=DEFAULT_INTERACTIVE_TENANT_MAX,
                    tenant_max_queued=DEFAULT_INTERACTIVE_TENANT_MAX),
         BandConfig(objective="async", priority=10, ttl_s=0.0, sheddable=True, tenant_max_queued=tenant_max_queued),
+        BandConfig(objective=FLEX_OBJECTIVE, priority=0, ttl_s=DEFAULT_FLEX_WAIT_S, sheddable=True,
+                   tenant_max_queued=tenant_max_queued),
         BandConfig(objective="batch", priority=-10, ttl_s=0.0, sheddable=True, tenant_max_queued=tenant_max_queued),
     ]
 

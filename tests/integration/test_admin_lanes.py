@@ -67,6 +67,8 @@ class FakeRouter:
                 "decisions_per_s": 42.0, "endpoints": [engine, hot, sick],
                 "bands": [{"objective": "interactive", "priority": 100, "queued_requests": 0, "queued_bytes": 0,
                            "in_flight": 4, "dispatched_total": 500, "shed_total": {}},
+                          {"objective": "flex", "priority": 0, "queued_requests": 3, "queued_bytes": 900,
+                           "in_flight": 2, "dispatched_total": 40, "shed_total": {"rejected-ttl-expired": 1}},
                           {"objective": "batch", "priority": -10, "queued_requests": 12, "queued_bytes": 9000,
                            "in_flight": 6, "dispatched_total": DISPATCH_STEP * self.reads,
                            "shed_total": {"rejected-saturated": 5, "rejected-ttl-expired": 2, "evicted": 0}}]}
@@ -129,6 +131,11 @@ def test_lanes_page_shows_queues_rates_sheds_gate_and_saturation_over_time(gatew
         assert batch[9] == ["5", "rejected_saturated", "5"] and batch[10] == ["2", "rejected_ttl_expired", "2"]
         assert [c[0] for c in _row(page.text, "data-lane", "interactive")[1:5]] == ["100", "1", "0", "0"]
         assert _row(page.text, "data-lane", "async")[2] == ["0"]
+        # the flex band (OpenAI's service_tier "flex") has no stream: its row sits between async and batch
+        flex = _row(page.text, "data-lane", "flex")
+        assert flex[0][0] == "flex" and [c[0] for c in flex[1:7]] == ["0", "—", "—", "—", "3", "2"]
+        assert flex[10] == ["1", "rejected_ttl_expired", "1"]
+        assert re.findall(r'<tr data-lane="(\w+)">', page.text) == ["interactive", "async", "flex", "batch"]
         assert 'id="gate-state">' in page.text and "closed" in page.text.split('id="gate-state">')[1][:40]
         assert 'id="pool-saturation">1.30<' in page.text
         assert page.text.count("<svg class=\"chart\"") == 2 and "<polyline" in page.text

@@ -53,3 +53,19 @@ def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
     notbatch.write_text('{"custom_id": "a"}\n')
     _fails(["--batch", str(notbatch)], "b.jsonl:1")
     _fails(["--synthetic-requests", "10", "--gpu-blocks", "4", "--max-model-len", "4096"], "--gpu-blocks")
+
+
+def test_the_tables_are_whole_in_100_columns_when_redirected() -> None:
+    """CliRunner's output is no terminal: plain rows no wider than 100 columns, no cell cut."""
+    result = CliRunner().invoke(main, ["simulate", "--synthetic-requests", "60", "--engines", "2", "--policy", "all",
+                                       "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output and "┃" not in result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    text = "\n".join(lines)
+    for header in ("policy", "answered", "captured reuse", "TTFT p50 s", "TTFT p99 s", "ITL p99 s", "req/s",
+                   "vs RR p50", "decision p50 ms", "index MiB", "wall s", "virtual s", "lane/tenant"):
+        assert header in text, header
+    for policy in ("round-robin", "approximate", "precise"):  # the runs' names, each whole in every block
+        assert sum(line.split()[0] == policy for line in lines if line.strip()) >= 2, policy

@@ -46,11 +46,22 @@ def test_up_runs_the_stack_and_stops_cleanly(tmp_path):
         while client.batches.retrieve(batch.id).status == "validating" and time.monotonic() < deadline:
             time.sleep(0.1)
         assert client.batches.retrieve(batch.id).status == "in_progress"
+        # the router keeps Responses state in the stack's Redis: previous_response_id chains turns
+        router = line.split("router=")[1].split()[0]
+        direct = openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0)
+        first = direct.responses.create(model="gpt-3.5-turbo", input="My name is Ada.", max_output_tokens=16)
+        second = direct.responses.create(model="gpt-3.5-turbo", input="What is my name?", max_output_tokens=16,
+                                         previous_response_id=first.id)
+        assert second.previous_response_id == first.id and direct.responses.retrieve(first.id).id == first.id
+        seen = [item.content[0].text for item in direct.responses.input_items.list(second.id, order="asc").data
+                if item.type == "message" and item.role == "user"]
+        assert seen == ["My name is Ada.", "What is my name?"]
         with __import__("pytest").raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).files.list()
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+        _check_start_up_lines(proc.stderr.read(), line)
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert alive == []
         assert not (tmp_path / "data" / "postgres" / "postmaster.pid").exists()
@@ -58,3 +69,16 @@ def test_up_runs_the_stack_and_stops_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _check_start_up_lines(stderr: str, ready: str) -> None:
+    """Each service got one short line as it became ready, in start order; the ready line is short
+    (the full map is in stack.json) and a summary names the dashboard and the key."""
+    said = [line.removeprefix("backfill: ") for line in stderr.splitlines() if line.startswith("backfill: ")]
+    order = ["redis ready", "postgres ready", "engine ready", "engine ready", "router ready", "beat started",
+             "gateway ready", "processor ready", "worker ready"]
+    assert [next(p for p in order if s.startswith(p)) for s in said if any(s.startswith(p) for p in order)] == order
+    assert all(len(s) < 80 for s in said), said
+    assert len(ready) < 250 and " metrics=" not in ready and ready.split()[3] == "admin=-"
+    assert "dashboard closed (start with --admin-key" in stderr and "API key sk-up-test" in stderr
+    assert "stack.json" in stderr

@@ -5,7 +5,9 @@
 - :mod:`.batches`: create, read, list, the guarded status change, cancel, lifecycle candidates;
 - :mod:`.requests`: a batch's requests: the COPY, leases, outcomes, the stream files are built from;
 - :mod:`.events`: timeline, outbox, webhook deliveries, trace contexts;
-- :mod:`.admin`: the dashboard's reports over every tenant.
+- :mod:`.admin`: the dashboard's reports over every tenant;
+- :mod:`.activity`: whether the lifecycle has anything to do (beat's probe);
+- :mod:`.operator`: the operator command line's pages and totals over every tenant.
 
 Each function takes the session and, where rows belong to a tenant, the tenant id explicitly. None
 commits: the caller owns the transaction. Each status change is one compare-and-set UPDATE
@@ -17,6 +19,7 @@ commit together; time comes from the database clock. Callers use this package's 
 from __future__ import annotations
 
 from batch_gateway.store.queries._shared import can_exist, new_id
+from batch_gateway.store.queries.activity import lifecycle_work_pending
 from batch_gateway.store.queries.admin import (
     ERROR_BODY_BYTES,
     OPEN_REQUEST_STATES,
@@ -72,6 +75,7 @@ from batch_gateway.store.queries.files import (
     purgeable_files,
     upsert_output_file,
 )
+from batch_gateway.store.queries.operator import all_files_page, count_all_batches, count_all_files, count_tenants
 from batch_gateway.store.queries.requests import (
     OUTCOME_COLUMNS,
     TERMINAL_REQUEST_STATES,
@@ -109,7 +113,8 @@ __all__ = [
     "request_cancel", "cancelling_batch_ids", "claim_pending",
     "count_requests", "delete_file", "due_webhooks", "end_open_requests", "enqueued_tokens", "ensure_tenant",
     "feedable_batches", "file_in_use", "get_any_file", "get_batch", "get_batch_by_idempotency_key", "get_file",
-    "hash_key", "insert_batch", "insert_file", "lapsed_leases", "list_api_keys", "list_batches", "list_files",
+    "hash_key", "insert_batch", "insert_file", "lapsed_leases", "lifecycle_work_pending", "all_files_page", "count_all_batches",
+    "count_all_files", "count_tenants", "list_api_keys", "list_batches", "list_files",
     "lock_batch", "lock_tenant", "mark_published", "mark_purged", "new_id", "open_requests_by_tenant",
     "past_deadline", "purgeable_files", "record_outcome", "record_queue_entries", "renew_leases", "replace_requests", "request_outcomes",
     "request_state_counts", "revoke_api_key", "set_enqueued_token_limit", "set_webhook", "stale_validating_batches",

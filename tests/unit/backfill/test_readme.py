@@ -43,3 +43,24 @@ def test_a_url_without_v1_is_url_mismatch_as_the_readme_says():
     report = validate_batch_file([orjson.dumps(line) + b"\n"], endpoint="/v1/chat/completions")
     assert [(e.code, e.param) for e in report.errors] == [("url_mismatch", "url")]
     assert '`"url": "/chat/completions"`' in README and "`url_mismatch`" in README
+
+
+def test_the_readme_starts_with_a_five_line_quick_start():
+    sections = re.findall(r"^## (.+)$", README, flags=re.M)
+    assert sections[0] == "Quick start"
+    block = README.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    steps = [line.split("#")[0].split() for line in block.strip().splitlines()]
+    assert len(steps) == 5
+    assert steps[0][:2] == ["backfill", "up"] and "--admin-key" in steps[0]  # the dashboard needs it
+    assert steps[1][-1].endswith("/admin")
+    assert [s[:2] for s in steps[2:]] == [["backfill", "submit"], ["backfill", "batches"], ["backfill", "batches"]]
+    assert [s[2] for s in steps[3:]] == ["show", "download"]
+
+
+def test_running_it_is_short_sections_and_says_the_dashboard_needs_the_admin_key():
+    running = README.split("## Running it", 1)[1].split("\n## ", 1)[0]
+    parts = re.split(r"^### .+$", running, flags=re.M)[1:]
+    assert len(parts) >= 8
+    assert all(len([line for line in part.splitlines() if line.strip()]) <= 40 for part in parts)
+    dashboard = running.split("### The dashboard", 1)[1].split("### ", 1)[0]
+    assert "needs the" in dashboard and "`--admin-key KEY`" in dashboard

@@ -82,7 +82,7 @@ def test_fleet_engines_keep_batch_blocks_at_the_lowest_retention_and_others_at_t
     fleet = engine(sim_engine_argv(8123, ["m"]))
     assert {objective: fleet.retention_of(GenerationSpec("chat", "m", [[1]], 4, "length", priority=p))
             for objective, p in bands.items()} == {"interactive": DEFAULT_RETENTION, "async": DEFAULT_RETENTION,
-                                                   "batch": 0}
+                                                   "flex": DEFAULT_RETENTION, "batch": 0}
     plain = engine(sim_engine_argv(8123, ["m"], retention_priority_threshold=None))
     assert plain.settings.retention_priority_threshold is None
     assert plain.retention_of(GenerationSpec("chat", "m", [[1]], 4, "length", priority=bands["batch"])) == \

@@ -62,6 +62,8 @@ def test_flow_control_and_the_kv_index_follow_the_settings() -> None:
     assert isinstance(parts.flow, FlowController) and parts.runtime.flow is parts.flow
     assert parts.index is not None
     assert parts.director.objective_priority == {b.objective: b.priority for b in parts.flow_config.bands}
+    # flex is spare-capacity work: the spare-capacity filter places it, make-room may evict it
+    assert parts.director.sheddable_objectives == frozenset({"async", "flex", "batch"})
     with pytest.raises(ValueError, match="not in"):
         build_router(RouterSettings(engines=[], profile="nope"), observer=Recorder())
 

@@ -27,7 +27,7 @@ SMALL = ["--batch-requests", "300", "--batch-concurrency", "8", "--conversations
 def test_the_fleet_threshold_puts_batch_alone_at_the_lowest_retention():
     priorities = band_engine_priorities()
     assert {objective: request_retention(p, FLEET_RETENTION_PRIORITY_THRESHOLD) for objective, p in priorities.items()} \
-        == {"interactive": DEFAULT_RETENTION, "async": DEFAULT_RETENTION, "batch": 0}
+        == {"interactive": DEFAULT_RETENTION, "async": DEFAULT_RETENTION, "flex": DEFAULT_RETENTION, "batch": 0}
     assert request_retention(priorities["batch"], None) == DEFAULT_RETENTION
 
 

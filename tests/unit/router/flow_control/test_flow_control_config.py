@@ -10,8 +10,9 @@ from router.flow_control import ConfigError, FlowControlConfig
 def test_defaults_are_the_documented_bands():
     cfg = FlowControlConfig()
     rows = [(b.objective, b.priority, b.sheddable, b.bypass_saturation, b.max_in_flight, b.ttl_s) for b in cfg.bands]
+    # the processor's sheddable work never queues in the router; a flex client waits up to 600 s
     assert rows == [("interactive", 100, False, True, 64, 30.0), ("async", 10, True, False, None, 0.0),
-                    ("batch", -10, True, False, None, 0.0)]  # sheddable work never queues in the router
+                    ("flex", 0, True, False, None, 600.0), ("batch", -10, True, False, None, 0.0)]
     assert cfg.default_objective == "interactive" and cfg.eviction is False and cfg.poll_interval_s == 0.01
     assert cfg.band("unknown").objective == "interactive" and cfg.band(None).objective == "interactive"
     assert FlowControlConfig.from_yaml("") == cfg
