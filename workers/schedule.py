@@ -8,7 +8,7 @@ the result stream). Beat asks that probe itself, at most once per
 :data:`PROBE_SECONDS`; it sends no task for it. An idle stack so sends only the slow ones:
 :data:`CATCH_UP_TASK` every ``catch_up_interval_seconds`` (60 s: every step once, the safety net
 should the probe ever be wrong) and the two purges every ``purge_interval_seconds``: about 0.02
-task/s instead of 4.4. Nothing is lost by a skipped send: the probe reads state (rows, stream
+task/s instead of 6.4. Nothing is lost by a skipped send: the probe reads state (rows, stream
 entries), not events, so work that appears is seen at the next due send; a probe that fails counts
 as work (the tasks are sent as before), and beat sends a catch-up as soon as it starts.
 """
