@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import psycopg
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -22,8 +23,9 @@ from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from async_processor.backends.redis_producer import RedisLaneProducer
 from batch_gateway import admin
-from batch_gateway.api import batches, files, operator
+from batch_gateway.api import batches, files, operator, responses
 from batch_gateway.errors import GatewayError, ServiceUnavailableError, error_body
 from batch_gateway.metrics import install_metrics
 from batch_gateway.request_ids import RequestIdMiddleware
@@ -70,6 +72,14 @@ class GatewayApp(FastAPI):
         await self._with_request_ids(scope, receive, send)
 
 
+def response_lanes(settings: GatewaySettings) -> RedisLaneProducer:
+    """The producer background responses are published with: the pool's lanes on the settings'
+    Redis, each call bounded by ``broker_timeout_seconds``."""
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=settings.broker_timeout_seconds,
+                                  socket_connect_timeout=settings.broker_timeout_seconds)
+    return RedisLaneProducer(client, pool=settings.queue_pool)
+
+
 def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
@@ -88,6 +98,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.tasks = TaskPublisher.for_redis(settings.redis_url, settings.task_queue,
                                                   timeout_seconds=settings.broker_timeout_seconds)
         app.state.outbox = OutboxSender(app.state.tasks, app.state.sessionmaker).start()
+        app.state.response_lanes = response_lanes(settings)
         if settings.api_key:
             with app.state.sessionmaker() as session:
                 queries.add_api_key(session, settings.default_tenant, settings.api_key)
@@ -97,12 +108,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         finally:
             app.state.outbox.close(timeout_seconds=2 * settings.broker_timeout_seconds + 1)
             app.state.tasks.close()
+            app.state.response_lanes.client.close()
             engine.dispose()
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else one INFO line per admin router poll
     app = GatewayApp(title="backfill gateway", version="0.1.0", lifespan=lifespan)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(responses.router)
     app.include_router(operator.router)  # the operator's JSON over every tenant (admin key)
     admin.install(app)  # the dashboard at /admin
     install_metrics(app, settings.admin_key)  # GET /metrics (admin key when set), HTTP series

@@ -11,6 +11,7 @@
     ├── ConflictError                 409 invalid_request_error (final)
     ├── PayloadTooLargeError          413 invalid_request_error
     ├── RateLimitError                429 tokens / token_limit_exceeded (final)
+    ├── QueuedResponsesLimitError     429 rate_limit_error / rate_limit_exceeded (Retry-After)
     └── ServiceUnavailableError       503 server_error / service_unavailable (with Retry-After)
 
 :func:`error_body` renders any of them as OpenAI's envelope
@@ -120,6 +121,19 @@ class RateLimitError(GatewayError):
     type = ErrorType.TOKENS
     code = "token_limit_exceeded"
     should_retry = False
+
+
+class QueuedResponsesLimitError(GatewayError):
+    """429 ``rate_limit_exceeded``: the tenant has as many background responses ``queued`` as its
+    cap allows. Retryable after ``Retry-After`` seconds: queued responses start or expire within the
+    queue's bound, often within seconds."""
+
+    status = 429
+    type = ErrorType.RATE_LIMIT
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_seconds: int = 10):
+        super().__init__(message, headers={"retry-after": str(retry_after_seconds)})
 
 
 class ServiceUnavailableError(GatewayError):

@@ -76,6 +76,14 @@ class GatewaySettings(SharedSettings):
     """Pool of the processors' request streams shown on the lanes page (``backfill:requests:POOL:LANE``)."""
     queue_consumer_group: str = PROCESSOR_GROUP
     """Consumer group of the processors on those streams (their ``XPENDING`` is shown)."""
+    background_queue_seconds: int = Field(default=3600, ge=60)
+    """How long a background response may stay ``queued`` before it expires (``failed``, code
+    ``rate_limit_exceeded``): the deadline of its async-lane message. OpenAI states no such bound;
+    one hour keeps a client's polling loop finite when spare capacity never frees up."""
+    max_queued_background_responses: int = Field(default=1000, ge=1)
+    """Background responses a tenant may have ``queued`` at once, unless its
+    ``queued_response_limit`` says otherwise; one more is answered 429 ``rate_limit_exceeded``."""
+    """Consumer group of the processors on those streams (their ``XPENDING`` is shown)."""
 
 
 def load_settings(**overrides) -> GatewaySettings:

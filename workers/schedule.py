@@ -1,13 +1,14 @@
 """Beat's schedule, quiet on an idle deployment: :func:`beat_schedule` and :class:`QuietScheduler`.
 
-The lifecycle's frequent steps (collect every 0.5 s, feed every 1 s, finalize and webhooks every
-2 s, the outbox relay and stale validations every 5 s, the sweep every 10 s) are sent only while
-there is work (:func:`work_pending`: a batch that has not ended, an outbox event or a webhook
-delivery waiting, a result in the result stream). Beat asks that probe itself, at most once per
+The lifecycle's frequent steps (collect and the background responses' tick every 0.5 s, feed
+every 1 s, finalize and webhooks every 2 s, the outbox relay and stale validations every 5 s, the
+sweep every 10 s) are sent only while there is work (:func:`work_pending`: a batch or a
+background response that has not ended, an outbox event or a webhook delivery waiting, a result in
+the result stream). Beat asks that probe itself, at most once per
 :data:`PROBE_SECONDS`; it sends no task for it. An idle stack so sends only the slow ones:
 :data:`CATCH_UP_TASK` every ``catch_up_interval_seconds`` (60 s: every step once, the safety net
 should the probe ever be wrong) and the two purges every ``purge_interval_seconds``: about 0.02
-task/s instead of 4.4. Nothing is lost by a skipped send: the probe reads state (rows, stream
+task/s instead of 6.4. Nothing is lost by a skipped send: the probe reads state (rows, stream
 entries), not events, so work that appears is seen at the next due send; a probe that fails counts
 as work (the tasks are sent as before), and beat sends a catch-up as soon as it starts.
 """
@@ -33,6 +34,7 @@ from batch_gateway.store.task_names import (
     RESEND_STALE_VALIDATIONS_TASK,
     SWEEP_TASK,
     SWEEP_TEMP_FILES_TASK,
+    TICK_RESPONSES_TASK,
 )
 from workers.context import WorkerContext
 from workers.settings import WorkerSettings
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 CATCH_UP = "catch-up"
 """The schedule entry of :data:`CATCH_UP_TASK`, sent whatever the probe says."""
 WHEN_BUSY = frozenset({"relay-outbox", "resend-stale-validations", "feed", "collect", "sweep", "finalize_due",
-                       "deliver_webhooks"})
+                       "deliver_webhooks", "tick_responses"})
 """The schedule entries sent only while :func:`work_pending` holds."""
 PROBE_SECONDS = 0.25
 """How long one probe answer is reused: the due entries of one tick share it (half the shortest
@@ -56,6 +58,7 @@ def beat_schedule(settings: WorkerSettings) -> dict[str, dict[str, Any]]:
     queue = settings.task_queue
     frequent = (("feed", FEED_TASK, settings.feed_interval_seconds),
                 ("collect", COLLECT_TASK, settings.collect_interval_seconds),
+                ("tick_responses", TICK_RESPONSES_TASK, settings.collect_interval_seconds),
                 ("sweep", SWEEP_TASK, settings.sweep_interval_seconds),
                 ("finalize_due", FINALIZE_DUE_TASK, settings.finalize_interval_seconds),
                 ("deliver_webhooks", DELIVER_WEBHOOKS_TASK, settings.webhook_interval_seconds))

@@ -7,6 +7,7 @@
 - ``backfill.relay_outbox()``: resend outbox events that never reached the broker.
 - ``backfill.feed``, ``collect``, ``sweep``, ``finalize_due``, ``cancel_batch``: the lifecycle
   (``workers.lifecycle``: feeder, collector, sweeper, finalizer).
+- ``backfill.tick_responses()``: background responses (``workers.responses``).
 - ``backfill.deliver_webhooks()``: signed terminal-state events (``workers.webhooks``).
 - ``backfill.catch_up()``: every periodic step above once (:func:`catch_up`), beat's slow safety
   net while the frequent ones are not sent (an idle stack, ``workers.schedule``).
@@ -35,9 +36,10 @@ from batch_gateway.store.task_names import (
     RESEND_STALE_VALIDATIONS_TASK,
     SWEEP_TASK,
     SWEEP_TEMP_FILES_TASK,
+    TICK_RESPONSES_TASK,
     VALIDATE_BATCH_TASK,
 )
-from workers import lifecycle, webhooks
+from workers import lifecycle, responses, webhooks
 from workers.context import WorkerContext
 from workers.lifecycle.validator import give_up_validation, resend_stale_validations, validate_batch
 
@@ -77,11 +79,13 @@ def sweep_temp_files(ctx: WorkerContext) -> int:
 
 def catch_up(ctx: WorkerContext) -> list[str]:
     """Run each periodic lifecycle step once, in the order a request travels (relay the outbox,
-    resend stale validations, feed, collect, sweep, finalize, deliver webhooks); a step that raises
+    resend stale validations, feed, collect, sweep, finalize, the background responses' tick, deliver
+    webhooks); a step that raises
     is logged and the next one still runs. Returns the names of the steps that raised."""
     steps = (("relay_outbox", relay_outbox), ("resend_stale_validations", resend_stale_validations),
              ("feed", lifecycle.feed), ("collect", lifecycle.collect), ("sweep", lifecycle.sweep),
-             ("finalize_due", lifecycle.finalize_due), ("deliver_webhooks", webhooks.deliver_webhooks))
+             ("finalize_due", lifecycle.finalize_due), ("tick_responses", responses.tick_responses),
+             ("deliver_webhooks", webhooks.deliver_webhooks))
     failed = []
     for name, step in steps:
         try:
@@ -133,6 +137,10 @@ def register(app: Celery, ctx: WorkerContext) -> None:
     @app.task(name=FINALIZE_DUE_TASK, shared=False)
     def finalize_due_task() -> list[str]:
         return lifecycle.finalize_due(ctx)
+
+    @app.task(name=TICK_RESPONSES_TASK, shared=False)
+    def tick_responses_task() -> int:
+        return responses.tick_responses(ctx)
 
     @app.task(name=DELIVER_WEBHOOKS_TASK, shared=False)
     def deliver_webhooks_task() -> int:

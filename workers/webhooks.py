@@ -1,5 +1,7 @@
 """Webhook delivery of terminal batch events (``batch.completed``, ``batch.failed``,
-``batch.expired``, ``batch.cancelled``), at least once, signed as OpenAI signs its webhooks (the
+``batch.expired``, ``batch.cancelled``) and background response events (``response.completed``,
+``response.failed``, ``response.cancelled``, ``response.incomplete``; ``data.id`` the response id),
+at least once, signed as OpenAI signs its webhooks (the
 Standard Webhooks scheme):
 
 - body ``{"id": "evt_…", "object": "event", "created_at": <Unix s>, "type": "batch.completed",
@@ -52,7 +54,7 @@ def event_body(event) -> tuple[str, bytes]:
     event_id = f"evt_{event.id:024x}"
     return event_id, orjson.dumps({"id": event_id, "object": "event",
                                    "created_at": int(event.created_at.timestamp()), "type": event.type,
-                                   "data": {"id": event.batch_id}})
+                                   "data": {"id": event.batch_id or event.payload.get("id")}})
 
 
 def retry_delay(attempts: int) -> float | None:

@@ -1,7 +1,7 @@
 """The dashboard's pages, fragments (for live refresh) and JSON, all under ``/admin``.
 
 Pages: ``/admin`` (jobs), ``/admin/jobs/{id}``, ``/admin/lanes``, ``/admin/fleet``,
-``/admin/tenants``, ``/admin/login``. ``/admin/fragments/…`` answer the part of a page that the
+``/admin/responses`` (background responses), ``/admin/tenants``, ``/admin/login``. ``/admin/fragments/…`` answer the part of a page that the
 page's script re-reads every few seconds; ``/admin/api/jobs`` and ``/admin/api/state`` answer JSON.
 Every route needs the admin key (:mod:`batch_gateway.admin.auth`).
 """
@@ -32,6 +32,7 @@ from batch_gateway.admin.router_sampler import RouterSampler, rates
 from batch_gateway.api.files import content_disposition
 from batch_gateway.deps import SessionDep
 from batch_gateway.store import queries
+from batch_gateway.store.queries import responses as response_queries
 from batch_gateway.store.states import (
     ACTIVE_BATCH_STATUSES,
     CANCELLABLE_STATUSES,
@@ -39,6 +40,7 @@ from batch_gateway.store.states import (
     TERMINAL_BATCH_STATUSES,
     TERMINAL_REQUEST_STATES,
     BatchStatus,
+    ResponseStatus,
 )
 from common.contracts.queue import LANE_PRIORITIES
 from common.contracts.router_state import BACKPRESSURE_REASONS, SATURATION_THRESHOLD, reason_label
@@ -592,6 +594,37 @@ def health_page(request: Request, admin: AdminDep) -> HTMLResponse:
 @router.get("/fragments/health", name="admin_health_fragment")
 def health_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
     return _render(request, "_health.html", admin, **_health(request))
+
+
+# --- routes: background responses ------------------------------------------------------------
+
+
+def _responses(session, status: str | None, after: str | None) -> dict:
+    """A page of background responses over every tenant, newest first (status filter, ``after`` cursor)."""
+    if status is not None and status not in set(ResponseStatus):
+        raise AdminBadRequest(f"Unknown status {status[:40]!r}.")
+    rows, more = response_queries.admin_list_responses(session, status=status or None, limit=PAGE_SIZE,
+                                                       after=_text_param(after, "after"))
+    views = [{"id": row.id, "status": row.status, "tenant": row.tenant, "model": row.model,
+              "created": fmt_time(row.created_at), "started": fmt_time(row.in_progress_at),
+              "ended": fmt_time(row.finished_at), "error": (row.error or {}).get("code") or ""} for row in rows]
+    return {"responses": views, "more": more, "last": rows[-1].id if rows else None}
+
+
+@router.get("/responses")
+def responses_page(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
+                   after: After = None) -> HTMLResponse:
+    page = _responses(session, status, after)
+    return _render(request, "responses.html", admin, nav="responses", responses=page["responses"],
+                   statuses=list(ResponseStatus), status=status,
+                   next_url=f"/admin/responses?{_query(status=status, after=page['last'])}" if page["more"] else None,
+                   first_url=f"/admin/responses?{_query(status=status)}".rstrip("?") if after else None)
+
+
+@router.get("/api/responses")
+def responses_json(admin: AdminDep, session: SessionDep, status: Status = None, after: After = None) -> dict:
+    page = _responses(session, status, after)
+    return {"data": page["responses"], "has_more": page["more"]}
 
 
 # --- routes: tenants -------------------------------------------------------------------------

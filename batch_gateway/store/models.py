@@ -49,7 +49,8 @@ class Base(DeclarativeBase):
 
 
 class Tenant(Base):
-    """A customer: owns keys, files and batches. ``enqueued_token_limit`` null = the default;
+    """A customer: owns keys, files and batches. ``enqueued_token_limit`` and
+    ``queued_response_limit`` (background responses still queued) null = the default;
     ``webhook_url``/``webhook_secret`` (``whsec_…``) receive signed terminal-state events."""
 
     __tablename__ = "tenants"
@@ -57,6 +58,7 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(256), unique=True)
     enqueued_token_limit: Mapped[int | None] = mapped_column(BigInteger)
+    queued_response_limit: Mapped[int | None] = mapped_column(Integer)
     webhook_url: Mapped[str | None] = mapped_column(Text)
     webhook_secret: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[int] = mapped_column(BigInteger, server_default=EPOCH_NOW)
@@ -229,4 +231,46 @@ class Event(Base):
         Index("ix_events_unpublished", "id", postgresql_where=text("needs_publish AND published_at IS NULL")),
         Index("ix_events_webhook_due", "webhook_next_at",
               postgresql_where=text("webhook_next_at IS NOT NULL AND webhook_done_at IS NULL")),
+    )
+
+
+class BackgroundResponse(Base):
+    """A background response (OpenAI's ``POST /v1/responses`` with ``background: true``), the
+    record behind its Response object.
+
+    ``request``: the create body as the client sent it (echoed fields: ``instructions``,
+    ``temperature``, ``metadata``, …); ``input``: the input items the model sees (with
+    ``previous_response_id``, the previous response's input and output before this request's
+    input); ``output`` / ``usage`` / ``error`` / ``incomplete_details``: OpenAI's fields, null until
+    the result is collected. ``status`` (:class:`~batch_gateway.store.states.ResponseStatus`)
+    changes only by guarded UPDATEs in :mod:`batch_gateway.store.queries.responses`.
+    ``created_at``/``in_progress_at``/``finished_at`` are Unix seconds (database clock);
+    ``deadline``: a response still queued then expires. ``queue_entry_id``: the async lane's stream
+    entry id once published (null: not published yet).
+    """
+
+    __tablename__ = "background_responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, Identity(), unique=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16), server_default="queued")
+    model: Mapped[str] = mapped_column(String(256))
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    request: Mapped[dict] = mapped_column(JSONB)
+    input: Mapped[list] = mapped_column(JSONB)
+    output: Mapped[list | None] = mapped_column(JSONB)
+    usage: Mapped[dict | None] = mapped_column(JSONB)
+    error: Mapped[dict | None] = mapped_column(JSONB)
+    incomplete_details: Mapped[dict | None] = mapped_column(JSONB)
+    created_at: Mapped[int] = mapped_column(BigInteger, server_default=EPOCH_NOW)
+    in_progress_at: Mapped[int | None] = mapped_column(BigInteger)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger)
+    deadline: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    queue_entry_id: Mapped[str | None] = mapped_column(String(64))
+
+    __table_args__ = (
+        Index(None, "tenant_id", "status"),
+        Index(None, "status", "deadline"),
+        Index(None, "tenant_id", "seq"),
     )

@@ -113,3 +113,19 @@ def finalize_target(status: BatchStatus, *, past_deadline: bool, finished: int, 
     if status == BatchStatus.FINALIZING:
         return BatchStatus.COMPLETED
     return None
+
+
+class ResponseStatus(StrEnum):
+    """A background response's ``status`` (OpenAI's Response object: ``queued`` → ``in_progress`` →
+    ``completed`` | ``failed`` | ``cancelled`` | ``incomplete``)."""
+
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    INCOMPLETE = "incomplete"
+
+
+OPEN_RESPONSE_STATUSES: tuple[ResponseStatus, ...] = (ResponseStatus.QUEUED, ResponseStatus.IN_PROGRESS)
+"""Background responses that have not ended: cancellable, and a result may still end them."""
