@@ -38,8 +38,13 @@ def download_results(client, batch, output_dir: Path) -> list[Path]:
 
 
 def _counts(batch) -> str:
+    """``completed/total ok, N failed``; for a cancelled batch the API's ``failed`` also counts the
+    requests the cancel stopped before they ran, so it says ``failed or cancelled``."""
     counts = batch.request_counts
-    return f"{counts.completed}/{counts.total} ok, {counts.failed} failed" if counts else "-"
+    if not counts:
+        return "-"
+    ended = "failed or cancelled" if batch.status in ("cancelling", "cancelled") else "failed"
+    return f"{counts.completed}/{counts.total} ok, {counts.failed} {ended}"
 
 
 def echo_batch(batch, tenant: str | None = None) -> None:
@@ -84,7 +89,7 @@ def batches_list(gateway: Gateway, limit: int, after: str | None, all_tenants: b
         page = Operator.of(gateway, admin_key, "--all-tenants").get(
             "/batches", limit=limit, after=after, status=status, tenant=tenant)
         batches = [SdkBatch.model_validate(row) for row in page["data"]]
-        tenants, more, cursor, total = [row["tenant"] for row in page["data"]], page["has_more"], page["next"], \
+        tenants, more, cursor, total = [row["tenant_name"] for row in page["data"]], page["has_more"], page["next"], \
             page["total"]
     else:
         if status or tenant:
@@ -94,7 +99,7 @@ def batches_list(gateway: Gateway, limit: int, after: str | None, all_tenants: b
         batches, more, total = found.data, bool(found.has_more), None
         cursor, tenants = (batches[-1].id if batches else None), []
     if as_json:
-        echo_json([{**b.model_dump(mode="json"), "tenant": t} for b, t in zip(batches, tenants)] if all_tenants
+        echo_json([{**b.model_dump(mode="json"), "tenant_name": t} for b, t in zip(batches, tenants)] if all_tenants
                   else batches)
         return
     rows = [(b.id, b.status, b.endpoint, _counts(b), format_time(b.created_at)) for b in batches]
@@ -115,12 +120,12 @@ def batches_show(gateway: Gateway, batch_id: str, admin_key: str | None, as_json
     """Show BATCH_ID; with the admin key any tenant's (and its tenant)."""
     if admin_key:
         found = Operator.of(gateway, admin_key, "--admin-key").get(f"/batches/{batch_id}")
-        batch, tenant = SdkBatch.model_validate(found), found["tenant"]
+        batch, tenant = SdkBatch.model_validate(found), found["tenant_name"]
     else:
         with api_errors(gateway.base_url):
             batch, tenant = gateway.client().batches.retrieve(batch_id), None
     if as_json:
-        echo_json({**batch.model_dump(mode="json"), **({"tenant": tenant} if tenant else {})})
+        echo_json({**batch.model_dump(mode="json"), **({"tenant_name": tenant} if tenant else {})})
     else:
         echo_batch(batch, tenant)
 
@@ -173,14 +178,14 @@ def files_list(gateway: Gateway, purpose: str | None, limit: int, after: str | N
     if all_tenants:
         page = Operator.of(gateway, admin_key, "--all-tenants").get("/files", limit=limit, after=after, purpose=purpose)
         files = [FileObject.model_validate(row) for row in page["data"]]
-        tenants, more, total = [row["tenant"] for row in page["data"]], page["has_more"], page["total"]
+        tenants, more, total = [row["tenant_name"] for row in page["data"]], page["has_more"], page["total"]
     else:
         with api_errors(gateway.base_url):
             found = gateway.client().files.list(limit=limit, **({"purpose": purpose} if purpose else {}),
                                                 **({"after": after} if after else {}))
         files, tenants, more, total = found.data, [], bool(found.has_more), None
     if as_json:
-        echo_json([{**f.model_dump(mode="json"), "tenant": t} for f, t in zip(files, tenants)] if all_tenants
+        echo_json([{**f.model_dump(mode="json"), "tenant_name": t} for f, t in zip(files, tenants)] if all_tenants
                   else files)
         return
     rows = [(f.id, f.purpose, f.bytes, f.filename, format_time(f.created_at)) for f in files]

@@ -4,10 +4,10 @@ under ``/admin/api/operator``; errors in OpenAI's envelope (the dashboard's hand
 ``/admin/api``). What ``backfill batches list --all-tenants``, ``batches show --admin-key``,
 ``files list --all-tenants`` and ``tenants list`` print.
 
-- ``GET /batches?limit&after&status&tenant``: a list of OpenAI Batch objects with ``tenant``,
+- ``GET /batches?limit&after&status&tenant``: a list of OpenAI Batch objects with ``tenant_name``,
   newest first; ``next`` (the cursor to send as ``after``) and ``total`` (of the filter).
-- ``GET /batches/{batch_id}``: one Batch object of any tenant, with ``tenant``.
-- ``GET /files?limit&after&purpose``: File objects of every tenant with ``tenant``; ``next``, ``total``.
+- ``GET /batches/{batch_id}``: one Batch object of any tenant, with ``tenant_name``.
+- ``GET /files?limit&after&purpose``: File objects of every tenant with ``tenant_name``; ``next``, ``total``.
 - ``GET /tenants?limit&after``: tenants by name with their active batches, reserved tokens and
   limit; ``next``, ``total``.
 """
@@ -69,7 +69,7 @@ def all_batches(session: SessionDep, limit: Limit = 20, after: Text = None, stat
     rows, more = queries.admin_list_batches(session, limit=limit, after=_batch_cursor(after), status=status,
                                             tenant_id=tenant_id)
     last = rows[-1][0] if rows else None
-    return _page([{**batch_object(batch), "tenant": name} for batch, name in rows], more,
+    return _page([{**batch_object(batch), "tenant_name": name} for batch, name in rows], more,
                  f"{last.created_at}~{last.id}" if last else None,
                  queries.count_all_batches(session, status=status, tenant_id=tenant_id))
 
@@ -80,7 +80,7 @@ def any_batch(batch_id: str, session: SessionDep) -> dict:
     row = queries.admin_get_batch(session, batch_id)
     if row is None:
         raise NotFoundError(f"No such Batch object: {batch_id[:100]}", param="batch_id")
-    return {**batch_object(row[0]), "tenant": row[1]}
+    return {**batch_object(row[0]), "tenant_name": row[1]}
 
 
 @router.get("/files")
@@ -90,7 +90,7 @@ def all_files(session: SessionDep, limit: Limit = 20, after: Text = None, purpos
     if page is None:
         raise InvalidRequestError(f"No such File object for 'after': {after}", param="after")
     rows, more = page
-    return _page([{**file_object(row), "tenant": name} for row, name in rows], more,
+    return _page([{**file_object(row), "tenant_name": name} for row, name in rows], more,
                  rows[-1][0].id if rows else None, queries.count_all_files(session, purpose=purpose))
 
 

@@ -61,7 +61,7 @@ def test_all_tenants_batches_page_with_a_hint_and_a_total(gateway, run):
     rest = run("batches", "list", "--all-tenants", "--after", cursor, "--json", "--admin-key", ADMIN_KEY)
     listed = json.loads(rest.output)
     assert {row["id"] for row in listed} | {line.split()[0] for line in lines[1:3]} == set(mine + theirs)
-    assert {row["tenant"] for row in listed} >= {"default"}
+    assert {row["tenant_name"] for row in listed} >= {"default"}
     acme = run("batches", "list", "--all-tenants", "--tenant", "acme", "--admin-key", ADMIN_KEY)
     assert acme.output.splitlines()[-1] == "all 3 shown"
     own = run("batches", "list", "--limit", "1")  # the tenant's own list says there is more too
@@ -76,7 +76,7 @@ def test_show_another_tenants_batch_with_the_admin_key(gateway, run):
     assert shown.exit_code == 0, shown.output
     assert f"id:                 {theirs}" in shown.output and "tenant:             acme" in shown.output
     as_json = json.loads(run("batches", "show", theirs, "--json", "--admin-key", ADMIN_KEY).output)
-    assert as_json["id"] == theirs and as_json["tenant"] == "acme" and as_json["object"] == "batch"
+    assert as_json["id"] == theirs and as_json["tenant_name"] == "acme" and as_json["object"] == "batch"
 
 
 def test_all_tenants_files_and_tenants_list(gateway, run, monkeypatch):

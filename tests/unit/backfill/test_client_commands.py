@@ -120,3 +120,14 @@ def test_engine_sim_usage_errors_are_clicks():
     result = _invoke("engine-sim", "--bogus")
     assert result.exit_code == 2
     assert "Error: no such option: --bogus" in result.output and "Traceback" not in result.output
+
+
+def test_a_cancelled_batchs_counts_say_the_cancel_may_have_stopped_them():
+    from openai.types import Batch
+
+    from backfill.batches import _counts
+
+    fields = {"id": "batch_1", "object": "batch", "endpoint": "/v1/chat/completions", "input_file_id": "file-1",
+              "completion_window": "24h", "created_at": 0, "request_counts": {"total": 200, "completed": 105, "failed": 95}}
+    assert _counts(Batch(**fields, status="cancelled")) == "105/200 ok, 95 failed or cancelled"
+    assert _counts(Batch(**fields, status="completed")) == "105/200 ok, 95 failed"
