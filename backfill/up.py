@@ -334,6 +334,13 @@ def start_engines(stack: Stack, count: int, served_model_names: list[str],
             raise click.ClickException(f"{name}: {exc}; see {stack.data_dir / 'logs'}") from None
 
 
+def _state_store(env: dict[str, str]) -> list[str]:
+    """The router's Responses state store flag: ``BACKFILL_ROUTER_STATE_REDIS_URL``, else the stack's
+    ``REDIS_URL``; none (the router keeps no response state) when neither is set."""
+    url = env.get("BACKFILL_ROUTER_STATE_REDIS_URL") or env.get("REDIS_URL")
+    return ["--state-redis-url", url] if url else []
+
+
 def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     """Start ``backfill router`` on a free port in front of ``stack.engine_urls`` (those in
     ``stack.engine_roles`` as ``--prefill-engine`` / ``--decode-engine``, so the router runs its
@@ -366,8 +373,7 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     both = [u for u in stack.engine_urls if stack.engine_roles.get(u, "both") == "both"]
     stack.start("router", router_argv(port, both, host=host, engine_priority=simulated,
                                       prefill_engines=by_role["prefill"], decode_engines=by_role["decode"],
-                                      extra=["--log-level", "INFO", *slots, "--state-redis-url",
-                                             env.get("BACKFILL_ROUTER_STATE_REDIS_URL") or env["REDIS_URL"]]))
+                                      extra=["--log-level", "INFO", *slots, *_state_store(env)]))
     _wait_ready(f"{stack.router_url}/health", stack, owner="router")
 
 

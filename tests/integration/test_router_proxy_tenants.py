@@ -56,7 +56,7 @@ def test_random_fairness_ids_without_the_token_are_one_tenant_and_get_429s(tmp_p
 
         async def scenario() -> tuple[list[httpx.Response], dict]:
             flood = asyncio.create_task(_post_all(s.url, spoofed, SLOW_TOKENS))
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60  # generous: a busy machine slows the flood, not the verdict
             while (during := await asyncio.to_thread(_band, s, "interactive"))["queued_requests"] < 16:
                 assert time.monotonic() < deadline, "the flood never reached the quota"
                 await asyncio.sleep(0.05)

@@ -13,6 +13,7 @@ import httpx
 import openai
 import psutil
 
+from common.stack_file import load_stack
 from tests.conftest import SHARED_BATCHES, free_port
 
 
@@ -47,7 +48,7 @@ def test_up_runs_the_stack_and_stops_cleanly(tmp_path):
             time.sleep(0.1)
         assert client.batches.retrieve(batch.id).status == "in_progress"
         # the router keeps Responses state in the stack's Redis: previous_response_id chains turns
-        router = line.split("router=")[1].split()[0]
+        router = load_stack(tmp_path / "data")["router_url"]  # the ready line is short: the map is in stack.json
         direct = openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0)
         first = direct.responses.create(model="gpt-3.5-turbo", input="My name is Ada.", max_output_tokens=16)
         second = direct.responses.create(model="gpt-3.5-turbo", input="What is my name?", max_output_tokens=16,
