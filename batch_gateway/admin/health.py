@@ -15,12 +15,13 @@ refresh (``stale_after_s``) is *unknown*, never shown as live.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from batch_gateway.admin.polling import Poller
 
 BEAT_SYNC_SECONDS = 180.0
 """How often Celery beat writes its schedule file while it sends tasks (``Scheduler.sync_every``,
@@ -72,20 +73,20 @@ def health_urls(settings) -> dict[str, str]:
     return urls
 
 
-class HealthSampler:
+class HealthSampler(Poller):
     """Reads every service's ``/health`` (:func:`health_urls`) and beat's schedule file every
     ``interval_s`` seconds; :attr:`services` holds the last reading of each. :meth:`start` and
     :meth:`stop` run it as an asyncio task; :meth:`poll_once` reads once."""
 
+    name = "admin-health-sampler"
+
     def __init__(self, urls: dict[str, str], data_dir: Path, interval_s: float,
                  transport: httpx.AsyncBaseTransport | None = None):
-        self.interval_s = interval_s
+        super().__init__(interval_s, TIMEOUT_S, transport)
         stale = interval_s + TIMEOUT_S
         self.services = {name: ServiceHealth(name, url, stale) for name, url in urls.items()}
         self.beat = ServiceHealth("beat", str(data_dir / "celerybeat-schedule"), BEAT_SYNC_SECONDS + BEAT_SLACK_SECONDS)
         self._data_dir = data_dir
-        self._client = httpx.AsyncClient(timeout=TIMEOUT_S, transport=transport)
-        self._task: asyncio.Task | None = None
 
     async def _read(self, service: ServiceHealth) -> None:
         try:
@@ -120,20 +121,3 @@ class HealthSampler:
         return [{"name": s.name, "url": s.url, "state": s.state(now),
                  "age_s": None if s.answered_at is None else max(0.0, now - s.answered_at), "error": s.error}
                 for s in order]
-
-    async def _run(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        """Start polling in the running loop."""
-        self._task = asyncio.create_task(self._run(), name="admin-health-sampler")
-
-    async def stop(self) -> None:
-        """Stop polling and close the HTTP client."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._client.aclose()

@@ -14,8 +14,6 @@ replica's counters only grow) and takes differences only within a track; see the
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -24,6 +22,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import ValidationError
 
+from batch_gateway.admin.polling import Poller
 from common.contracts.router_state import RouterState
 
 log = logging.getLogger(__name__)
@@ -36,19 +35,19 @@ class Sample:
     state: RouterState
 
 
-class RouterSampler:
+class RouterSampler(Poller):
     """Reads ``{router_url}/admin/state`` every ``interval_s`` seconds into a ring of ``history``
     samples. :meth:`start` and :meth:`stop` run it as an asyncio task; :meth:`poll_once` reads once."""
 
+    name = "admin-router-sampler"
+
     def __init__(self, router_url: str, interval_s: float, history: int,
                  transport: httpx.AsyncBaseTransport | None = None):
+        super().__init__(interval_s, min(2.0, max(interval_s, 0.5)), transport)
         self.url = router_url.rstrip("/") + "/admin/state"
-        self.interval_s = interval_s
         self.samples: deque[Sample] = deque(maxlen=history)
         self.last_error: str | None = None
         self.last_error_at: float | None = None
-        self._client = httpx.AsyncClient(timeout=min(2.0, max(interval_s, 0.5)), transport=transport)
-        self._task: asyncio.Task | None = None
 
     @property
     def stale_after_s(self) -> float:
@@ -86,23 +85,6 @@ class RouterSampler:
             log.warning("router state unavailable", extra={"action": "admin_router_poll_failed",
                                                            "url": self.url, "error": message})
         self.last_error, self.last_error_at = message, time.time()
-
-    async def _run(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        """Start polling in the running loop."""
-        self._task = asyncio.create_task(self._run(), name="admin-router-sampler")
-
-    async def stop(self) -> None:
-        """Stop polling and close the HTTP client."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._client.aclose()
 
 
 MAX_TRACKS = 8
