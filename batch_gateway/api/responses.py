@@ -46,10 +46,11 @@ from batch_gateway.store.models import BackgroundResponse
 from batch_gateway.store.queries import responses as response_queries
 from batch_gateway.store.response_queue import publish_responses
 from batch_gateway.store.states import OPEN_RESPONSE_STATUSES, ResponseStatus
-from common.contracts.background import conversation_input, input_items
 from common.contracts.responses import (
     PREVIOUS_NOT_FOUND_CODE,
+    conversation_input,
     deleted_object,
+    input_items,
     new_response_id,
     not_found_json,
     previous_not_found_message,

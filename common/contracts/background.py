@@ -10,7 +10,7 @@ flight. Its ``result_queue_name`` is :func:`response_result_stream` of the pool,
 consumer group :data:`RESPONSE_COLLECTOR_GROUP`.
 
 The router gets a stateless ``POST /v1/responses`` (:func:`engine_body`): the whole conversation as
-``input`` (OpenAI's chaining rule, :func:`conversation_input`), ``store: false``, no ``background``,
+``input`` (OpenAI's chaining rule, :func:`common.contracts.responses.conversation_input`), ``store: false``, no ``background``,
 ``stream`` or ``previous_response_id``. Its answer becomes the stored response by
 :func:`result_outcome`.
 """
@@ -37,22 +37,6 @@ ENGINE_DROPPED_FIELDS = ("background", "previous_response_id", "stream", "stream
 def response_result_stream(pool: str) -> str:
     """Result stream of the pool's background responses: ``backfill:results:responses:{pool}``."""
     return f"backfill:results:responses:{pool}"
-
-
-def input_items(value: Any) -> list[dict[str, Any]]:
-    """A create request's ``input`` as input items: a string becomes one ``user`` message item
-    (OpenAI's rule); a list is returned as a new list."""
-    if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
-    return list(value)
-
-
-def conversation_input(previous_input: list[dict[str, Any]], previous_output: list[dict[str, Any]],
-                       new_input: Any) -> list[dict[str, Any]]:
-    """The input the model sees for a response chained by ``previous_response_id``: the previous
-    response's input items, its output items, then this request's input (:func:`input_items`),
-    oldest first (OpenAI, "Conversation state"; the router's Responses API rebuilds it the same way)."""
-    return [*previous_input, *previous_output, *input_items(new_input)]
 
 
 def engine_body(request: dict[str, Any], conversation: list[dict[str, Any]]) -> dict[str, Any]:

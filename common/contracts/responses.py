@@ -152,3 +152,20 @@ def not_found_json(response_id: str, hint: str = "") -> bytes:
     """The 404 envelope of ``GET`` / ``DELETE`` of an unknown response id (``hint``: appended to
     the message)."""
     return error_json(f"Response with id '{response_id}' not found.{hint}", ErrorType.INVALID_REQUEST)
+
+
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """A create request's ``input`` as input items: a string becomes ``[{"type": "message", "role":
+    "user", "content": value}]`` (OpenAI's rule); a list is returned as a new list."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return list(value)
+
+
+def conversation_input(previous_input: list[dict[str, Any]], previous_output: list[dict[str, Any]],
+                       new_input: Any) -> list[dict[str, Any]]:
+    """The input the model sees for a response chained by ``previous_response_id``: the previous
+    response's input items, its output items, then this request's input (:func:`input_items`),
+    oldest first (OpenAI, "Conversation state"). The router's Responses API and the gateway's
+    background responses both chain this way."""
+    return [*previous_input, *previous_output, *input_items(new_input)]

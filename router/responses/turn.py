@@ -40,6 +40,8 @@ from common.contracts.responses import (
     PREVIOUS_NOT_FOUND_CODE,
     PREVIOUS_NOT_FOUND_STATUS,
     StoredResponse,
+    conversation_input,
+    input_items,
     new_response_id,
     previous_not_found_message,
     stamp_response,
@@ -58,21 +60,6 @@ STORED_STATUSES = frozenset({"completed", "incomplete"})
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete"})
 #: Message appended when no store is configured.
 NO_STORE_HINT = " This router keeps no response state (no --state-redis-url)."
-
-
-def input_items(value: Any) -> list[dict[str, Any]]:
-    """A request's ``input`` as a list of items: a string becomes ``[{"type": "message", "role":
-    "user", "content": value}]``; a list is returned as is (already checked by
-    :func:`router.parsing.parse_request`)."""
-    if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
-    return list(value)
-
-
-def rebuild_input(previous: StoredResponse, new_input: Any) -> list[dict[str, Any]]:
-    """The input the model sees for a turn chained to ``previous``: its input items, its output
-    items, then ``new_input`` (:func:`input_items`), oldest first."""
-    return [*previous.input, *previous.output, *input_items(new_input)]
 
 
 def _unavailable(exc: StoreUnavailable) -> RequestError:
@@ -142,7 +129,7 @@ class ResponsesTurn:
         engine_input: Any = body["input"]
         if previous_id is not None:
             previous = await self._previous(previous_id)
-            engine_input = rebuild_input(previous, body["input"])
+            engine_input = conversation_input(previous.input, previous.output, body["input"])
         self.input = input_items(engine_input)
         engine_body = {k: v for k, v in body.items() if k != "previous_response_id"}
         engine_body["input"] = engine_input

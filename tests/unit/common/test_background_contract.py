@@ -6,7 +6,6 @@ from __future__ import annotations
 import orjson
 
 from common.contracts.background import (
-    conversation_input,
     engine_body,
     expired_error,
     request_message,
@@ -14,6 +13,7 @@ from common.contracts.background import (
     result_outcome,
 )
 from common.contracts.queue import ErrorCode, ResultMessage, cancel_marker_key
+from common.contracts.responses import conversation_input
 
 
 def _http(status: int, body: object) -> ResultMessage:

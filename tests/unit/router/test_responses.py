@@ -14,11 +14,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.chatml import render_chat
-from common.contracts.responses import StoredResponse, record_key, tenant_hash
+from common.contracts.responses import StoredResponse, conversation_input, record_key, tenant_hash
 from router.parsing import RESPONSES_PATH, RequestError, parse_request
 from router.responses import MemoryResponseStore, ResponsesAPI, ResponsesTurn, StoreUnavailable
 from router.responses.api import listed_items
-from router.responses.turn import rebuild_input
 from router.trust import TOKEN_HEADER, HeaderTrust
 
 
@@ -58,13 +57,13 @@ class Clock:
 def test_rebuild_is_previous_input_then_its_output_then_the_new_input():
     previous = StoredResponse(response=engine_response("A1"), input=[{"type": "message", "role": "user",
                                                                        "content": "U1"}])
-    items = rebuild_input(previous, "U2")
+    items = conversation_input(previous.input, previous.output, "U2")
     assert [(i.get("role"), i["type"]) for i in items] == [("user", "message"), ("assistant", "message"),
                                                             ("user", "message")]
     assert items[1] == engine_response("A1")["output"][0]
     assert items[2] == {"type": "message", "role": "user", "content": "U2"}
     listed = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "U3"}]}]
-    assert rebuild_input(previous, listed)[2:] == listed
+    assert conversation_input(previous.input, previous.output, listed)[2:] == listed
 
 
 def test_a_chained_turn_sends_the_whole_conversation_stateless_and_its_prompt_extends_the_first():
