@@ -16,8 +16,9 @@ import httpx
 from tests.router_stack import RouterStack
 from tests.waiting import wait_for
 
-#: ~5 s per request at the simulator's ~12 ms a token: a flood stays in flight while the test looks.
-SLOW_TOKENS = 400
+#: ~15 s per request: the 300-request flood is all sent, however slowly a busy machine sends it,
+#: while the first 16 still run, and the 16 queued behind them wait well under the band's 30-s TTL.
+FLOOD_TOKENS = 1200
 #: ~48 s per request: a flood that outlasts anything the test waits for however busy the machine
 #: (the twin keeps wall time, the test's own steps slow down), cancelled once the test has looked.
 ENDLESS_TOKENS = 4000
@@ -55,7 +56,7 @@ def test_random_fairness_ids_without_the_token_are_one_tenant_and_get_429s(tmp_p
         spoofed = [{FAIRNESS: secrets.token_hex(8), "x-llm-d-inference-objective": "batch"} for _ in range(300)]
 
         async def scenario() -> tuple[list[httpx.Response], dict]:
-            flood = asyncio.create_task(_post_all(s.url, spoofed, SLOW_TOKENS))
+            flood = asyncio.create_task(_post_all(s.url, spoofed, FLOOD_TOKENS))
             deadline = time.monotonic() + 60  # generous: a busy machine slows the flood, not the verdict
             while (during := await asyncio.to_thread(_band, s, "interactive"))["queued_requests"] < 16:
                 assert time.monotonic() < deadline, "the flood never reached the quota"
