@@ -198,6 +198,7 @@ async def _generation(request: Request, parse: Callable[..., GenerationSpec]) ->
 # ---- OpenAI endpoints ----------------------------------------------------------------------
 @routes.post("/v1/chat/completions")
 async def chat(request: Request) -> Response:
+    """vLLM's ``POST /v1/chat/completions`` (streamed or not) on the twin."""
     engine, spec = await _generation(request, parse_chat)
     if spec.stream:
         return EngineStream(_guarded(_chat_stream(engine, spec)), media_type="text/event-stream")
@@ -229,6 +230,7 @@ def _chat_completion(engine: SimEngine, spec: GenerationSpec, out: Outcome) -> d
 
 @routes.post("/v1/completions")
 async def completions(request: Request) -> Response:
+    """vLLM's ``POST /v1/completions`` (streamed or not) on the twin."""
     engine, spec = await _generation(request, parse_completion)
     if spec.stream:
         if len(spec.prompts) > 1:
@@ -265,6 +267,7 @@ def _text_completion(engine: SimEngine, spec: GenerationSpec, outs: list[Outcome
 
 @routes.post("/v1/responses")
 async def responses(request: Request) -> Response:
+    """vLLM's ``POST /v1/responses`` on the twin."""
     engine, spec = await _generation(request, parse_response)
     response_id = new_id("resp_")
     if spec.stream:
@@ -275,6 +278,7 @@ async def responses(request: Request) -> Response:
 
 @routes.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
+    """vLLM's ``POST /v1/embeddings`` on the twin."""
     engine = _engine_of(request)
     s = engine.settings
     body = await _body(request)
@@ -323,6 +327,7 @@ def _embedding_inputs(engine: SimEngine, inputs: Any) -> list[list[int]]:
 
 @routes.get("/v1/models")
 async def models(request: Request) -> Response:
+    """vLLM's ``GET /v1/models``: the served model names."""
     s = _engine_of(request).settings
     created = now()
     return _json({"object": "list", "data": [{
@@ -338,16 +343,19 @@ async def models(request: Request) -> Response:
 # ---- vLLM extras ---------------------------------------------------------------------------
 @routes.get("/health")
 async def health(request: Request) -> Response:
+    """vLLM's ``GET /health``: 200 while the engine runs."""
     return Response(status_code=200 if _engine_of(request).faults.healthy else 503)
 
 
 @routes.get("/version")
 async def version() -> Response:
+    """vLLM's ``GET /version``."""
     return _json({"version": SIM_VERSION})
 
 
 @routes.get("/metrics")
 async def metrics(request: Request) -> Response:
+    """vLLM's ``GET /metrics`` series (Prometheus text)."""
     return Response(_engine_of(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -359,6 +367,7 @@ def _rendered(spec: GenerationSpec, prefix: str, prompt: list[int]) -> dict[str,
 
 @routes.post("/v1/completions/render")
 async def completions_render(request: Request) -> Response:
+    """vLLM's ``POST /v1/completions/render``: the prompt's tokens without generating."""
     engine = _engine_of(request)
     spec = parse_completion(engine.settings, engine.tokenizer, await _body(request))
     return _json([_rendered(spec, "cmpl-", p) for p in spec.prompts])
@@ -366,6 +375,7 @@ async def completions_render(request: Request) -> Response:
 
 @routes.post("/v1/chat/completions/render")
 async def chat_render(request: Request) -> Response:
+    """vLLM's ``POST /v1/chat/completions/render``: the chat prompt's tokens without generating."""
     engine = _engine_of(request)
     spec = parse_chat(engine.settings, engine.tokenizer, await _body(request))
     return _json(_rendered(spec, "chatcmpl-", spec.prompts[0]))
@@ -373,6 +383,7 @@ async def chat_render(request: Request) -> Response:
 
 @routes.post("/tokenize")
 async def tokenize(request: Request) -> Response:
+    """vLLM's ``POST /tokenize``."""
     engine = _engine_of(request)
     body = await _body(request)
     if body.get("model"):
@@ -390,6 +401,7 @@ async def tokenize(request: Request) -> Response:
 
 @routes.post("/detokenize")
 async def detokenize(request: Request) -> Response:
+    """vLLM's ``POST /detokenize``."""
     engine = _engine_of(request)
     body = await _body(request)
     tokens = body.get("tokens")
@@ -400,6 +412,7 @@ async def detokenize(request: Request) -> Response:
 
 @routes.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> Response:
+    """vLLM's ``POST /reset_prefix_cache``: drop every cached block."""
     if not _engine_of(request).cache.clear():
         raise BadRequestError("Failed to reset prefix cache: requests are running")
     return Response(status_code=200)
@@ -408,6 +421,7 @@ async def reset_prefix_cache(request: Request) -> Response:
 # ---- simulator admin -----------------------------------------------------------------------
 @routes.post("/sim/fault")
 async def fault(request: Request) -> Response:
+    """The twin's fault injection (``/sim/fault``, for fault tests)."""
     engine = _engine_of(request)
     body = await _body(request)
     engine.faults.set(str(body.get("mode", "none")), body.get("count"))
@@ -418,6 +432,7 @@ async def fault(request: Request) -> Response:
 
 @routes.get("/sim/state")
 async def state(request: Request) -> Response:
+    """The twin's internal state (``/sim/state``, for tests)."""
     engine = _engine_of(request)
     core = engine.core
     return _json({

@@ -347,6 +347,7 @@ router = APIRouter(prefix="/admin", include_in_schema=False, lifespan=_lifespan)
 
 @router.get("/static/{name}")
 def static(name: str) -> Response:
+    """A file of the dashboard's static assets (404 for a name not shipped)."""
     if name not in STATIC:
         raise AdminNotFound("No such file.")
     return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
@@ -358,6 +359,7 @@ def static(name: str) -> Response:
 
 @router.get("/login")
 def login_page(request: Request, next: Annotated[str, Query(max_length=500)] = "/admin") -> HTMLResponse:
+    """The admin key form."""
     auth.enabled(request.app.state.settings)
     return _render(request, "login.html", None, next=_safe_next(next), error=None)
 
@@ -365,6 +367,8 @@ def login_page(request: Request, next: Annotated[str, Query(max_length=500)] = "
 @router.post("/login")
 def login(request: Request, key: Annotated[str, Form(max_length=512)] = "",
           next: Annotated[str, Form(max_length=500)] = "/admin") -> Response:
+    """Check the admin key; set the session cookie and go to ``next`` (a safe local path), or show
+    the form again with the refusal."""
     settings = request.app.state.settings
     admin_key = auth.enabled(settings)
     try:
@@ -383,6 +387,7 @@ def login(request: Request, key: Annotated[str, Form(max_length=512)] = "",
 
 @router.post("/logout")
 def logout(admin: AdminDep, csrf_token: Annotated[str | None, Form()] = None) -> Response:
+    """Clear the session cookie; back to the login form."""
     auth.check_csrf(admin, csrf_token)
     response = RedirectResponse("/admin/login", status_code=303)
     response.delete_cookie(auth.COOKIE, path="/admin")
@@ -396,6 +401,7 @@ def logout(admin: AdminDep, csrf_token: Annotated[str | None, Form()] = None) ->
 def jobs_page(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
               tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE,
               q: Search = None) -> HTMLResponse:
+    """The jobs list: every tenant's batches, searchable by id and metadata, with a total."""
     page = _jobs(session, status or None, tenant or None, after, limit, q or None)
     filters = {"status": status, "tenant": tenant, "q": q}
     return _render(request, "jobs.html", admin, nav="jobs", statuses=BATCH_STATUSES,
@@ -418,6 +424,7 @@ def jobs_alias(request: Request) -> RedirectResponse:
 def jobs_fragment(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
                   tenant: TenantName = None, after: After = None, limit: Limit = PAGE_SIZE,
                   q: Search = None) -> HTMLResponse:
+    """The jobs list's table, for the page's live refresh."""
     return _render(request, "_job_rows.html", admin, **_jobs(session, status or None, tenant or None,
                                                              after, limit, q or None))
 
@@ -465,6 +472,7 @@ def _requests(session, batch_id: str, state: str | None, after: str | None) -> t
 def job_page(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
              state: Status = None, after: After = None,
              notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
+    """One batch: its summary, requests by state, timeline and requests."""
     detail = _job(session, batch_id)
     requests, last = _requests(session, batch_id, state, after)
     base = f"/admin/jobs/{batch_id}"
@@ -490,6 +498,7 @@ def requests_fragment(request: Request, batch_id: str, admin: AdminDep, session:
 @router.get("/fragments/jobs/{batch_id}")
 def job_fragment(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
                  notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
+    """One batch's live parts, for the page's refresh."""
     return _render(request, "_job_summary.html", admin, **_job(session, batch_id),
                    notice=notice if notice in NOTICES else None)
 
@@ -520,6 +529,7 @@ def cancel(request: Request, batch_id: str, admin: AdminDep, session: SessionDep
 
 @router.get("/files/{file_id}")
 def file_download(request: Request, file_id: str, admin: AdminDep, session: SessionDep) -> StreamingResponse:
+    """A batch's input, output or error file, streamed as stored."""
     row = queries.get_any_file(session, file_id)
     chunks = None
     if row is not None:
@@ -543,21 +553,25 @@ def _live_page(request: Request, admin: Admin, name: str, build: Callable[[Reque
 
 @router.get("/lanes", name="admin_lanes")
 def lanes_page(request: Request, admin: AdminDep) -> HTMLResponse:
+    """The Lanes page: the gate, each engine's gate and each objective's queues and counts."""
     return _live_page(request, admin, "lanes", _lanes)
 
 
 @router.get("/fragments/lanes", name="admin_lanes_fragment")
 def lanes_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
+    """The Lanes page's live part."""
     return _render(request, "_lanes.html", admin, **_lanes(request))
 
 
 @router.get("/fleet", name="admin_fleet")
 def fleet_page(request: Request, admin: AdminDep) -> HTMLResponse:
+    """The Fleet page: each engine's saturation, slots and KV use from the router's state."""
     return _live_page(request, admin, "fleet", _fleet)
 
 
 @router.get("/fragments/fleet", name="admin_fleet_fragment")
 def fleet_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
+    """The Fleet page's live part."""
     return _render(request, "_fleet.html", admin, **_fleet(request))
 
 
@@ -588,11 +602,13 @@ def _health(request: Request) -> dict:
 
 @router.get("/health", name="admin_health")
 def health_page(request: Request, admin: AdminDep) -> HTMLResponse:
+    """The Health page: every service's last answer and its age."""
     return _live_page(request, admin, "health", _health)
 
 
 @router.get("/fragments/health", name="admin_health_fragment")
 def health_fragment(request: Request, admin: AdminDep) -> HTMLResponse:
+    """The Health page's live part."""
     return _render(request, "_health.html", admin, **_health(request))
 
 
@@ -614,6 +630,7 @@ def _responses(session, status: str | None, after: str | None) -> dict:
 @router.get("/responses")
 def responses_page(request: Request, admin: AdminDep, session: SessionDep, status: Status = None,
                    after: After = None) -> HTMLResponse:
+    """Background responses of every tenant, newest first, by status."""
     page = _responses(session, status, after)
     return _render(request, "responses.html", admin, nav="responses", responses=page["responses"],
                    statuses=list(ResponseStatus), status=status,
@@ -623,6 +640,7 @@ def responses_page(request: Request, admin: AdminDep, session: SessionDep, statu
 
 @router.get("/api/responses")
 def responses_json(admin: AdminDep, session: SessionDep, status: Status = None, after: After = None) -> dict:
+    """The background responses page as JSON (``data``, ``has_more``)."""
     page = _responses(session, status, after)
     return {"data": page["responses"], "has_more": page["more"]}
 
@@ -649,6 +667,7 @@ def _tenants(request: Request, session, after: str | None) -> dict:
 
 @router.get("/tenants")
 def tenants_page(request: Request, admin: AdminDep, session: SessionDep, after: After = None) -> HTMLResponse:
+    """Tenants with their quotas and active work."""
     page = _tenants(request, session, after)
     return _render(request, "tenants.html", admin, nav="tenants", tenants=page["tenants"],
                    fragment=f"/admin/fragments/tenants?{_query(after=after)}".rstrip("?"),
@@ -659,6 +678,7 @@ def tenants_page(request: Request, admin: AdminDep, session: SessionDep, after: 
 @router.get("/fragments/tenants")
 def tenants_fragment(request: Request, admin: AdminDep, session: SessionDep,
                      after: After = None) -> HTMLResponse:
+    """The tenants table, for the page's live refresh."""
     return _render(request, "_tenants.html", admin, tenants=_tenants(request, session, after)["tenants"])
 
 
