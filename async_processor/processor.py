@@ -366,6 +366,7 @@ class Processor:
             now, now_unix = time.monotonic(), time.time()
             while (ready := self.buffer.pop(now, self.gate.admits, now_unix)) is not None:
                 self.gate.acquire(ready)
+                ready.sends += 1
                 self.metrics.dispatched(ready)
                 self.in_flight[ready] = asyncio.create_task(self._checked_attempt(ready))
             next_at = self.buffer.next_ready_at(now)

@@ -43,7 +43,7 @@ from batch_gateway.store.states import (
     ResponseStatus,
 )
 from common.contracts.queue import LANE_PRIORITIES
-from common.contracts.router_state import BACKPRESSURE_REASONS, SATURATION_THRESHOLD, reason_label
+from common.contracts.router_state import SATURATION_THRESHOLD
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -735,13 +735,14 @@ def _router_context(request: Request) -> dict:
 
 
 def refusals(band) -> dict[str, dict[str, int]]:
-    """A band's router counters split in two (labels spelled as the metrics spell them,
-    :func:`~common.contracts.router_state.reason_label`): ``refused``, backpressure the caller re-sends
-    (:data:`~common.contracts.router_state.BACKPRESSURE_REASONS`), and ``shed``, work truly dropped;
-    reasons never counted are left out."""
-    counts = {reason_label(reason): n for reason, n in (band.shed_total.items() if band else ()) if n}
-    return {"refused": {r: n for r, n in counts.items() if r in BACKPRESSURE_REASONS},
-            "shed": {r: n for r, n in counts.items() if r not in BACKPRESSURE_REASONS}}
+    """A band's router counters as the router splits them (labels spelled as its metrics spell
+    them): ``refused``, backpressure the caller re-sends (``refused_total``,
+    ``backfill_router_refused_total``), and ``shed``, work truly dropped (``shed_total``,
+    ``backfill_router_shed_total``); reasons never counted are left out."""
+    if band is None:
+        return {"refused": {}, "shed": {}}
+    return {"refused": {r: n for r, n in band.refused_total.items() if n},
+            "shed": {r: n for r, n in band.shed_total.items() if n}}
 
 
 def _lanes(request: Request) -> dict:

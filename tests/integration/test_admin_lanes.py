@@ -66,12 +66,13 @@ class FakeRouter:
         return {"pool_saturation": self.saturation, "gate_saturation": self.gate_saturation, "time": 1_800_000_000 + TIME_STEP * self.reads,
                 "decisions_per_s": 42.0, "endpoints": [engine, hot, sick],
                 "bands": [{"objective": "interactive", "priority": 100, "queued_requests": 0, "queued_bytes": 0,
-                           "in_flight": 4, "dispatched_total": 500, "shed_total": {}},
+                           "in_flight": 4, "dispatched_total": 500, "refused_total": {}, "shed_total": {}},
                           {"objective": "flex", "priority": 0, "queued_requests": 3, "queued_bytes": 900,
-                           "in_flight": 2, "dispatched_total": 40, "shed_total": {"rejected-ttl-expired": 1}},
+                           "in_flight": 2, "dispatched_total": 40, "shed_total": {"rejected_ttl_expired": 1}},
                           {"objective": "batch", "priority": -10, "queued_requests": 12, "queued_bytes": 9000,
                            "in_flight": 6, "dispatched_total": DISPATCH_STEP * self.reads,
-                           "shed_total": {"rejected-saturated": 5, "rejected-ttl-expired": 2, "evicted": 0}}]}
+                           "refused_total": {"rejected_saturated": 5, "rejected_capacity": 0},
+                           "shed_total": {"rejected_ttl_expired": 2, "evicted": 0}}]}
 
 
 @pytest.fixture
@@ -203,7 +204,7 @@ def test_without_a_router_url_the_pages_say_how_to_set_one(gateway_settings):
 
 def _sample(t: float, dispatched: int, shed: int = 0, interactive: int = 0) -> Sample:
     return Sample(at=t, state=RouterState(pool_saturation=0.5, time=t, bands=[
-        {"objective": "batch", "dispatched_total": dispatched, "shed_total": {"saturated": shed}},
+        {"objective": "batch", "dispatched_total": dispatched, "shed_total": {"evicted": shed}},
         {"objective": "interactive", "dispatched_total": interactive}]))
 
 
