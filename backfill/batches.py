@@ -18,7 +18,7 @@ import click
 from openai.types import Batch as SdkBatch
 from openai.types import FileObject
 
-from backfill.client import ADMIN_KEY_OPTION, Gateway, Operator, api_errors, with_gateway
+from backfill.client import ADMIN_KEY_OPTION, Gateway, Operator, api_errors, own_tenant_only, with_gateway
 from backfill.output import echo_json, echo_table, format_time, page_hint
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the API's JSON instead of a table.")
@@ -84,7 +84,9 @@ def batches_group() -> None:
 @with_gateway
 def batches_list(gateway: Gateway, limit: int, after: str | None, all_tenants: bool, status: str | None,
                  tenant: str | None, admin_key: str | None, as_json: bool) -> None:
-    """List batches, newest first; with --all-tenants every tenant's, with a TENANT column."""
+    """List batches, newest first: the API key's tenant's; with --all-tenants and the admin key every
+    tenant's, with a TENANT column (--admin-key without --all-tenants is refused)."""
+    own_tenant_only("batches", all_tenants, admin_key)
     if all_tenants:
         page = Operator.of(gateway, admin_key, "--all-tenants").get(
             "/batches", limit=limit, after=after, status=status, tenant=tenant)
@@ -174,7 +176,9 @@ def files_group() -> None:
 @with_gateway
 def files_list(gateway: Gateway, purpose: str | None, limit: int, after: str | None, all_tenants: bool,
                admin_key: str | None, as_json: bool) -> None:
-    """List files, newest first; with --all-tenants every tenant's, with a TENANT column."""
+    """List files, newest first: the API key's tenant's; with --all-tenants and the admin key every
+    tenant's, with a TENANT column (--admin-key without --all-tenants is refused)."""
+    own_tenant_only("files", all_tenants, admin_key)
     if all_tenants:
         page = Operator.of(gateway, admin_key, "--all-tenants").get("/files", limit=limit, after=after, purpose=purpose)
         files = [FileObject.model_validate(row) for row in page["data"]]

@@ -100,6 +100,22 @@ def test_all_tenants_files_and_tenants_list(gateway, run, monkeypatch):
     assert paged.output.splitlines()[-1] == "1 of 3 shown; --after default for more"
 
 
+def test_an_admin_key_without_all_tenants_is_never_silently_the_own_tenant(gateway, run, monkeypatch):
+    """``--admin-key`` on the command line without ``--all-tenants`` is refused (it read as "every
+    tenant" but listed the API key's tenant only); from ``BACKFILL_ADMIN_KEY`` the own list comes
+    with a note saying whose it is."""
+    _batches(gateway, "acme", 1)
+    (mine,) = _batches(gateway, "default", 1)
+    for what in ("batches", "files"):
+        refused = run(what, "list", "--admin-key", ADMIN_KEY)
+        assert refused.exit_code == 2 and "--all-tenants" in refused.output, refused.output
+    monkeypatch.setenv("BACKFILL_ADMIN_KEY", ADMIN_KEY)
+    own = run("batches", "list")
+    assert own.exit_code == 0, own.output
+    assert "the API key's tenant's batches only" in own.output and mine in own.output
+    assert sum(line.startswith("batch_") for line in own.output.splitlines()) == 1  # not acme's
+
+
 def test_a_wrong_or_missing_admin_key_is_refused(gateway, run):
     missing = run("batches", "list", "--all-tenants")
     assert missing.exit_code == 2 and "--admin-key" in missing.output
