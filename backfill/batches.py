@@ -20,19 +20,21 @@ from openai.types import FileObject
 
 from backfill.client import ADMIN_KEY_OPTION, Gateway, Operator, api_errors, own_tenant_only, with_gateway
 from backfill.output import echo_json, echo_table, format_time, page_hint
+from common.private import write_private
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the API's JSON instead of a table.")
 
 
 def download_results(client, batch, output_dir: Path) -> list[Path]:
     """Write the batch's output and error files (those it has) to
-    ``output_dir/{batch_id}_output.jsonl`` and ``…_errors.jsonl``; returns the paths written."""
+    ``output_dir/{batch_id}_output.jsonl`` and ``…_errors.jsonl``, each ``0600`` whatever the umask
+    (tenants' data: :func:`common.private.write_private`); returns the paths written."""
     output_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for kind, file_id in (("output", batch.output_file_id), ("errors", batch.error_file_id)):
         if file_id:
             target = output_dir / f"{batch.id}_{kind}.jsonl"
-            target.write_bytes(client.files.content(file_id).read())
+            write_private(target, client.files.content(file_id).read())
             written.append(target)
     return written
 
@@ -224,14 +226,14 @@ def files_show(gateway: Gateway, file_id: str, as_json: bool) -> None:
               help="File to write (default: FILE_ID.jsonl; '-' for standard output).")
 @with_gateway
 def files_download(gateway: Gateway, file_id: str, output: Path | None) -> None:
-    """Download the bytes of FILE_ID."""
+    """Download the bytes of FILE_ID (the file written is readable by you only: 0600)."""
     with api_errors(gateway.base_url):
         content = gateway.client().files.content(file_id).read()
     if str(output) == "-":
         sys.stdout.buffer.write(content)
         return
     target = output or Path(f"{file_id}.jsonl")
-    target.write_bytes(content)
+    write_private(target, content)
     click.echo(f"wrote {target}")
 
 

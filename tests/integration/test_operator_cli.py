@@ -133,3 +133,41 @@ def test_a_refused_submit_deletes_its_upload_and_names_it(gateway, run, tmp_path
     file_id = refused.output.split(" as ")[1].split(";")[0]
     assert file_id.startswith("file-") and f"so {file_id} was deleted" in refused.output
     assert file_id not in {f.id for f in gateway.client().files.list()}
+
+
+def test_submit_windows_are_judged_as_the_api_judges_them(gateway, run, tmp_path):
+    """``--window`` is the API's ``completion_window``: OpenAI's ``24h`` or our documented
+    extension, a duration of 1 minute to 30 days (README "Differences from OpenAI"), so ``99h`` is
+    a 99-hour deadline; what the API refuses (``31d``, ``99x``) the command refuses in its words,
+    with exit status 1 and its upload deleted."""
+    batch_file = tmp_path / "in.jsonl"
+    batch_file.write_bytes(LINE)
+    accepted = run("submit", str(batch_file), "--window", "99h")
+    assert accepted.exit_code == 0, accepted.output
+    batch = json.loads(accepted.output[accepted.output.index("{"):])
+    assert batch["completion_window"] == "99h" and batch["expires_at"] - batch["created_at"] == 99 * 3600
+    before = {f.id for f in gateway.client().files.list()}
+    for window, words in (("31d", "between 1 minute and 30 days"), ("99x", "must be '24h' or a duration")):
+        refused = run("submit", str(batch_file), "--window", window)
+        assert refused.exit_code == 1 and words in refused.output, refused.output
+    assert {f.id for f in gateway.client().files.list()} == before
+
+
+def test_downloads_are_private_whatever_the_umask(gateway, run, tmp_path):
+    """A tenant's bytes written by ``files download`` (and ``batches download`` / ``submit --wait``,
+    the same writer) are 0600 under umask 0000, also over a file that was 0644."""
+    import os
+    import stat
+
+    uploaded = gateway.client().files.create(file=("in.jsonl", LINE), purpose="batch")
+    fresh, existing = tmp_path / "fresh.jsonl", tmp_path / "existing.jsonl"
+    existing.write_bytes(b"old")
+    existing.chmod(0o644)
+    umask = os.umask(0)
+    try:
+        for target in (fresh, existing):
+            done = run("files", "download", uploaded.id, "-o", str(target))
+            assert done.exit_code == 0, done.output
+            assert target.read_bytes() == LINE and stat.S_IMODE(target.stat().st_mode) == 0o600
+    finally:
+        os.umask(umask)
