@@ -27,7 +27,7 @@ from fastapi.templating import Jinja2Templates
 import batch_gateway.admin.auth as auth
 from batch_gateway.admin.auth import Admin, AdminError, require_admin
 from batch_gateway.admin.charts import line_chart
-from batch_gateway.admin.health import HealthSampler, freshness, health_urls
+from batch_gateway.admin.health import HealthSampler, freshness, health_bounds, health_urls
 from batch_gateway.admin.router_sampler import RouterSampler, rates
 from batch_gateway.api.files import content_disposition
 from batch_gateway.deps import SessionDep
@@ -597,7 +597,7 @@ def _health(request: Request) -> dict:
     """Every service's row of the health view (:meth:`HealthSampler.rows`; empty without one)."""
     health: HealthSampler | None = request.app.state.admin_health
     now = time.time()
-    return {"services": health.rows(now, gateway_at=now) if health else []}
+    return {"services": health.rows(now, gateway_at=now) if health else [], "bounds": health_bounds(health)}
 
 
 @router.get("/health", name="admin_health")

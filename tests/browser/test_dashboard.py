@@ -199,6 +199,11 @@ def test_a_stopped_router_turns_the_gate_unknown_and_the_health_view_says_so(pag
         page.wait_for_function("() => document.querySelector('tr[data-service=\"router\"]')"
                                ".innerText.includes('no answer')")
         shot(page, "health-router-stopped")
+        # and down once three refreshes (3 × (1 s poll + 2 s read bound)) passed without an answer
+        page.wait_for_function("() => document.querySelector('tr[data-service=\"router\"] .status')"
+                               ".textContent === 'down'")
+        assert "not answered for 9 s" in page.locator("#health-rule").inner_text()
+        shot(page, "health-router-down")
     finally:
         router.resume()
     page.goto(admin_url(stack) + "/lanes")
