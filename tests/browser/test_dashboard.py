@@ -119,6 +119,11 @@ def test_log_in_watch_progress_open_the_batch_and_cancel_it(page, stack):
     page.wait_for_url(f"**/admin/jobs/{batch.id}")
     assert page.locator("#job-status").inner_text() == "in_progress"
     assert "batch.in_progress" in page.locator(".timeline").inner_text()
+    # the requests at the router are counted as running, apart from those still waiting: at most
+    # the processor's 2 slots, refreshed without a reload
+    page.wait_for_function("() => +document.querySelector('#job-running').textContent > 0")
+    running = int(page.locator("#job-running").inner_text())
+    assert 1 <= running <= 2 and int(page.locator("#job-waiting").inner_text()) >= 0
     shot(page, "job")
 
     dialogs = []
