@@ -20,7 +20,7 @@ from openai.types import FileObject
 
 from backfill.client import ADMIN_KEY_OPTION, Gateway, Operator, api_errors, own_tenant_only, with_gateway
 from backfill.output import echo_json, echo_table, format_time, page_hint
-from common.private import write_private
+from common.private import private_dir, write_private
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the API's JSON instead of a table.")
 
@@ -28,8 +28,10 @@ JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the AP
 def download_results(client, batch, output_dir: Path) -> list[Path]:
     """Write the batch's output and error files (those it has) to
     ``output_dir/{batch_id}_output.jsonl`` and ``…_errors.jsonl``, each ``0600`` whatever the umask
-    (tenants' data: :func:`common.private.write_private`); returns the paths written."""
-    output_dir.mkdir(parents=True, exist_ok=True)
+    (tenants' data: :func:`common.private.write_private`; ``output_dir`` is made ``0700`` when it
+    does not exist); returns the paths written."""
+    if not output_dir.exists():
+        private_dir(output_dir)  # made here: 0700, like the files in it (an existing folder is left as it is)
     written = []
     for kind, file_id in (("output", batch.output_file_id), ("errors", batch.error_file_id)):
         if file_id:

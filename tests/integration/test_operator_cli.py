@@ -169,5 +169,18 @@ def test_downloads_are_private_whatever_the_umask(gateway, run, tmp_path):
             done = run("files", "download", uploaded.id, "-o", str(target))
             assert done.exit_code == 0, done.output
             assert target.read_bytes() == LINE and stat.S_IMODE(target.stat().st_mode) == 0o600
+        # batches download / submit --wait: a folder they make is 0700 too
+        from types import SimpleNamespace
+
+        from backfill.batches import download_results
+
+        batch = SimpleNamespace(id="batch_x", output_file_id=uploaded.id, error_file_id=None)
+        [written] = download_results(gateway.client(), batch, tmp_path / "results" / "deep")
+        assert stat.S_IMODE(written.stat().st_mode) == 0o600
+        assert stat.S_IMODE(written.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE((tmp_path / "results").stat().st_mode) == 0o700
+        tmp_path.chmod(0o755)
+        download_results(gateway.client(), batch, tmp_path)  # an existing folder is left as it is
+        assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
     finally:
         os.umask(umask)
