@@ -450,7 +450,7 @@ def running_requests(client: redis.Redis, pool: str, batch_id: str) -> int | Non
     return running_counts(fields, time.time()).get(batch_id, 0)
 
 
-def _job(session, batch_id: str, running: int | None = 0) -> dict:
+def _job(session, batch_id: str, running: int | None) -> dict:
     """The job page's batch (:func:`job_view` and its detail), timeline and request counts; 404 when
     no tenant has ``batch_id``. ``running`` (:func:`running_requests`; None: unknown) of the
     ``queued`` requests are in flight at the router; ``open_states`` has ``pending``, ``waiting``
