@@ -47,7 +47,8 @@ from common.contracts.queue import LANE_PRIORITIES, RequestMessage
 class Work:
     """One admitted request held by the processor.
 
-    ``attempts``: HTTP attempts made so far. ``not_before``: monotonic seconds before which it is not
+    ``attempts``: HTTP attempts made so far (a fast refusal is not one). ``sends``: POSTs started,
+    refusals included (1 for the first send; more are re-sends). ``not_before``: monotonic seconds before which it is not
     dispatched (retry backoff). ``last_status`` / ``last_body``: the last retryable HTTP answer, given
     back as the result if the deadline ends the retries. ``gated_by``: the kind of the gate holding
     it back now ("" when none), so :class:`~async_processor.gates.AllGates` counts a deny once.
@@ -59,6 +60,7 @@ class Work:
     lane: str
     seq: int = 0
     attempts: int = 0
+    sends: int = 0
     not_before: float = 0.0
     last_status: int = 0
     last_body: bytes = b""

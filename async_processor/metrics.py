@@ -10,7 +10,10 @@ Series (docs/observability.md has the full list; tenant ids are never labels):
   buffer share; the stream backlog before it is Redis' ``XLEN``, outside the processor).
 - ``backfill_processor_in_flight_requests{lane}`` (gauge): HTTP attempts running now (the
   concurrency slots the lane holds).
-- ``backfill_processor_dispatched_total{lane}``: HTTP attempts started (retries included).
+- ``backfill_processor_dispatched_total{lane}``: requests sent to the router, each once (its first
+  POST; a request taken over from another processor counts again there).
+- ``backfill_processor_resent_total{lane}``: POSTs of a request after its first: retries after a
+  retryable answer and re-sends after the router's fast refusal (dispatched + resent = every POST).
 - ``backfill_processor_router_request_duration_seconds{lane, status}``: one attempt, from the POST
   to the whole answer read; ``status`` the class (``2xx``, ``4xx``, ``5xx``) or ``none`` (no answer).
 - ``backfill_processor_results_total{lane, error_code}``: terminal results published;
@@ -117,8 +120,10 @@ class ProcessorMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = service_registry(registry)
-        self._dispatched = Counter("backfill_processor_dispatched", "HTTP attempts started (retries included).",
-                                   ["lane"], registry=r)
+        self._dispatched = Counter("backfill_processor_dispatched", "Requests sent to the router, each once "
+                                   "(its first POST).", ["lane"], registry=r)
+        self._resent = Counter("backfill_processor_resent", "POSTs of a request after its first (retries, and "
+                               "re-sends after the router's fast refusal).", ["lane"], registry=r)
         self._latency = Histogram("backfill_processor_router_request_duration_seconds", "One HTTP attempt to "
                                   "the router, until its whole answer is read.", ["lane", "status"],
                                   buckets=ROUTER_BUCKETS_SECONDS, registry=r)
@@ -151,6 +156,7 @@ class ProcessorMetrics:
         self.registry.register(self._watched)
         for lane in processor.buffer.order:
             self._child(self._dispatched, lane)
+            self._child(self._resent, lane)
             for stage in TAKEN_OVER_STAGES:
                 self._child(self._taken_over, lane, stage)
             for values, metric in ((SHED_REASONS, self._shed), (RETRY_REASONS, self._retries),
@@ -159,8 +165,9 @@ class ProcessorMetrics:
                     self._child(metric, lane, value)
 
     def dispatched(self, work: Work) -> None:
-        """An HTTP attempt started."""
-        self._child(self._dispatched, work.lane).inc()
+        """A POST started: counted in ``dispatched`` the first time (``work.sends`` 1), in ``resent``
+        after."""
+        self._child(self._dispatched if work.sends <= 1 else self._resent, work.lane).inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("dispatch", extra=log_fields("dispatch", work.request, lane=work.lane,
                                                    attempt=work.attempts + 1))

@@ -73,7 +73,8 @@ class ProcessorObserver(Protocol):
         ...
 
     def dispatched(self, work: Work) -> None:
-        """An HTTP attempt of ``work`` starts (retries included)."""
+        """A POST of ``work`` starts: its first send (``work.sends`` 1) or a re-send (a retry, or
+        again after the router's fast refusal)."""
         ...
 
     def attempt_finished(self, lane: str, status: int, seconds: float) -> None:

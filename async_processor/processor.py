@@ -88,6 +88,7 @@ from async_processor.retry import (
     saturated_hold,
 )
 from async_processor.router_client import NoAnswer, RouterClient, make_router_client
+from async_processor.running import RedisRunningReporter, RunningReporter
 from async_processor.settings import ProcessorSettings
 from common.contracts.queue import (
     ErrorCode,
@@ -202,7 +203,7 @@ class Processor:
 
     def __init__(self, settings: ProcessorSettings, backend: QueueBackend, http: RouterClient,
                  gate: Gate | None = None, *, rng: random.Random | None = None,
-                 metrics: ProcessorObserver | None = None):
+                 metrics: ProcessorObserver | None = None, running: RunningReporter | None = None):
         self.settings = settings
         self._router_token = settings.router_token.get_secret_value() if settings.router_token else None
         self.backend = backend
@@ -222,6 +223,7 @@ class Processor:
         self._receive_error = ""
         self.metrics: ProcessorObserver = metrics or ProcessorMetrics()
         self.metrics.watch(self)
+        self.running = running
 
     @property
     def counts(self) -> Counter[str]:
@@ -252,6 +254,8 @@ class Processor:
                    asyncio.create_task(self._lease_keeper(), name="lease-keeper"),
                    asyncio.create_task(self._gate_refresher(), name="gate-refresher"),
                    asyncio.create_task(self._cancel_watcher(), name="cancel-watcher")]
+        if self.running is not None:
+            helpers.append(asyncio.create_task(self._running_reporter(self.running), name="running-reporter"))
         reader = asyncio.create_task(self._reader(stop), name="reader")
         dispatcher = asyncio.create_task(self._dispatcher(), name="dispatcher")
         try:
@@ -366,6 +370,7 @@ class Processor:
             now, now_unix = time.monotonic(), time.time()
             while (ready := self.buffer.pop(now, self.gate.admits, now_unix)) is not None:
                 self.gate.acquire(ready)
+                ready.sends += 1
                 self.metrics.dispatched(ready)
                 self.in_flight[ready] = asyncio.create_task(self._checked_attempt(ready))
             next_at = self.buffer.next_ready_at(now)
@@ -632,6 +637,21 @@ class Processor:
             if lost:
                 self._drop_taken_over(lost)
 
+    async def _running_reporter(self, running: RunningReporter) -> None:
+        """Report the batch requests in flight (by batch) every ``running_report_s`` for the job
+        page (:mod:`async_processor.running`); withdraw the report at stop."""
+        try:
+            while not self._closed.is_set():
+                batches = Counter(w.batch_id for w in list(self.in_flight) if w.batch_id)
+                try:
+                    await running.report(batches)
+                except Exception as exc:  # only the dashboard's running count waits for the next round
+                    log.debug("running report failed", extra={"action": "running_report_failed", "error": str(exc)})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closed.wait(), self.settings.running_report_s)
+        finally:
+            await running.close()
+
     async def _gate_refresher(self) -> None:
         while not self._closed.is_set():
             try:
@@ -695,8 +715,10 @@ async def run_processor(settings: ProcessorSettings, stop: asyncio.Event, backen
     backend = backend or make_backend(settings)
     await backend.start()
     http = http or make_router_client(settings.concurrency)
+    running = RedisRunningReporter(settings.redis_url, settings.pool, settings.consumer_name) \
+        if settings.backend == "redis" and own_backend else None
     try:
-        processor = Processor(settings, backend, http, metrics=metrics)
+        processor = Processor(settings, backend, http, metrics=metrics, running=running)
         await processor.run(stop)
         return processor
     finally:

@@ -51,6 +51,8 @@ class ProcessorSettings(BaseSettings):
     tenant_limit: int = Field(0, ge=0, description="in flight per tenant; 0 = no tenant gate")
     saturation_gate: bool = Field(False, description="gate lanes below interactive on the router's saturation")
     saturation_poll_s: float = Field(0.25, gt=0)
+    running_report_s: float = Field(1.0, gt=0, description="how often the batch requests in flight are "
+                                    "reported for the dashboard's job page (Redis backend: async_processor/running.py)")
     cancel_poll_s: float = Field(1.0, gt=0, description="how often held work is checked against "
                                  "batch cancel markers (dropped with a CANCELLED result)")
     saturation_max_age_s: float = Field(2.0, gt=0, description="older readings count as saturated")

@@ -18,21 +18,25 @@ import click
 from openai.types import Batch as SdkBatch
 from openai.types import FileObject
 
-from backfill.client import ADMIN_KEY_OPTION, Gateway, Operator, api_errors, with_gateway
+from backfill.client import ADMIN_KEY_OPTION, Gateway, Operator, api_errors, own_tenant_only, with_gateway
 from backfill.output import echo_json, echo_table, format_time, page_hint
+from common.private import private_dir, write_private
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the API's JSON instead of a table.")
 
 
 def download_results(client, batch, output_dir: Path) -> list[Path]:
     """Write the batch's output and error files (those it has) to
-    ``output_dir/{batch_id}_output.jsonl`` and ``…_errors.jsonl``; returns the paths written."""
-    output_dir.mkdir(parents=True, exist_ok=True)
+    ``output_dir/{batch_id}_output.jsonl`` and ``…_errors.jsonl``, each ``0600`` whatever the umask
+    (tenants' data: :func:`common.private.write_private`; ``output_dir`` is made ``0700`` when it
+    does not exist); returns the paths written."""
+    if not output_dir.exists():
+        private_dir(output_dir)  # made here: 0700, like the files in it (an existing folder is left as it is)
     written = []
     for kind, file_id in (("output", batch.output_file_id), ("errors", batch.error_file_id)):
         if file_id:
             target = output_dir / f"{batch.id}_{kind}.jsonl"
-            target.write_bytes(client.files.content(file_id).read())
+            write_private(target, client.files.content(file_id).read())
             written.append(target)
     return written
 
@@ -84,7 +88,9 @@ def batches_group() -> None:
 @with_gateway
 def batches_list(gateway: Gateway, limit: int, after: str | None, all_tenants: bool, status: str | None,
                  tenant: str | None, admin_key: str | None, as_json: bool) -> None:
-    """List batches, newest first; with --all-tenants every tenant's, with a TENANT column."""
+    """List batches, newest first: the API key's tenant's; with --all-tenants and the admin key every
+    tenant's, with a TENANT column (--admin-key without --all-tenants is refused)."""
+    own_tenant_only("batches", all_tenants, admin_key)
     if all_tenants:
         page = Operator.of(gateway, admin_key, "--all-tenants").get(
             "/batches", limit=limit, after=after, status=status, tenant=tenant)
@@ -174,7 +180,9 @@ def files_group() -> None:
 @with_gateway
 def files_list(gateway: Gateway, purpose: str | None, limit: int, after: str | None, all_tenants: bool,
                admin_key: str | None, as_json: bool) -> None:
-    """List files, newest first; with --all-tenants every tenant's, with a TENANT column."""
+    """List files, newest first: the API key's tenant's; with --all-tenants and the admin key every
+    tenant's, with a TENANT column (--admin-key without --all-tenants is refused)."""
+    own_tenant_only("files", all_tenants, admin_key)
     if all_tenants:
         page = Operator.of(gateway, admin_key, "--all-tenants").get("/files", limit=limit, after=after, purpose=purpose)
         files = [FileObject.model_validate(row) for row in page["data"]]
@@ -220,14 +228,14 @@ def files_show(gateway: Gateway, file_id: str, as_json: bool) -> None:
               help="File to write (default: FILE_ID.jsonl; '-' for standard output).")
 @with_gateway
 def files_download(gateway: Gateway, file_id: str, output: Path | None) -> None:
-    """Download the bytes of FILE_ID."""
+    """Download the bytes of FILE_ID (the file written is readable by you only: 0600)."""
     with api_errors(gateway.base_url):
         content = gateway.client().files.content(file_id).read()
     if str(output) == "-":
         sys.stdout.buffer.write(content)
         return
     target = output or Path(f"{file_id}.jsonl")
-    target.write_bytes(content)
+    write_private(target, content)
     click.echo(f"wrote {target}")
 
 

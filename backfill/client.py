@@ -88,6 +88,21 @@ ADMIN_KEY_OPTION = click.option("--admin-key", envvar="BACKFILL_ADMIN_KEY",
                                 help="The gateway's admin key (the dashboard's, BACKFILL_ADMIN_KEY): every tenant.")
 
 
+def own_tenant_only(what: str, all_tenants: bool, admin_key: str | None) -> None:
+    """Make plain that a list without ``--all-tenants`` is the API key's tenant's only, when an
+    admin key is at hand: ``--admin-key`` given on the command line is refused (``click.UsageError``:
+    add ``--all-tenants`` or drop it); one from ``BACKFILL_ADMIN_KEY`` gets a note on standard
+    error. ``what``: ``batches`` or ``files``."""
+    if all_tenants or not admin_key:
+        return
+    source = click.get_current_context().get_parameter_source("admin_key")
+    if source is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError(f"--admin-key lists every tenant's {what} only with --all-tenants; without it the "
+                               f"list is the API key's own tenant's: add --all-tenants, or drop --admin-key")
+    click.echo(f"the API key's tenant's {what} only (BACKFILL_ADMIN_KEY is set: --all-tenants lists every "
+               f"tenant's)", err=True)
+
+
 @dataclass
 class Operator:
     """The gateway's operator JSON over every tenant (``/admin/api/operator``), authenticated with

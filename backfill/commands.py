@@ -205,7 +205,7 @@ def keys_create(tenant: str, data_dir: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array instead of the table (for scripts).")
 @DATA_DIR_OPTION
 def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
-    """List API keys as a table: id (key_17, what keys revoke accepts), tenant, key (its first 12
+    """List API keys as a table: id (key_17; keys revoke accepts it, or the key column), tenant, key (its first 12
     characters — fewer for a short key, so a key is never shown whole), state, and when it was
     created and revoked (UTC); --json: the same as objects (id, tenant_name, key_prefix, state,
     created_at, revoked_at: Unix seconds or null)."""
@@ -215,7 +215,7 @@ def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
     rows = []
     with _session(data_dir) as session:
         for key_id, name, prefix, created_at, revoked_at in queries.list_api_keys(session, tenant):
-            shown = prefix if len(prefix) >= 12 else prefix[: len(prefix) // 2]  # a short key is stored whole
+            shown = queries.shown_prefix(prefix)  # a short key is stored whole: half of it
             rows.append((key_id, name, shown, "revoked" if revoked_at else "active", created_at, revoked_at))
     if as_json:
         def unix(value: datetime | float | None) -> int | None:
@@ -236,11 +236,16 @@ def keys_list(tenant: str | None, as_json: bool, data_dir: Path) -> None:
 @click.argument("key")
 @DATA_DIR_OPTION
 def keys_revoke(key: str, data_dir: Path) -> None:
-    """Revoke KEY: the key itself, or its id as keys list shows it (key_17)."""
+    """Revoke KEY: the key itself, its id as keys list shows it (key_17), or the start of it keys
+    list shows (sk-bf-AbCdEf, with or without the trailing …; refused when it starts several
+    active keys)."""
     from batch_gateway.store import queries
 
-    with _session(data_dir) as session:
-        revoked = queries.revoke_api_key(session, key)
+    try:
+        with _session(data_dir) as session:
+            revoked = queries.revoke_api_key(session, key, by_prefix=True)
+    except queries.AmbiguousKeyPrefix as exc:
+        raise click.ClickException(str(exc)) from None
     if not revoked:
         raise click.ClickException("no such active key")
     click.echo("revoked")

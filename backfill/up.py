@@ -341,12 +341,16 @@ def _state_store(env: dict[str, str]) -> list[str]:
     return ["--state-redis-url", url] if url else []
 
 
-def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
+def start_router(stack: Stack, host: str, *, simulated: bool, engine_priority: bool = True) -> None:
     """Start ``backfill router`` on a free port in front of ``stack.engine_urls`` (those in
     ``stack.engine_roles`` as ``--prefill-engine`` / ``--decode-engine``, so the router runs its
     shipped P/D scheduling config; the rest as ``--engine``) and wait until it has a healthy
-    engine. Simulated engines run vLLM's priority policy, so the router sends them
-    vLLM's ``priority`` field; real engines given by URL may not, so it does not.
+    engine. ``engine_priority`` (the default, in every launch mode) makes the router write vLLM's
+    ``priority`` field from the trusted objective (``--engine-priority``; a caller's own field is
+    dropped either way): simulated engines run vLLM's priority policy; engines given by URL honour
+    it when they run ``--scheduling-policy priority`` and ignore it under vLLM's default ``fcfs``
+    (vLLM's v1 engine; the old v0 engine refused a non-zero priority under ``fcfs``: ``up
+    --no-engine-priority`` for those).
 
     The router honours fairness ids and objectives only from callers with its trusted token
     (``router/trust.py``): ``stack.env`` gets one (the one already in it, else a new random one) as
@@ -371,7 +375,7 @@ def start_router(stack: Stack, host: str, *, simulated: bool) -> None:
     by_role = {role: [u for u in stack.engine_urls if stack.engine_roles.get(u) == role]
                for role in ("prefill", "decode")}
     both = [u for u in stack.engine_urls if stack.engine_roles.get(u, "both") == "both"]
-    stack.start("router", router_argv(port, both, host=host, engine_priority=simulated,
+    stack.start("router", router_argv(port, both, host=host, engine_priority=engine_priority,
                                       prefill_engines=by_role["prefill"], decode_engines=by_role["decode"],
                                       extra=["--log-level", "INFO", *slots, *_state_store(env)]))
     _wait_ready(f"{stack.router_url}/health", stack, owner="router")
@@ -509,13 +513,14 @@ def _register_key(database_url: str, api_key: str) -> None:
 def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engines: int = 2,
               served_model_names: list[str] | None = None,
               engine_urls: list[str] | None = None, admin_key: str | None = None,
-              prefill_engines: int = 0, decode_engines: int = 0,
+              prefill_engines: int = 0, decode_engines: int = 0, engine_priority: bool = True,
               progress: Callable[[str], None] | None = None) -> Iterator[Stack]:
     """Start the stack, yield it once the gateway and the engines answer, and stop everything on
     exit. ``engines`` simulated engines serve ``served_model_names`` unless ``engine_urls`` name
     real ones; ``prefill_engines`` / ``decode_engines`` simulated engines more in those roles
     (prefill/decode disaggregation; :func:`check_pd_counts` says which combinations are valid).
-    ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one). Without
+    ``admin_key`` opens the gateway's dashboard at ``/admin`` (closed without one).
+    ``engine_priority``: the router sends vLLM's ``priority`` (:func:`start_router`). Without
     ``api_key`` the stack makes one for tenant ``default``, active only while it runs
     (:data:`GENERATED_KEY_FILE`). ``progress`` is
     called with one short line (``"router ready http://…"``) as each service becomes ready.
@@ -561,7 +566,7 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
                 say(f"engine ready {url}" + (f" ({stack.engine_roles[url]})" if url in stack.engine_roles else "")
                     + (" (given)" if engine_urls else ""))
             if stack.engine_urls:
-                start_router(stack, host, simulated=not engine_urls)
+                start_router(stack, host, simulated=not engine_urls, engine_priority=engine_priority)
                 assert stack.router_url is not None  # start_router set it
                 say(f"router ready {stack.router_url}")
                 stack.start("processor", _backfill("processor", "--backend", "redis", "--router-url",
@@ -673,10 +678,16 @@ def stop_on_signals() -> None:
                    "With them, --engines counts only engines doing both and defaults to 0.")
 @click.option("--decode-engines", default=0, show_default=True, type=click.IntRange(0, 64),
               help="Simulated decode engines (needs --prefill-engines).")
+@click.option("--engine-priority/--no-engine-priority", default=True, show_default=True,
+              help="The router writes vLLM's request priority from the band (interactive first) on every "
+                   "request, for simulated and --engine-url engines alike; vLLM honours it with "
+                   "--scheduling-policy priority and ignores it under fcfs. Off only for old (v0) vLLM "
+                   "engines that refuse a priority under fcfs.")
 @click.pass_context
 def up_command(ctx: click.Context, data_dir: Path, host: str, port: int, api_key: str | None,
                admin_key: str | None, engines: int, served_model_names: tuple[str, ...],
-               engine_urls: tuple[str, ...], prefill_engines: int, decode_engines: int) -> None:
+               engine_urls: tuple[str, ...], prefill_engines: int, decode_engines: int,
+               engine_priority: bool) -> None:
     """Run the whole stack on this machine until SIGINT/SIGTERM."""
     names = [name.strip() for value in served_model_names for name in value.split(",") if name.strip()]
     check_pd_counts(prefill_engines, decode_engines, bool(engine_urls))
@@ -688,7 +699,8 @@ def up_command(ctx: click.Context, data_dir: Path, host: str, port: int, api_key
     try:
         with run_stack(data_dir, host, port, api_key, engines=engines, served_model_names=names,
                        engine_urls=list(engine_urls), admin_key=admin_key, prefill_engines=prefill_engines,
-                       decode_engines=decode_engines, progress=lambda line: click.echo(f"backfill: {line}", err=True),
+                       decode_engines=decode_engines, engine_priority=engine_priority,
+                       progress=lambda line: click.echo(f"backfill: {line}", err=True),
                        ) as stack:
             click.echo(ready_line(stack, admin_key))
             for line in summary(stack, admin_key):

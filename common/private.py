@@ -50,3 +50,12 @@ def open_private(path: Path, flags: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def write_private(path: Path, data: bytes) -> Path:
+    """Write ``data`` to file ``path`` (replacing what it held), ``0600`` whatever the umask and
+    whatever mode a file already there had (:func:`open_private`): the CLI's downloads of tenants'
+    outputs. Returns ``path``; raises ``OSError`` as ``os.open`` does."""
+    with os.fdopen(open_private(path, os.O_WRONLY | os.O_TRUNC), "wb") as handle:
+        handle.write(data)
+    return path

@@ -10,9 +10,18 @@ series                                                 type       labels
 ``backfill_router_decision_duration_seconds``          histogram  ``plugin`` (``total`` for the
                                                                   whole decision)
 ``backfill_router_dispatched_total``                   counter    ``band``
-``backfill_router_shed_total``                         counter    ``band``, ``reason`` (the drop
-                                                                  reason with underscores,
-                                                                  :func:`reason_label`)
+``backfill_router_refused_total``                      counter    ``band``, ``reason``
+                                                                  (backpressure: refused at once
+                                                                  with ``Retry-After``, sent again
+                                                                  by the caller:
+                                                                  ``rejected_saturated``,
+                                                                  ``rejected_capacity``,
+                                                                  ``rejected_quota``)
+``backfill_router_shed_total``                         counter    ``band``, ``reason`` (work dropped
+                                                                  after it waited or ran:
+                                                                  ``rejected_ttl_expired``,
+                                                                  ``evicted``,
+                                                                  ``rejected_context_cancelled``)
 ``backfill_router_make_room_evictions_total``         counter    ``endpoint`` (sheddable requests
                                                                   evicted for non-sheddable ones)
 ``backfill_router_evictions_total``                    counter    ``endpoint``, ``reason`` (sheddable
@@ -90,7 +99,7 @@ from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common.contracts.router_state import RouterState, reason_label
+from common.contracts.router_state import RouterState, is_backpressure, reason_label
 from common.metrics import service_registry
 
 #: Decision-time buckets, seconds: 10 µs … 50 ms (llm-d's scheduler runs at 0.1–0.2 ms p50).
@@ -123,8 +132,13 @@ class RouterMetrics:
         self.decision_total = self.decision.labels("total")
         self.dispatched = Counter("backfill_router_dispatched", "Requests released by flow control, by band.",
                                   ["band"], registry=reg)
-        self.shed_total = Counter("backfill_router_shed", "Requests refused or dropped by flow control.",
-                            ["band", "reason"], registry=reg)
+        self.refused_total = Counter("backfill_router_refused",
+                                     "Requests refused at once by flow control with Retry-After (backpressure: "
+                                     "the caller sends them again), by band and reason.",
+                                     ["band", "reason"], registry=reg)
+        self.shed_total = Counter("backfill_router_shed",
+                                  "Requests dropped by flow control after they waited or ran (work lost), by band "
+                                  "and reason.", ["band", "reason"], registry=reg)
         self.make_room_evictions = Counter(
             "backfill_router_make_room_evictions",
             "Sheddable requests evicted to make room for non-sheddable ones on an endpoint with no free slot.",
@@ -174,8 +188,11 @@ class RouterMetrics:
 
     def shed(self, objective: str, reason: str) -> None:
         """One request refused, dropped or evicted by flow control (``reason``: a
-        :class:`~router.flow_control.errors.DropReason` value, labelled by :func:`reason_label`)."""
-        self.shed_total.labels(objective, reason_label(reason)).inc()
+        :class:`~router.flow_control.errors.DropReason` value, labelled by :func:`reason_label`):
+        counted in ``backfill_router_refused_total`` when it is backpressure
+        (:func:`~common.contracts.router_state.is_backpressure`), else in ``backfill_router_shed_total``."""
+        counter = self.refused_total if is_backpressure(reason) else self.shed_total
+        counter.labels(objective, reason_label(reason)).inc()
 
     def made_room(self, endpoint: str) -> None:
         """One sheddable request evicted on ``endpoint`` for a non-sheddable one."""

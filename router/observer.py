@@ -17,7 +17,8 @@ class RouterObserver(Protocol):
         """The client got HTTP ``status`` (499: it went away before any answer)."""
 
     def shed(self, objective: str, reason: str) -> None:
-        """Flow control refused, dropped or evicted a request (``reason``: the drop reason)."""
+        """Flow control refused (backpressure), dropped or evicted a request (``reason``: the drop
+        reason; the metrics count backpressure and shedding apart)."""
 
     def made_room(self, endpoint: str) -> None:
         """A sheddable request on ``endpoint`` was evicted to make room for a non-sheddable one

@@ -63,7 +63,9 @@ class RouterSettings(BaseSettings):
         flow_control: path of a flow-control YAML (bands, limits); None: the built-in defaults.
         flow_control_enabled: False sends every request straight to scheduling (a pure router).
         engine_priority: add vLLM's ``priority`` field (engines run ``--scheduling-policy
-            priority``); leave off for engines on the default FCFS policy, which refuse it.
+            priority`` to honour it; vLLM's v1 engine ignores it under the default ``fcfs``, the
+            old v0 engine refused a non-zero one there). ``backfill up`` turns it on in every
+            launch mode (``--no-engine-priority`` to turn it off).
         scrape_interval_s, health_interval_s, unhealthy_after, max_metrics_age_s: see the module doc.
         queue_threshold, kv_threshold: saturation detector thresholds (llm-d defaults 5 and 0.8).
         slot_reserve_fraction, min_slot_reserve: the slot reserve for non-sheddable work, a

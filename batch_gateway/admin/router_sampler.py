@@ -96,6 +96,7 @@ def _counters(state: RouterState) -> dict[str, int]:
     for band in state.bands:
         out[f"d:{band.objective}"] = band.dispatched_total
         out.update({f"s:{band.objective}:{reason}": n for reason, n in band.shed_total.items()})
+        out.update({f"r:{band.objective}:{reason}": n for reason, n in band.refused_total.items()})
     return out
 
 

@@ -27,7 +27,7 @@ from fastapi.templating import Jinja2Templates
 import batch_gateway.admin.auth as auth
 from batch_gateway.admin.auth import Admin, AdminError, require_admin
 from batch_gateway.admin.charts import line_chart
-from batch_gateway.admin.health import HealthSampler, freshness, health_urls
+from batch_gateway.admin.health import HealthSampler, freshness, health_bounds, health_urls
 from batch_gateway.admin.router_sampler import RouterSampler, rates
 from batch_gateway.api.files import content_disposition
 from batch_gateway.deps import SessionDep
@@ -42,8 +42,8 @@ from batch_gateway.store.states import (
     BatchStatus,
     ResponseStatus,
 )
-from common.contracts.queue import LANE_PRIORITIES
-from common.contracts.router_state import BACKPRESSURE_REASONS, SATURATION_THRESHOLD, reason_label
+from common.contracts.queue import LANE_PRIORITIES, running_counts, running_key
+from common.contracts.router_state import SATURATION_THRESHOLD
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -439,9 +439,22 @@ def jobs_json(admin: AdminDep, session: SessionDep, status: Status = None, tenan
     return {"data": page["jobs"], "next": page["next"], "total": page["total"]}
 
 
-def _job(session, batch_id: str) -> dict:
+def running_requests(client: redis.Redis, pool: str, batch_id: str) -> int | None:
+    """Requests of ``batch_id`` the processors have in flight at the router now (their reports in
+    :func:`~common.contracts.queue.running_key`, :mod:`async_processor.running`); None when Redis
+    cannot be read."""
+    try:
+        fields = client.hgetall(running_key(pool))
+    except redis.RedisError:
+        return None
+    return running_counts(fields, time.time()).get(batch_id, 0)
+
+
+def _job(session, batch_id: str, running: int | None) -> dict:
     """The job page's batch (:func:`job_view` and its detail), timeline and request counts; 404 when
-    no tenant has ``batch_id``."""
+    no tenant has ``batch_id``. ``running`` (:func:`running_requests`; None: unknown) of the
+    ``queued`` requests are in flight at the router; ``open_states`` has ``pending``, ``waiting``
+    (queued, not in flight: in a lane or held by a processor), ``running`` and ``queued`` (both)."""
     row = queries.admin_get_batch(session, batch_id)
     if row is None:
         raise AdminNotFound(f"No such Batch object: {batch_id[:100]}", param="batch_id")
@@ -455,8 +468,17 @@ def _job(session, batch_id: str) -> dict:
                       "output": batch.usage_output_tokens})
     timeline = [{"type": e.type, "at": unix_seconds(e.created_at), "payload": e.payload}
                 for e in queries.batch_events(session, batch_id)]
-    return {"job": job, "timeline": timeline, "states": states,
-            "open_states": {state: states.get(state, 0) for state in OPEN_REQUEST_STATES}}
+    open_states: dict[str, int | None] = {state: states.get(state, 0) for state in OPEN_REQUEST_STATES}
+    queued = states.get("queued", 0)
+    in_flight = None if running is None else min(running, queued)  # a report may lag a result by a second
+    open_states.update(running=in_flight, waiting=None if in_flight is None else queued - in_flight)
+    return {"job": job, "timeline": timeline, "states": states, "open_states": open_states}
+
+
+def _job_of(request: Request, session, batch_id: str) -> dict:
+    """:func:`_job` with the processors' running count from the dashboard's Redis."""
+    settings = request.app.state.settings
+    return _job(session, batch_id, running_requests(request.app.state.admin_redis, settings.queue_pool, batch_id))
 
 
 def _requests(session, batch_id: str, state: str | None, after: str | None) -> tuple[list[dict], Any]:
@@ -473,7 +495,7 @@ def job_page(request: Request, batch_id: str, admin: AdminDep, session: SessionD
              state: Status = None, after: After = None,
              notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
     """One batch: its summary, requests by state, timeline and requests."""
-    detail = _job(session, batch_id)
+    detail = _job_of(request, session, batch_id)
     requests, last = _requests(session, batch_id, state, after)
     base = f"/admin/jobs/{batch_id}"
     notice = notice if notice in NOTICES else None
@@ -499,7 +521,7 @@ def requests_fragment(request: Request, batch_id: str, admin: AdminDep, session:
 def job_fragment(request: Request, batch_id: str, admin: AdminDep, session: SessionDep,
                  notice: Annotated[str | None, Query(max_length=32)] = None) -> HTMLResponse:
     """One batch's live parts, for the page's refresh."""
-    return _render(request, "_job_summary.html", admin, **_job(session, batch_id),
+    return _render(request, "_job_summary.html", admin, **_job_of(request, session, batch_id),
                    notice=notice if notice in NOTICES else None)
 
 
@@ -597,7 +619,7 @@ def _health(request: Request) -> dict:
     """Every service's row of the health view (:meth:`HealthSampler.rows`; empty without one)."""
     health: HealthSampler | None = request.app.state.admin_health
     now = time.time()
-    return {"services": health.rows(now, gateway_at=now) if health else []}
+    return {"services": health.rows(now, gateway_at=now) if health else [], "bounds": health_bounds(health)}
 
 
 @router.get("/health", name="admin_health")
@@ -735,13 +757,14 @@ def _router_context(request: Request) -> dict:
 
 
 def refusals(band) -> dict[str, dict[str, int]]:
-    """A band's router counters split in two (labels spelled as the metrics spell them,
-    :func:`~common.contracts.router_state.reason_label`): ``refused``, backpressure the caller re-sends
-    (:data:`~common.contracts.router_state.BACKPRESSURE_REASONS`), and ``shed``, work truly dropped;
-    reasons never counted are left out."""
-    counts = {reason_label(reason): n for reason, n in (band.shed_total.items() if band else ()) if n}
-    return {"refused": {r: n for r, n in counts.items() if r in BACKPRESSURE_REASONS},
-            "shed": {r: n for r, n in counts.items() if r not in BACKPRESSURE_REASONS}}
+    """A band's router counters as the router splits them (labels spelled as its metrics spell
+    them): ``refused``, backpressure the caller re-sends (``refused_total``,
+    ``backfill_router_refused_total``), and ``shed``, work truly dropped (``shed_total``,
+    ``backfill_router_shed_total``); reasons never counted are left out."""
+    if band is None:
+        return {"refused": {}, "shed": {}}
+    return {"refused": {r: n for r, n in band.refused_total.items() if n},
+            "shed": {r: n for r, n in band.shed_total.items() if n}}
 
 
 def _lanes(request: Request) -> dict:

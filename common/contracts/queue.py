@@ -400,3 +400,38 @@ def request_active_key(request_id: str) -> str:
 def cancel_marker_key(batch_id: str) -> str:
     """Redis key whose existence cancels every queued message with ``metadata.batch_id``."""
     return f"backfill:cancel:batch:{batch_id}"
+
+
+RUNNING_REPORT_MAX_AGE_S = 10.0
+"""A processor's report in :func:`running_key` older than this (s) is ignored: the processor
+stopped or froze (it rewrites its report every ``running_report_s``, 1 s by default, while it has
+batch requests in flight)."""
+
+
+def running_key(pool: str = DEFAULT_POOL) -> str:
+    """Redis hash of the batch requests each processor of ``pool`` has in flight at the router:
+    field = the processor's name, value = JSON ``{"at": Unix s, "batches": {batch_id: n}}``
+    (:func:`running_report`); read by :func:`running_counts`."""
+    return f"backfill:running:{pool}"
+
+
+def running_report(at: float, batches: Mapping[str, int]) -> bytes:
+    """One processor's field of :func:`running_key`: ``{"at": at, "batches": {batch_id: n}}``."""
+    return orjson.dumps({"at": at, "batches": dict(batches)})
+
+
+def running_counts(fields: Mapping[bytes | str, bytes | str], now: float,
+                   max_age_s: float = RUNNING_REPORT_MAX_AGE_S) -> dict[str, int]:
+    """``{batch_id: requests in flight}`` summed over the processors' reports of :func:`running_key`
+    (an ``HGETALL``) written within ``max_age_s`` of ``now``; unreadable fields are skipped."""
+    total: dict[str, int] = {}
+    for value in fields.values():
+        try:
+            report = orjson.loads(value)
+            if now - float(report["at"]) > max_age_s:
+                continue
+            for batch_id, n in report["batches"].items():
+                total[str(batch_id)] = total.get(str(batch_id), 0) + max(0, int(n))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return total

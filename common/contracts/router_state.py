@@ -28,7 +28,10 @@ gate and the admin dashboard. Units: requests, tokens, blocks, seconds; fraction
                     "external_prefix_cache_hit_rate": float | null (CPU / disk tiers),
                     "last_error": str | null}],
      "bands": [{"objective", "priority", "queued_requests", "queued_bytes", "in_flight",
-                "dispatched_total", "shed_total": {reason: n}, "oldest_wait_s", "flows"}],
+                "dispatched_total", "refused_total": {reason: n} (backpressure: refused at once, to
+                be sent again, :data:`BACKPRESSURE_REASONS`), "shed_total": {reason: n} (work
+                dropped after it waited or ran), "oldest_wait_s", "flows"}],
+                (reasons spelled as the metric labels: :func:`reason_label`)
      "index": {"kind": "kv-events" | "approximate" | null, "tiers": {tier: blocks}, …}}
 
 Readers ignore fields they do not know (the models are lenient), so the router may add fields.
@@ -112,13 +115,23 @@ class BandState(_Lenient):
     queued_bytes: int = 0
     in_flight: int = 0
     dispatched_total: int = 0
+    refused_total: dict[str, int] = Field(default_factory=dict)
+    """Requests refused at once (backpressure the caller re-sends), by reason label
+    (:data:`BACKPRESSURE_REASONS`): ``backfill_router_refused_total``."""
     shed_total: dict[str, int] = Field(default_factory=dict)
+    """Requests dropped after they waited or ran, by reason label (:data:`SHED_REASONS`):
+    ``backfill_router_shed_total``."""
     oldest_wait_s: float = 0.0
     flows: int = 0
 
     @property
+    def refused(self) -> int:
+        """Requests refused at once, every reason."""
+        return sum(self.refused_total.values())
+
+    @property
     def shed(self) -> int:
-        """Requests shed for any reason."""
+        """Requests shed (work dropped), every reason."""
         return sum(self.shed_total.values())
 
 
@@ -161,12 +174,21 @@ def parse_gate_saturation(body: bytes | str) -> float:
 
 
 BACKPRESSURE_REASONS = ("rejected_saturated", "rejected_capacity", "rejected_quota")
-"""``reason`` labels of ``backfill_router_shed_total`` that are backpressure, not shedding: the
-request was refused at once, before any wait or engine work, with 429 and ``Retry-After``, and the
-caller sends it again (the processor always does: ``async_processor.retry``). The other reasons
-(``rejected_ttl_expired``, ``evicted``, ``rejected_context_cancelled``) drop work that waited or
-ran. Alerts, panels and the dashboard's Lanes page about shedding leave these out
-(deploy/prometheus/alerts.yaml)."""
+"""Reason labels of backpressure, counted in ``backfill_router_refused_total`` (and the state's
+``refused_total``): the request was refused at once, before any wait or engine work, with 429 (503
+while the router stops) and ``Retry-After``, and the caller sends it again later (the processor
+always does: ``async_processor.retry``). Nothing is lost."""
+
+SHED_REASONS = ("rejected_ttl_expired", "evicted", "rejected_context_cancelled")
+"""Reason labels of shedding, counted in ``backfill_router_shed_total`` (and the state's
+``shed_total``): work dropped after it waited in the router's queue or ran on an engine (the time
+spent is lost). ``BackfillShedRateHigh`` fires on these only (deploy/prometheus/alerts.yaml)."""
+
+
+def is_backpressure(reason: str) -> bool:
+    """Whether a drop reason (llm-d's header value or its label) is backpressure
+    (:data:`BACKPRESSURE_REASONS`) rather than shedding."""
+    return reason_label(reason) in BACKPRESSURE_REASONS
 
 
 def reason_label(reason: str) -> str:

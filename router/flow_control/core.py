@@ -84,6 +84,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from common.contracts.router_state import is_backpressure, reason_label
 from router.flow_control.config import BandConfig, FlowControlConfig
 from router.flow_control.errors import DropReason, RequestDropped
 
@@ -368,8 +369,13 @@ class FlowControlCore:
         """Counters and gauges, bands highest first::
 
             {"bands": [{"objective", "priority", "queued_requests", "queued_bytes", "in_flight",
-                        "dispatched_total", "shed_total": {reason: n for every DropReason},
+                        "dispatched_total", "refused_total": {label: n}, "shed_total": {label: n},
                         "oldest_wait_s"}], "dispatched_total": n}
+
+        ``refused_total`` counts every backpressure reason (refused at once, re-sent by the caller),
+        ``shed_total`` every other :class:`DropReason` (work dropped after it waited or ran), each
+        keyed by its metric label (``rejected_saturated``:
+        :func:`common.contracts.router_state.reason_label`), as the router's ``/metrics`` splits them.
 
         ``oldest_wait_s`` is ``now`` minus the oldest waiting item's enqueue time (0.0 when none).
         """
@@ -383,7 +389,8 @@ class FlowControlCore:
                 "queued_bytes": band.queued_bytes,
                 "in_flight": len(band.in_flight),
                 "dispatched_total": band.dispatched_total,
-                "shed_total": {r.value: band.shed[r] for r in DropReason},
+                "refused_total": {reason_label(r): band.shed[r] for r in DropReason if is_backpressure(r)},
+                "shed_total": {reason_label(r): band.shed[r] for r in DropReason if not is_backpressure(r)},
                 "oldest_wait_s": max(0.0, now - oldest.enqueued_at) if oldest else 0.0,
                 "flows": len(band.flows),
             })

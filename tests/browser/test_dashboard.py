@@ -119,6 +119,11 @@ def test_log_in_watch_progress_open_the_batch_and_cancel_it(page, stack):
     page.wait_for_url(f"**/admin/jobs/{batch.id}")
     assert page.locator("#job-status").inner_text() == "in_progress"
     assert "batch.in_progress" in page.locator(".timeline").inner_text()
+    # the requests at the router are counted as running, apart from those still waiting: at most
+    # the processor's 2 slots, refreshed without a reload
+    page.wait_for_function("() => +document.querySelector('#job-running').textContent > 0")
+    running = int(page.locator("#job-running").inner_text())
+    assert 1 <= running <= 2 and int(page.locator("#job-waiting").inner_text()) >= 0
     shot(page, "job")
 
     dialogs = []
@@ -199,6 +204,11 @@ def test_a_stopped_router_turns_the_gate_unknown_and_the_health_view_says_so(pag
         page.wait_for_function("() => document.querySelector('tr[data-service=\"router\"]')"
                                ".innerText.includes('no answer')")
         shot(page, "health-router-stopped")
+        # and down once three refreshes (3 × (1 s poll + 2 s read bound)) passed without an answer
+        page.wait_for_function("() => document.querySelector('tr[data-service=\"router\"] .status')"
+                               ".textContent === 'down'")
+        assert "not answered for 9 s" in page.locator("#health-rule").inner_text()
+        shot(page, "health-router-down")
     finally:
         router.resume()
     page.goto(admin_url(stack) + "/lanes")

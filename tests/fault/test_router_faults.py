@@ -223,4 +223,4 @@ def test_f11_flood_in_the_batch_band(tmp_path: Path) -> None:
     last_b = max(i for i, d in enumerate(order) if d[0] == "tenant-b")
     assert sum(1 for d in order[last_b + 1:] if d[0] == "tenant-a") >= 10
     batch = next(b for b in state["bands"] if b["objective"] == "batch")
-    assert batch["shed_total"].get("rejected-quota", 0) == len(rejected)
+    assert batch["refused_total"].get("rejected_quota", 0) == len(rejected)

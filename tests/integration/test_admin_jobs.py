@@ -429,8 +429,28 @@ def test_job_page_counts_requests_by_their_states_and_its_request_table_refreshe
         session.commit()
     admin = _admin(gateway)
     page = admin.get(f"/admin/jobs/{row['id']}").text
-    assert _cell(page, "job-open") == ("159 pending (in Postgres, not yet fed) · 38 queued (handed to the "
-                                       "processors: waiting in a lane or running at an engine)")
+    assert _cell(page, "job-open") == ("159 pending (in Postgres, not yet fed) · 38 queued, waiting (in a lane or "
+                                       "held by a processor) · 0 running (sent to the router, no answer yet)")
+    # two processors report 12 of them in flight; a third's report is older than the age the page
+    # trusts (it stopped or froze) and another batch's requests are not this one's
+    import time as clock
+
+    import redis as redis_client
+
+    from common.contracts.queue import RUNNING_REPORT_MAX_AGE_S, running_key, running_report
+
+    store = redis_client.Redis.from_url(gateway.settings.redis_url)
+    now = clock.time()
+    store.hset(running_key(gateway.settings.queue_pool), mapping={
+        "p1": running_report(now, {row["id"]: 5, "batch_other": 9}), "p2": running_report(now, {row["id"]: 7}),
+        "p3": running_report(now - RUNNING_REPORT_MAX_AGE_S - 1, {row["id"]: 20})})
+    try:
+        page = admin.get(f"/admin/jobs/{row['id']}").text
+        assert (_cell(page, "job-waiting"), _cell(page, "job-running")) == ("26", "12")
+        live = admin.get(f"/admin/fragments/jobs/{row['id']}").text  # the refreshed summary says the same
+        assert (_cell(live, "job-waiting"), _cell(live, "job-running")) == ("26", "12")
+    finally:
+        store.delete(running_key(gateway.settings.queue_pool))
     assert "queued 38" in _cell(page, "job-states") and "pending 159" in _cell(page, "job-states")
     live = re.search(r'<tbody id="request-rows" data-refresh="([^"]+)"', page).group(1).replace("&amp;", "&")
     assert live == f"/admin/fragments/jobs/{row['id']}/requests"

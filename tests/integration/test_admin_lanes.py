@@ -9,6 +9,7 @@ import re
 import secrets
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -66,12 +67,13 @@ class FakeRouter:
         return {"pool_saturation": self.saturation, "gate_saturation": self.gate_saturation, "time": 1_800_000_000 + TIME_STEP * self.reads,
                 "decisions_per_s": 42.0, "endpoints": [engine, hot, sick],
                 "bands": [{"objective": "interactive", "priority": 100, "queued_requests": 0, "queued_bytes": 0,
-                           "in_flight": 4, "dispatched_total": 500, "shed_total": {}},
+                           "in_flight": 4, "dispatched_total": 500, "refused_total": {}, "shed_total": {}},
                           {"objective": "flex", "priority": 0, "queued_requests": 3, "queued_bytes": 900,
-                           "in_flight": 2, "dispatched_total": 40, "shed_total": {"rejected-ttl-expired": 1}},
+                           "in_flight": 2, "dispatched_total": 40, "shed_total": {"rejected_ttl_expired": 1}},
                           {"objective": "batch", "priority": -10, "queued_requests": 12, "queued_bytes": 9000,
                            "in_flight": 6, "dispatched_total": DISPATCH_STEP * self.reads,
-                           "shed_total": {"rejected-saturated": 5, "rejected-ttl-expired": 2, "evicted": 0}}]}
+                           "refused_total": {"rejected_saturated": 5, "rejected_capacity": 0},
+                           "shed_total": {"rejected_ttl_expired": 2, "evicted": 0}}]}
 
 
 @pytest.fixture
@@ -203,7 +205,7 @@ def test_without_a_router_url_the_pages_say_how_to_set_one(gateway_settings):
 
 def _sample(t: float, dispatched: int, shed: int = 0, interactive: int = 0) -> Sample:
     return Sample(at=t, state=RouterState(pool_saturation=0.5, time=t, bands=[
-        {"objective": "batch", "dispatched_total": dispatched, "shed_total": {"saturated": shed}},
+        {"objective": "batch", "dispatched_total": dispatched, "shed_total": {"evicted": shed}},
         {"objective": "interactive", "dispatched_total": interactive}]))
 
 
@@ -254,6 +256,10 @@ def test_a_router_that_stops_answering_turns_the_gate_and_engines_unknown(gatewa
         assert 'id="router-error"' in lanes and "ago" in lanes.split('id="router-error"')[1][:400]
         fleet = client.get("/admin/fleet", headers=ADMIN).text
         assert "unknown now: the last reading" in fleet
+        # the engine's metrics age now: 0.2 s at the reading, plus the reading's own age, which is
+        # past its refresh (poll 0.05 s + the sampler's 0.5-s read bound) since the pages call it unknown
+        (age,) = re.findall(r'<tr data-engine="engine-0">.*?class="num metrics-age"[^>]*>([0-9.]+) s<', fleet, re.S)
+        assert float(age) >= 0.2 + 0.55
         assert _row(fleet, "data-engine", "engine-0")[2] == ["unknown"] and "healthy" not in \
             " ".join(_row(fleet, "data-engine", "engine-0")[2])
 
@@ -280,12 +286,73 @@ def test_the_health_page_shows_every_service_with_its_last_answer_age(gateway_se
                     break
                 assert time.monotonic() < deadline, states
                 time.sleep(0.05)
-            assert states == {"gateway": "up", "router": "up", "processor": "down", "worker": "unknown",
-                              "beat": "up"}
+            # nothing ever answered on the worker's port: unknown, down once that lasted 3 refreshes
+            assert states["worker"] in ("unknown", "down")
+            assert {**states, "worker": None} == {"gateway": "up", "router": "up", "processor": "down", "worker": None,
+                                                  "beat": "up"}
             assert _row(page, "data-service", "worker")[2] == ["never"]
             assert "answered HTTP 503" in " ".join(_row(page, "data-service", "processor")[4])
             assert client.get("/admin/fragments/health", headers=ADMIN).text.count("<tr data-service=") == 5
             assert 'href="/admin/health"' in page and 'data-refresh="/admin/fragments/health"' in page
+
+
+def test_a_frozen_service_turns_unknown_then_down_within_the_bound_the_page_states(gateway_settings, fake_router,
+                                                                                  tmp_path):
+    """SIGSTOP's effect on the health view: the router's /health stops answering (the connection
+    opens, nothing comes back). Its row turns unknown once its last answer is older than its
+    refresh, then down once three refreshes passed without an answer, the bound the page states."""
+    def router_health():
+        if fake_router.mode == "hang":
+            fake_router.released.wait(30)
+        return {"status": "ok"}
+
+    fake_router.app.get("/health")(router_health)
+    settings = gateway_settings.model_copy(update={"health_poll_seconds": 0.05, "data_dir": tmp_path})
+    with _client(settings, fake_router.url) as client:
+        def router_row() -> tuple[str, str]:
+            page = client.get("/admin/fragments/health", headers=ADMIN).text
+            row = _row(page, "data-service", "router")
+            return row[1][0], page
+
+        seen = [router_row()[0]]
+        deadline = time.monotonic() + 60
+        while seen[-1] != "up":
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+            seen.append(router_row()[0])
+        fake_router.mode = "hang"
+        while seen[-1] != "down":
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+            state, page = router_row()
+            seen.append(state)
+        after_up = seen[len(seen) - seen[::-1].index("up"):]
+        assert after_up[0] == "unknown" and set(after_up) == {"unknown", "down"}  # never up, never down first
+        assert "no answer" in " ".join(_row(page, "data-service", "router")[4])
+        stale, down = 0.05 + 2.0, 3 * (0.05 + 2.0)  # poll + the 2-s read bound, then three of them
+        rule = re.sub(r"<[^>]+>", "", page.split('id="health-rule">')[1])
+        assert f"({stale:g} s) is unknown" in rule and f"not answered for {down:g} s" in rule
+
+
+def test_a_service_is_down_after_its_bound_without_an_answer_unknown_before():
+    """The rule itself, at given instants: a fresh answer decides up (200) or down (another
+    status); past the refresh, or with the last read unanswered, it is unknown; once three
+    refreshes passed without an answer, the last read failing, it is down (a service that never
+    answered counts from its first read); beat's file goes the same way on its own bounds."""
+    from batch_gateway.admin.health import HealthSampler, ServiceHealth
+
+    service = ServiceHealth("router", "http://r/health", stale_after_s=7.0, status=200, answered_at=100.0)
+    assert service.down_after_s == 21.0 and service.state(107.0) == "up" and service.state(107.5) == "unknown"
+    assert ServiceHealth("p", "u", 7.0, status=503, answered_at=100.0, error="answered HTTP 503").state(101) == "down"
+    service.error = "no answer (ReadTimeout)"
+    assert [service.state(t) for t in (104.0, 120.9, 121.0, 500.0)] == ["unknown", "unknown", "down", "down"]
+    never = ServiceHealth("worker", "http://w/health", stale_after_s=7.0, error="no answer (ConnectError)",
+                          watched_since=50.0)
+    assert never.state(70.9) == "unknown" and never.state(71.0) == "down"
+    beat = HealthSampler({}, Path("/nonexistent"), 5.0).beat
+    assert (beat.stale_after_s, beat.down_after_s) == (210.0, 420.0)
+    beat.status, beat.answered_at, beat.error = 200, 100.0, "no answer: schedule file not rewritten for 250 s"
+    assert beat.state(350.0) == "unknown" and beat.state(520.0) == "down"
 
 
 def test_an_idle_chart_has_a_zero_to_one_axis_not_1e_09():

@@ -61,3 +61,43 @@ def test_keys_revoke_accepts_the_id_keys_list_shows(database_url, monkeypatch, t
         assert queries.tenant_for_key(session, doomed) is None
         assert queries.tenant_for_key(session, kept) is not None
     engine.dispose()
+
+
+def test_keys_revoke_accepts_the_prefix_keys_list_prints(database_url, monkeypatch, tmp_path) -> None:
+    """The KEY column as printed (``sk-bf-AbCdEf…``, copied with its ellipsis) revokes that key; a
+    short key by the half shown; a prefix that starts two active keys is refused, naming their ids,
+    and revokes nothing."""
+    monkeypatch.setenv("DATABASE_URL", database_url)
+    runner = CliRunner()
+
+    def cli(*args: str):
+        return runner.invoke(main, [*args, "--data-dir", str(tmp_path)])
+
+    doomed = cli("keys", "create", "--tenant", "prefixes").output.strip()
+    kept = cli("keys", "create", "--tenant", "prefixes").output.strip()
+    from batch_gateway.store import queries
+    from batch_gateway.store.db import make_engine, make_sessionmaker
+    from batch_gateway.store.settings import sqlalchemy_url
+
+    engine = make_engine(sqlalchemy_url(database_url), pool_size=1)
+    with make_sessionmaker(engine)() as session:
+        for key in ("sk-twin-prefix-one", "sk-twin-prefix-two", "sk-shrt9"):
+            queries.add_api_key(session, "prefixes", key)
+        session.commit()
+    table = cli("keys", "list", "--tenant", "prefixes").output
+    printed = next(word for word in table.split() if word.endswith("…") and doomed.startswith(word[:-1]))
+
+    revoked = cli("keys", "revoke", printed)
+    assert revoked.exit_code == 0, revoked.output
+    short = cli("keys", "revoke", "sk-s…")  # what keys list prints of sk-shrt9
+    assert short.exit_code == 0, short.output
+    twins = cli("keys", "revoke", "sk-twin-pref")
+    assert twins.exit_code == 1 and "2 active keys" in twins.output and "give the id" in twins.output
+    too_short = cli("keys", "revoke", kept[:5])  # shorter than what keys list prints: no match
+    assert too_short.exit_code == 1 and "no such active key" in too_short.output
+    with make_sessionmaker(engine)() as session:
+        assert queries.tenant_for_key(session, doomed) is None and queries.tenant_for_key(session, "sk-shrt9") is None
+        assert queries.tenant_for_key(session, kept) is not None
+        assert queries.tenant_for_key(session, "sk-twin-prefix-one") is not None
+        assert queries.tenant_for_key(session, "sk-twin-prefix-two") is not None
+    engine.dispose()

@@ -272,17 +272,22 @@ def test_every_service_of_backfill_up_serves_its_documented_series(tmp_path):
 
 def test_processor_counts_retries_sheds_and_gate_decisions_once_per_request():
     """Concurrency 1 and three requests: the two held back are each denied once by the concurrency
-    gate however often the dispatcher asks; a 429 is a retry; a past deadline is shed."""
+    gate however often the dispatcher asks; a 429 is a retry; the router's fast refusal
+    (``rejected-saturated``) is held, not an attempt; a past deadline is shed. Each request is
+    dispatched once; its later POSTs are re-sends."""
     from async_processor.backends.memory import MemoryBackend
     from async_processor.testing import eventually, running
     from common.contracts.queue import RequestMessage
 
-    answers = {"r1": [429, 200], "r2": [200], "r3": [200]}
+    answers: dict[str, list[int | str]] = {"r1": [429, 200], "r2": ["refused", 200], "r3": [200]}
 
     async def router(request: httpx.Request) -> httpx.Response:
-        status = answers[orjson.loads(request.content)["id"]].pop(0)
+        answer = answers[orjson.loads(request.content)["id"]].pop(0)
         await asyncio.sleep(0.2)  # the dispatcher wakes every 10 ms meanwhile and asks the gates again
-        return httpx.Response(status, json={}, headers={"retry-after": "0"} if status == 429 else {})
+        if answer == "refused":
+            return httpx.Response(429, json={}, headers={"retry-after": "0",
+                                                          "x-llm-d-request-dropped-reason": "rejected-saturated"})
+        return httpx.Response(answer, json={}, headers={"retry-after": "0"} if answer == 429 else {})
 
     settings = build_settings(backend="memory", lanes=["batch"], concurrency=1, backoff_base_s=0.01,
                               saturation_poll_s=0.01)
@@ -307,15 +312,17 @@ def test_processor_counts_retries_sheds_and_gate_decisions_once_per_request():
     families = asyncio.run(scenario())
     check_documented("processor", families)
     assert value(families, "backfill_processor_retries", lane="batch", reason="429") == 1
-    assert value(families, "backfill_processor_dispatched", lane="batch") == 4  # r1 twice, r2, r3
+    assert value(families, "backfill_processor_retries", lane="batch", reason="rejected_saturated") == 1
+    assert value(families, "backfill_processor_dispatched", lane="batch") == 3  # r1, r2, r3 once each
+    assert value(families, "backfill_processor_resent", lane="batch") == 2  # r1 after its 429, r2 after its refusal
     assert value(families, "backfill_processor_shed", lane="batch", reason="deadline_exceeded") == 1
     assert value(families, "backfill_processor_results", lane="batch", error_code="DEADLINE_EXCEEDED") == 1
     assert value(families, "backfill_processor_results", lane="batch", error_code="none") == 3
-    assert value(families, "backfill_processor_gate_decisions", gate="concurrency", decision="admit") == 4
+    assert value(families, "backfill_processor_gate_decisions", gate="concurrency", decision="admit") == 5
     denied = value(families, "backfill_processor_gate_decisions", gate="concurrency", decision="deny")
-    assert 2 <= denied <= 3  # r2 and r3 (and r1 after its retry, if r2 started first): once per wait, not per pass
+    assert 2 <= denied <= 4  # r2 and r3 (and r1, r2 again after their 429s if another went first): once per wait
     assert value(families, "backfill_processor_router_request_duration_seconds", "_count",
-                 lane="batch", status="4xx") == 1
+                 lane="batch", status="4xx") == 2
 
 
 def test_log_format_follows_the_environment_and_the_terminal(monkeypatch):

@@ -100,6 +100,22 @@ def test_all_tenants_files_and_tenants_list(gateway, run, monkeypatch):
     assert paged.output.splitlines()[-1] == "1 of 3 shown; --after default for more"
 
 
+def test_an_admin_key_without_all_tenants_is_never_silently_the_own_tenant(gateway, run, monkeypatch):
+    """``--admin-key`` on the command line without ``--all-tenants`` is refused (it read as "every
+    tenant" but listed the API key's tenant only); from ``BACKFILL_ADMIN_KEY`` the own list comes
+    with a note saying whose it is."""
+    _batches(gateway, "acme", 1)
+    (mine,) = _batches(gateway, "default", 1)
+    for what in ("batches", "files"):
+        refused = run(what, "list", "--admin-key", ADMIN_KEY)
+        assert refused.exit_code == 2 and "--all-tenants" in refused.output, refused.output
+    monkeypatch.setenv("BACKFILL_ADMIN_KEY", ADMIN_KEY)
+    own = run("batches", "list")
+    assert own.exit_code == 0, own.output
+    assert "the API key's tenant's batches only" in own.output and mine in own.output
+    assert sum(line.startswith("batch_") for line in own.output.splitlines()) == 1  # not acme's
+
+
 def test_a_wrong_or_missing_admin_key_is_refused(gateway, run):
     missing = run("batches", "list", "--all-tenants")
     assert missing.exit_code == 2 and "--admin-key" in missing.output
@@ -117,3 +133,54 @@ def test_a_refused_submit_deletes_its_upload_and_names_it(gateway, run, tmp_path
     file_id = refused.output.split(" as ")[1].split(";")[0]
     assert file_id.startswith("file-") and f"so {file_id} was deleted" in refused.output
     assert file_id not in {f.id for f in gateway.client().files.list()}
+
+
+def test_submit_windows_are_judged_as_the_api_judges_them(gateway, run, tmp_path):
+    """``--window`` is the API's ``completion_window``: OpenAI's ``24h`` or our documented
+    extension, a duration of 1 minute to 30 days (README "Differences from OpenAI"), so ``99h`` is
+    a 99-hour deadline; what the API refuses (``31d``, ``99x``) the command refuses in its words,
+    with exit status 1 and its upload deleted."""
+    batch_file = tmp_path / "in.jsonl"
+    batch_file.write_bytes(LINE)
+    accepted = run("submit", str(batch_file), "--window", "99h")
+    assert accepted.exit_code == 0, accepted.output
+    batch = json.loads(accepted.output[accepted.output.index("{"):])
+    assert batch["completion_window"] == "99h" and batch["expires_at"] - batch["created_at"] == 99 * 3600
+    before = {f.id for f in gateway.client().files.list()}
+    for window, words in (("31d", "between 1 minute and 30 days"), ("99x", "must be '24h' or a duration")):
+        refused = run("submit", str(batch_file), "--window", window)
+        assert refused.exit_code == 1 and words in refused.output, refused.output
+    assert {f.id for f in gateway.client().files.list()} == before
+
+
+def test_downloads_are_private_whatever_the_umask(gateway, run, tmp_path):
+    """A tenant's bytes written by ``files download`` (and ``batches download`` / ``submit --wait``,
+    the same writer) are 0600 under umask 0000, also over a file that was 0644."""
+    import os
+    import stat
+
+    uploaded = gateway.client().files.create(file=("in.jsonl", LINE), purpose="batch")
+    fresh, existing = tmp_path / "fresh.jsonl", tmp_path / "existing.jsonl"
+    existing.write_bytes(b"old")
+    existing.chmod(0o644)
+    umask = os.umask(0)
+    try:
+        for target in (fresh, existing):
+            done = run("files", "download", uploaded.id, "-o", str(target))
+            assert done.exit_code == 0, done.output
+            assert target.read_bytes() == LINE and stat.S_IMODE(target.stat().st_mode) == 0o600
+        # batches download / submit --wait: a folder they make is 0700 too
+        from types import SimpleNamespace
+
+        from backfill.batches import download_results
+
+        batch = SimpleNamespace(id="batch_x", output_file_id=uploaded.id, error_file_id=None)
+        [written] = download_results(gateway.client(), batch, tmp_path / "results" / "deep")
+        assert stat.S_IMODE(written.stat().st_mode) == 0o600
+        assert stat.S_IMODE(written.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE((tmp_path / "results").stat().st_mode) == 0o700
+        tmp_path.chmod(0o755)
+        download_results(gateway.client(), batch, tmp_path)  # an existing folder is left as it is
+        assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
+    finally:
+        os.umask(umask)

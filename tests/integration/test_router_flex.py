@@ -105,4 +105,4 @@ def test_flex_with_no_room_is_held_then_gets_openais_429_while_interactive_goes(
         assert "Resource unavailable" in error.message
         flex = _band(s, "flex")
         assert flex["queued_requests"] == 0 and flex["dispatched_total"] == 0
-        assert flex["shed_total"]["rejected-ttl-expired"] == 1
+        assert flex["shed_total"]["rejected_ttl_expired"] == 1

@@ -1,9 +1,9 @@
 """A caller's own ``priority`` never reaches an engine (issue 26 item 14): vLLM's
 ``--scheduling-policy priority`` runs lower values first, so a body ``"priority": -1000`` would jump
-every queue. The router drops it in both launch modes of ``backfill up``: without
-``--engine-priority`` (``up --engine-url``: engines get no priority) and with it (simulated engines:
-the trusted objective's priority, whatever the body said). A recording proxy between the router and
-a simulated engine shows what the engine received."""
+every queue. The router drops it with and without ``--engine-priority``; with it (every launch mode
+of ``backfill up``, ``--engine-url`` engines included) the engine gets the trusted objective's
+priority instead, whatever the body said. A recording proxy between the router and a simulated
+engine shows what the engine received."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def recording_proxy(port: int, upstream: str) -> Iterator[list[dict]]:
         loop.close()
 
 
-@pytest.mark.parametrize("engine_priority", [False, True], ids=["up-engine-url", "up-simulated"])
+@pytest.mark.parametrize("engine_priority", [False, True], ids=["no-engine-priority", "engine-priority"])
 def test_a_clients_priority_never_reaches_the_engine(tmp_path: Path, engine_priority: bool) -> None:
     stack = RouterStack(tmp_path, engines=1, router_options={"engine_priority": engine_priority})
     proxy_port = free_port()
@@ -89,3 +89,42 @@ def test_a_clients_priority_never_reaches_the_engine(tmp_path: Path, engine_prio
         assert sent[0]["priority"] == sent[1]["priority"] != -1000
     else:
         assert "priority" not in sent[0] and "priority" not in sent[1]
+
+
+def test_up_with_engine_url_sends_the_router_s_priority_to_that_engine(tmp_path: Path) -> None:
+    """``backfill up --engine-url`` (an engine on vLLM's default ``fcfs`` policy, behind the
+    recording proxy): a direct call's own ``-1000`` is replaced by the interactive band's engine
+    priority, and a batch line reaches the engine with the batch band's, which runs later (vLLM:
+    lower first). Before, ``up --engine-url`` started the router without ``--engine-priority``."""
+    import json
+    import time
+
+    from router.parsing import engine_priority
+    from tests.conftest import backfill_up
+    from tests.integration.engine_twin.conftest import RunningSim
+
+    sim = RunningSim(served_model_name=["sim-model"], scheduling_policy="fcfs").start()
+    proxy_port = free_port()
+    try:
+        with recording_proxy(proxy_port, sim.url) as bodies, \
+                backfill_up(tmp_path / "data", "--engine-url", f"http://127.0.0.1:{proxy_port}") as up:
+            router = json.loads((tmp_path / "data" / "stack.json").read_text())["router_url"]
+            messages = [{"role": "user", "content": "hello"}]
+            answer = httpx.post(f"{router}/v1/chat/completions", timeout=30,
+                                json={"model": "sim-model", "max_tokens": 2, "messages": messages, "priority": -1000})
+            assert answer.status_code == 200, answer.text
+            client = up.client()
+            line = orjson.dumps({"custom_id": "b1", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"model": "sim-model", "max_tokens": 2, "messages": messages}})
+            uploaded = client.files.create(file=("one.jsonl", line + b"\n"), purpose="batch")
+            batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+            deadline = time.monotonic() + 120
+            while (status := client.batches.retrieve(batch.id).status) not in ("completed", "failed"):
+                assert time.monotonic() < deadline, status
+                time.sleep(0.2)
+    finally:
+        sim.stop()
+    sent = [body for body in bodies if "messages" in body]
+    assert sent[0]["priority"] == engine_priority(100)  # interactive, the default band of a direct call
+    assert status == "completed" and [body["priority"] for body in sent[1:]] == [engine_priority(-10)]  # batch

@@ -288,4 +288,4 @@ def test_a_request_past_its_deadline_is_shed_with_the_reason(stack: RouterStack)
     assert r.headers["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
     assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "rejected-ttl-expired"
     batch = next(b for b in stack.state()["bands"] if b["objective"] == "batch")
-    assert batch["shed_total"]["rejected-ttl-expired"] >= 1
+    assert batch["shed_total"]["rejected_ttl_expired"] >= 1

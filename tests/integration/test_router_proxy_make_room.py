@@ -59,7 +59,7 @@ def test_the_gate_is_per_engine_and_batch_with_no_room_gets_an_immediate_429(tmp
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "rejected-saturated"
         bands = {b["objective"]: b for b in s.state()["bands"]}
-        assert bands["batch"]["queued_requests"] == 0 and bands["batch"]["shed_total"]["rejected-saturated"] == 1
+        assert bands["batch"]["queued_requests"] == 0 and bands["batch"]["refused_total"]["rejected_saturated"] == 1
 
 
 def _endpoint(s: RouterStack, url: str) -> dict:

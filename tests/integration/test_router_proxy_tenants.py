@@ -73,7 +73,7 @@ def test_random_fairness_ids_without_the_token_are_one_tenant_and_get_429s(tmp_p
     assert {a.headers["x-llm-d-request-dropped-reason"] for a in refused} == {"rejected-quota"}
     assert {a.headers["retry-after"] for a in refused} == {"30"}  # the interactive band's TTL
     assert during["flows"] == 1 and during["in_flight"] == 16  # one flow, at its in-flight quota
-    assert band["shed_total"]["rejected-quota"] == len(refused)
+    assert band["refused_total"]["rejected_quota"] == len(refused)
     assert sum(1 for a in answers if a.status_code == 200) == band["dispatched_total"]
     assert ignored == 300
 
@@ -92,7 +92,7 @@ def test_one_tenants_flood_is_refused_while_another_tenant_is_served(tmp_path: P
 
                 def refusals_answered() -> bool:  # each flood request admitted or refused, each refusal back
                     band = _band(s, "interactive")
-                    refused = band["shed_total"].get("rejected-quota", 0)
+                    refused = band["refused_total"].get("rejected_quota", 0)
                     return (band["in_flight"] + band["queued_requests"] + refused == 100
                             and sum(t.done() for t in flood) == refused)
 

@@ -92,6 +92,7 @@ from batch_gateway.store.queries.requests import (
 )
 from batch_gateway.store.queries.tenants import (
     KEY_PREFIX,
+    AmbiguousKeyPrefix,
     add_api_key,
     ensure_tenant,
     hash_key,
@@ -100,6 +101,7 @@ from batch_gateway.store.queries.tenants import (
     revoke_api_key,
     set_enqueued_token_limit,
     set_webhook,
+    shown_prefix,
     tenant_by_name,
     tenant_for_key,
     tenant_names,
@@ -120,5 +122,5 @@ __all__ = [
     "request_state_counts", "revoke_api_key", "set_enqueued_token_limit", "set_webhook", "stale_validating_batches",
     "succeed_all_requests", "tenant_by_name", "tenant_for_key", "tenant_names", "tenant_usage", "transition",
     "unpublished_events", "upsert_output_file", "webhook_attempted",
-    "BatchFilter", "admin_count_batches", "ended_unrun_counts",
+    "BatchFilter", "admin_count_batches", "ended_unrun_counts", "AmbiguousKeyPrefix", "shown_prefix",
 ]

@@ -74,6 +74,13 @@ def key_id(row_id: int) -> str:
     return f"{KEY_ID_PREFIX}{row_id}"
 
 
+def shown_prefix(prefix: str) -> str:
+    """What ``backfill keys list`` shows of a key whose stored prefix (its first 12 characters) is
+    ``prefix``: the prefix, or half of it for a key shorter than 12 characters (stored whole, so
+    it is never shown whole)."""
+    return prefix if len(prefix) >= 12 else prefix[: len(prefix) // 2]
+
+
 def list_api_keys(session: Session, tenant_name: str | None = None) -> list:
     """Rows ``(key id, tenant name, key prefix, created_at, revoked_at)``, oldest first; the key id
     is :func:`key_id`'s."""
@@ -84,9 +91,28 @@ def list_api_keys(session: Session, tenant_name: str | None = None) -> list:
     return [(key_id(row_id), *rest) for row_id, *rest in session.execute(stmt).all()]
 
 
-def revoke_api_key(session: Session, key: str) -> bool:
+class AmbiguousKeyPrefix(ValueError):
+    """A prefix given to :func:`revoke_api_key` matches several active keys.
+
+    Attributes:
+        ids: their ids (``key_17``), oldest first.
+    """
+
+    def __init__(self, prefix: str, ids: list[str]) -> None:
+        super().__init__(f"{prefix!r} is the start of {len(ids)} active keys ({', '.join(ids)}): give the id")
+        self.ids = ids
+
+
+def revoke_api_key(session: Session, key: str, *, by_prefix: bool = False) -> bool:
     """Revoke ``key``: the key itself, or else its id as :func:`list_api_keys` shows it
-    (``key_17``); returns whether an active key was revoked. A whole key wins over an id."""
+    (``key_17``), or else (``by_prefix``) the prefix ``backfill keys list`` shows of it
+    (:func:`shown_prefix`, or longer; a trailing ``…`` as printed is ignored); returns whether an
+    active key was revoked. A whole key wins over an id, an id over a prefix.
+
+    Raises:
+        AmbiguousKeyPrefix: ``by_prefix`` and the prefix starts more than one active key (nothing
+            revoked).
+    """
     matches = [ApiKey.key_hash == hash_key(key)]
     row_id = key.removeprefix(KEY_ID_PREFIX)
     if key.startswith(KEY_ID_PREFIX) and row_id.isdigit():
@@ -96,7 +122,21 @@ def revoke_api_key(session: Session, key: str) -> bool:
                                  .values(revoked_at=EPOCH_NOW))
         if rowcount(result) > 0:
             return True
-    return False
+    start = key.rstrip("…").strip()
+    if not by_prefix or not start:
+        return False
+    candidates = session.execute(
+        select(ApiKey.id, ApiKey.prefix).where(ApiKey.revoked_at.is_(None),
+                                               ApiKey.prefix.startswith(start[:12], autoescape=True))
+        .order_by(ApiKey.id)).all()
+    found = [row_id for row_id, prefix in candidates
+             if len(start) >= len(shown_prefix(prefix)) and prefix.startswith(start[:12])]
+    if len(found) > 1:
+        raise AmbiguousKeyPrefix(start, [key_id(i) for i in found])
+    if not found:
+        return False
+    session.execute(update(ApiKey).where(ApiKey.id == found[0]).values(revoked_at=EPOCH_NOW))
+    return True
 
 
 def lock_tenant(session: Session, tenant_id: str) -> Tenant:

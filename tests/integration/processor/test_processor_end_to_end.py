@@ -401,3 +401,44 @@ def test_an_llm_d_async_request_cancelled_while_held_is_answered_cancelled_not_r
     assert (second["id"], second["status_code"]) == ("llmd-kept", 200)
     assert [hint for hint, _ in seen] == ["llmd-blocker", "llmd-kept"]
     assert not ns.client.exists("request-active:llmd-gone", "request-cancel:llmd-gone", "request-active:llmd-kept")
+
+
+def test_the_batch_requests_in_flight_are_reported_for_the_job_page(ns):
+    """Concurrency 3 and five requests of batch A plus one of B, held at the router until released:
+    the processor's report in Redis (``running_key``) counts what it has in flight by batch (3 of
+    them, A first: earliest deadline) and drops to nothing once they are answered, and its field is
+    gone after it stops (async_processor/running.py)."""
+    from common.contracts.queue import running_counts, running_key
+
+    release = threading.Event()
+
+    async def behaviour(body, request, seen):
+        await asyncio.to_thread(release.wait, 30)
+        return JSONResponse({"ok": True})
+
+    app, seen = _stub(behaviour)
+    port = free_port()
+    pool = f"{ns.prefix}-pool"  # a pool of its own: its report key is this test's alone
+    key = running_key(pool)
+    stream = request_stream("batch", pool, f"{ns.prefix}:requests")
+    for m in [message(id=f"a{i}", deadline_in=100, batch_id="batch_a") for i in range(5)] + \
+            [message(id="b0", deadline_in=200, batch_id="batch_b")]:
+        ns.client.xadd(stream, {"message": encode_request(m)})
+
+    def running() -> dict[str, int]:
+        return running_counts(ns.client.hgetall(key), time.time())
+
+    def wait_for(condition, what: str) -> None:
+        until = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < until, f"{what}: {running()}"
+            time.sleep(0.02)
+
+    settings = ns.settings(f"http://127.0.0.1:{port}", concurrency=3, lease_s=30.0, running_report_s=0.05,
+                           pool=pool, lanes=["batch"])
+    with serve(app, port), InProcess(settings):
+        wait_for(lambda: len(seen) == 3 and running() == {"batch_a": 3}, "three of A in flight")
+        release.set()
+        ns.wait_results(6)
+        wait_for(lambda: running() == {}, "nothing in flight")
+    assert ns.client.hlen(key) == 0  # withdrawn at stop

@@ -150,8 +150,9 @@ def test_router_state_is_lenient_and_knows_the_threshold():
     state = RouterState.model_validate_json(orjson.dumps({
         "pool_saturation": 1.5, "gate_saturation": 0.999, "time": 1.0, "future_field": {"x": 1},
         "endpoints": [{"name": "e1", "healthy": True, "cache_blocks": {"gpu": 3}, "unknown": 1}],
-        "bands": [{"objective": "batch", "shed_total": {"evicted": 2, "rejected-capacity": 1}}]}))
+        "bands": [{"objective": "batch", "shed_total": {"evicted": 2, "rejected_ttl_expired": 1},
+                   "refused_total": {"rejected_capacity": 4}}]}))
     assert state.gate_open and state.endpoints[0].cache_blocks.gpu == 3 and state.endpoints[0].saturation is None
-    assert state.bands[0].shed == 3 and state.index == {}
+    assert state.bands[0].shed == 3 and state.bands[0].refused == 4 and state.index == {}
     assert not state.model_copy(update={"gate_saturation": 1.0}).gate_open  # the gate reads the least saturated engine, not the mean
     assert not RouterState(pool_saturation=0.1, time=1.0).gate_open  # absent: closed

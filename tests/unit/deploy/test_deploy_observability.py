@@ -365,33 +365,47 @@ def test_dashboard_shows_the_gateway_the_lanes_and_tenants():
     assert {q for e in quantiles for q in re.findall(r"histogram_quantile\((0\.\d+)", e)} == {"0.5", "0.95", "0.99"}
 
 
-def shed_reasons_read(expr: str) -> set[str]:
-    """The router drop reasons (as labels) that selectors of ``backfill_router_shed_total`` in
-    ``expr`` can read."""
-    from common.contracts.router_state import reason_label
-    from router.flow_control.errors import DropReason
+ROUTER_REASON_SERIES = ("backfill_router_refused_total", "backfill_router_shed_total")
 
-    labels = {reason_label(reason.value) for reason in DropReason}
-    read: set[str] = set()
+
+def reasons_read(expr: str) -> dict[str, set[str]]:
+    """For each of the router's two reason-labelled series, the reasons (as labels) its selectors
+    in ``expr`` can read: ``backfill_router_refused_total`` carries the backpressure reasons,
+    ``backfill_router_shed_total`` the others (each reason in exactly one)."""
+    from common.contracts.router_state import BACKPRESSURE_REASONS, SHED_REASONS
+
+    labels = {"backfill_router_refused_total": set(BACKPRESSURE_REASONS),
+              "backfill_router_shed_total": set(SHED_REASONS)}
+    read: dict[str, set[str]] = {name: set() for name in ROUTER_REASON_SERIES}
     for node in walk(promql_parser.parse(expr)):
-        if isinstance(node, promql_parser.VectorSelector) and node.name == "backfill_router_shed_total":
+        if isinstance(node, promql_parser.VectorSelector) and node.name in labels:
             wanted = [m for m in node.matchers.matchers if m.name == "reason"]
-            read |= {label for label in labels if all(matches(m, label) for m in wanted)}
+            read[node.name] |= {label for label in labels[node.name] if all(matches(m, label) for m in wanted)}
     return read
 
 
-def test_shed_alerts_and_panel_count_real_shedding_in_the_router_s_label_spelling():
-    """``BackfillShedRateHigh`` and the shed panel read work truly dropped, never the backpressure
-    the processor re-sends; every ``reason`` they name is a label the router emits (underscores)."""
-    from common.contracts.router_state import BACKPRESSURE_REASONS
+def test_backpressure_and_shedding_are_read_from_their_own_series():
+    """``BackfillShedRateHigh`` and the shed panel read ``backfill_router_shed_total`` whole (work
+    truly dropped), never the backpressure the processor re-sends (``backfill_router_refused_total``,
+    a panel of its own); the interactive alert reads both but a tenant's own quota; no expression
+    picks reasons of these series by a regular expression or in llm-d's header spelling."""
+    from common.contracts.router_state import BACKPRESSURE_REASONS, SHED_REASONS
 
-    dropped = {"rejected_ttl_expired", "evicted", "rejected_context_cancelled"}
+    shed_only = {"backfill_router_refused_total": set(), "backfill_router_shed_total": set(SHED_REASONS)}
     [rule] = [r for r in alert_rules() if r["alert"] == "BackfillShedRateHigh"]
-    assert shed_reasons_read(rule["expr"]) == dropped
-    [panel] = [e for e in dashboard_exprs() if "backfill_router_shed_total" in e]
-    assert shed_reasons_read(grafana_to_promql(panel)) == dropped
-    assert set(BACKPRESSURE_REASONS).isdisjoint(dropped)
+    assert reasons_read(rule["expr"]) == shed_only
+    [shed_panel] = [e for e in dashboard_exprs() if "backfill_router_shed_total" in e]
+    assert reasons_read(grafana_to_promql(shed_panel)) == shed_only
+    [refused_panel] = [e for e in dashboard_exprs() if "backfill_router_refused_total" in e]
+    assert reasons_read(grafana_to_promql(refused_panel)) == {
+        "backfill_router_refused_total": set(BACKPRESSURE_REASONS), "backfill_router_shed_total": set()}
     [interactive] = [r for r in alert_rules() if r["alert"] == "BackfillInteractiveShed"]
-    assert "rejected_quota" not in shed_reasons_read(interactive["expr"])
+    assert reasons_read(interactive["expr"]) == {
+        "backfill_router_refused_total": set(BACKPRESSURE_REASONS) - {"rejected_quota"},
+        "backfill_router_shed_total": set(SHED_REASONS)}
     exprs = [r["expr"] for r in alert_rules()] + [grafana_to_promql(e) for e in dashboard_exprs()]
-    assert not [e for e in exprs if "backfill_router_shed_total" in e and re.search(r'"rejected-', e)]
+    for expr in exprs:
+        for node in walk(promql_parser.parse(expr)):
+            if isinstance(node, promql_parser.VectorSelector) and node.name in ROUTER_REASON_SERIES:
+                assert not [m for m in node.matchers.matchers if m.name == "reason" and str(m.op).endswith("Re")], expr
+    assert not [e for e in exprs if re.search(r'"rejected-', e)]

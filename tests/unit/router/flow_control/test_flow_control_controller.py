@@ -88,7 +88,7 @@ def test_cancelling_a_waiting_admit_leaves_no_trace():
             await waiting
         stats = band_stats(controller.stats(), "batch")
         assert (stats["queued_requests"], stats["queued_bytes"], stats["in_flight"], stats["flows"]) == (0, 0, 0, 0)
-        assert stats["shed_total"]["rejected-context-cancelled"] == 1
+        assert stats["shed_total"]["rejected_context_cancelled"] == 1
         assert controller._waiters == {}
         level.value = 0.0
         controller.kick()
@@ -143,7 +143,7 @@ def test_ttl_expiry_raises_with_reason_and_503_when_no_engine_exists():
             await late
         assert (exc.value.reason, exc.value.status) == (DropReason.TTL_EXPIRED, 503)
         assert exc.value.body()["error"]["type"] == "ServiceUnavailableError"
-        assert band_stats(controller.stats(), "batch")["shed_total"]["rejected-ttl-expired"] == 3
+        assert band_stats(controller.stats(), "batch")["shed_total"]["rejected_ttl_expired"] == 3
         await controller.stop()
     run(scenario)
 
@@ -261,7 +261,7 @@ def test_f11_flooding_batch_tenant_against_interactive_traffic():
         assert {(d.reason, d.status, d.headers()["x-llm-d-request-dropped-reason"]) for _, d in rejects} == {
             (DropReason.QUOTA, 429, "rejected-quota")}
         stats = controller.stats()
-        assert band_stats(stats, "batch")["shed_total"]["rejected-quota"] == 140
+        assert band_stats(stats, "batch")["refused_total"]["rejected_quota"] == 140
         assert stats["dispatched_total"] == 90
         assert all(b["queued_requests"] == 0 for b in stats["bands"])
         await controller.stop()

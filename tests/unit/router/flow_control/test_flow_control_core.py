@@ -76,7 +76,7 @@ def test_ttl_sheds_with_reason_and_retry_after():
     assert drop.headers() == {"Retry-After": "1", "x-llm-d-request-dropped-reason": "rejected-ttl-expired"}
     assert drop.body()["error"]["code"] == "rejected-ttl-expired"
     stats = band_stats(core, "batch", now=5.5)
-    assert stats["queued_requests"] == 1 and stats["shed_total"]["rejected-ttl-expired"] == 1
+    assert stats["queued_requests"] == 1 and stats["shed_total"]["rejected_ttl_expired"] == 1
     assert stats["oldest_wait_s"] == pytest.approx(2.5)
     assert core.next_expiry() == 8.0
 
@@ -90,7 +90,7 @@ def test_item_deadline_sheds_before_the_band_ttl_and_a_past_deadline_rejects_at_
     with pytest.raises(RequestDropped) as exc:
         core.enqueue(item("late", deadline=1.0), now=2.1)
     assert exc.value.reason is DropReason.TTL_EXPIRED
-    assert band_stats(core, "batch")["shed_total"]["rejected-ttl-expired"] == 2
+    assert band_stats(core, "batch")["shed_total"]["rejected_ttl_expired"] == 2
 
 
 def test_a_band_with_zero_ttl_never_queues():
@@ -127,7 +127,7 @@ def test_capacity_limits_reject_at_once_and_free_up_on_dispatch(limits, sizes):
     assert drop.headers()["x-llm-d-request-dropped-reason"] == "rejected-capacity"
     stats = band_stats(core, "batch")
     assert stats["queued_requests"] == 2 and stats["queued_bytes"] == sizes[0] + sizes[1]
-    assert stats["shed_total"]["rejected-capacity"] == 1
+    assert stats["refused_total"]["rejected_capacity"] == 1
     core.step(1.0, Slots(core, capacity=1))  # one leaves the queue
     core.enqueue(item("r3", size=sizes[2]), now=1.0)
 
@@ -161,7 +161,7 @@ def test_tenant_queued_quota_rejects_with_quota_reason():
     assert exc.value.reason is DropReason.QUOTA and exc.value.retry_after_s == 30.0
     assert exc.value.headers()["Retry-After"] == "30"
     core.enqueue(item("b1", tenant="b"), now=0.0)  # another tenant is not affected
-    assert band_stats(core, "batch")["shed_total"]["rejected-quota"] == 1
+    assert band_stats(core, "batch")["refused_total"]["rejected_quota"] == 1
 
 
 def test_quota_retry_after_is_capped_at_a_minute():
@@ -256,7 +256,7 @@ def test_cancel_of_a_waiting_item_leaves_no_trace():
     assert core.cancel(ticket) and not core.cancel(ticket)
     stats = band_stats(core, "batch")
     assert stats["queued_requests"] == 1 and stats["queued_bytes"] == 10 and stats["flows"] == 1
-    assert stats["shed_total"]["rejected-context-cancelled"] == 1
+    assert stats["shed_total"]["rejected_context_cancelled"] == 1
     assert ids(core.step(1.0, open_pool).dispatched) == ["stays"]
     assert core.next_expiry() is None
 
