@@ -31,10 +31,10 @@ vLLM turned async scheduling on) and overrides hooks only; ``schedule`` itself r
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -44,7 +44,7 @@ from vllm.v1.request import Request, RequestStatus
 from backfill_vllm.config import BackfillConfig, load_config
 from backfill_vllm.retention import BACKGROUND, FOREGROUND, TwoClassFreeQueue, install
 
-logger = logging.getLogger(__name__)
+logger = init_logger("vllm.backfill")  # under "vllm": vLLM configures that logger's handlers
 
 STATS_PREFIX = "backfill:"
 """Keys of the plugin's counters in ``SchedulerStats.num_kv_fetch_reqs_by_stage``."""
