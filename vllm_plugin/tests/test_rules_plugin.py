@@ -8,6 +8,7 @@ from __future__ import annotations
 from conftest import ASYNC, BACKGROUND_SHARE, BATCH, INTERACTIVE, Engine
 from scenarios import admit_one, background_budget, fill_blocks, fill_slots, retention
 
+from backfill_vllm.offload import REQUEST_CLASSES
 from backfill_vllm.scheduler import BackfillScheduler
 
 
@@ -33,6 +34,9 @@ def test_waiting_interactive_preempts_the_newest_background_never_a_foreground(p
     sched = plugin_engine.scheduler
     before = sched.counter_totals()
     fill_slots(plugin_engine, [("sb0", BATCH), ("sf0", INTERACTIVE), ("sb1", ASYNC)])  # 3 slots taken
+    # each request's class, by vLLM's request id, for the CPU offload tier's policy
+    assert REQUEST_CLASSES[plugin_engine.request("sb0").request_id] is True
+    assert REQUEST_CLASSES[plugin_engine.request("sf0").request_id] is False
     assert admit_one(plugin_engine, "sf1") == {"sb0", "sf0", "sf1"}  # sb1, the newest background, went
     assert plugin_engine.request("sb1").status.name == "PREEMPTED"
     assert admit_one(plugin_engine, "sf2") == {"sf0", "sf1", "sf2"}  # then sb0
