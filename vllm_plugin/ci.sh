@@ -26,5 +26,5 @@ echo "$base_site" > "$venv_site/_vllm_base.pth"
 "$venv/bin/pip" install -q pytest ./vllm_plugin
 installed=$(date +%s)
 cd vllm_plugin
-timeout 600 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests
+timeout 600 "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=8 tests
 echo "vllm_plugin/ci.sh: virtualenvs $((installed - start)) s, tests $(($(date +%s) - installed)) s"

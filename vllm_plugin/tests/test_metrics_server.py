@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +32,14 @@ from conftest import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-PORT = 8791
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+PORT = _free_port()
 BASE = f"http://127.0.0.1:{PORT}"
 
 
@@ -116,11 +124,11 @@ def test_preemption_of_background_for_interactive_is_counted(server: Path) -> No
     before = _value("backfill:preemptions_total", **{"class": "background"})
     fg_before = _value("backfill:preemptions_total", **{"class": "foreground"})
     results: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=lambda i=i: results.append(_complete(prompt(910 + i, 40), BATCH, 400)))
+    threads = [threading.Thread(target=lambda i=i: results.append(_complete(prompt(910 + i, 40), BATCH, 150)))
                for i in range(MAX_NUM_SEQS)]
     for t in threads:
         t.start()
-    _wait_for(lambda: _value("vllm:num_requests_running", model_name="tiny") == MAX_NUM_SEQS, 60,
+    _wait_for(lambda: _value("vllm:num_requests_running", model_name="tiny") == MAX_NUM_SEQS, 120,
               "three batch requests running")
     interactive = _complete(prompt(920, 40), INTERACTIVE, 2)
     assert interactive["usage"]["completion_tokens"] == 2

@@ -1,18 +1,24 @@
-"""register() refuses an untested vLLM: through vLLM's own plugin loading, in a fresh interpreter."""
+"""register() refuses an untested vLLM: a real server start in a fresh interpreter, and the entry point
+vLLM loads."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
-from backfill_vllm import ALLOW_UNTESTED_ENV, TESTED_VLLM_VERSIONS, check_vllm_version, release_line
-
-LOAD_PLUGINS = ("import vllm, sys; vllm.__version__ = sys.argv[1]; "
-                "from vllm.plugins import load_general_plugins; load_general_plugins(); print('loaded')")
+from backfill_vllm import (
+    ALLOW_UNTESTED_ENV,
+    TESTED_VLLM_VERSIONS,
+    UntestedVLLMVersion,
+    check_vllm_version,
+    release_line,
+)
 
 
 def _run(code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -22,13 +28,18 @@ def _run(code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
+def _entry_point() -> Callable[[], None]:
+    """The ``backfill`` entry point of ``vllm.general_plugins``, loaded as vLLM loads it
+    (``vllm/plugins/__init__.py`` ``load_plugins_by_group``: ``plugin.load()``, then vLLM calls it)."""
+    (plugin,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "backfill"]
+    return plugin.load()
+
+
 def test_the_installed_vllm_is_a_tested_one() -> None:
     import vllm
 
     assert release_line(vllm.__version__) in TESTED_VLLM_VERSIONS
-    result = _run(LOAD_PLUGINS, vllm.__version__)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "loaded" in result.stdout
+    _entry_point()()  # raises on an untested version
 
 
 def test_vllm_server_refuses_to_start_on_an_untested_version(tiny_model: Path) -> None:
@@ -42,10 +53,16 @@ def test_vllm_server_refuses_to_start_on_an_untested_version(tiny_model: Path) -
     assert f"{ALLOW_UNTESTED_ENV}=1" in result.stderr
 
 
-def test_the_override_lets_an_untested_version_load() -> None:
-    result = _run(LOAD_PLUGINS, "0.34.0", **{ALLOW_UNTESTED_ENV: "1"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "loaded" in result.stdout
+def test_the_override_lets_an_untested_version_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    register = _entry_point()
+    with pytest.raises(UntestedVLLMVersion, match="0.34.0"):
+        register()
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    register()
 
 
 @pytest.mark.parametrize(("version", "line"), [("0.32.0", "0.32"), ("0.32.1+cpu", "0.32"),
