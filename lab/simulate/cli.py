@@ -154,6 +154,16 @@ def _generator(name: str, seed: int, conversations: int, duration_s: float,
               help="The router's make-room: a non-sheddable request bound for an engine with no free slot "
                    "evicts a sheddable one there (the router's default: on).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--sweep", is_flag=True,
+              help="Sweep: every policy (round-robin, approximate, precise, cache-aware-model, plus --config) on "
+                   "every --shape at every --load over --seeds seeds, each shape on its bench fleet; mean ± sd "
+                   "(docs/simulate.md, 'Sweep'). Ignores the workload and fleet options.")
+@click.option("--seeds", type=click.IntRange(min=1), default=5, show_default=True, help="--sweep: seeds 0 … N−1.")
+@click.option("--shape", "sweep_shapes", default="all", show_default=True,
+              help="--sweep: comma-separated shapes (agentic, shared-prefix, long-context, tool-agent, "
+                   "conversation) or 'all'.")
+@click.option("--load", "sweep_loads", default="1,2", show_default=True,
+              help="--sweep: comma-separated load factors (× the shape's arrival rates).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on long runs.")
 def simulate_command(trace_path: Path | None, trace_format: str, start_min: float, minutes: float | None,
@@ -166,11 +176,17 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
                      max_num_batched_tokens: int, max_model_len: int | None, scheduling_policy: str,
                      policies: tuple[str, ...], config_path: Path | None, flow_path: Path | None,
                      processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, make_room: bool, seed: int,
+                     sweep: bool, seeds: int, sweep_shapes: str, sweep_loads: str,
                      json_path: Path | None, progress: bool) -> None:
     """Run the fleet in virtual time with the production router, flow control and processor code."""
     from rich.console import Console
 
     console = Console(stderr=True)
+    if sweep:
+        from lab.simulate.sweep import run_sweep
+
+        run_sweep(seeds, sweep_shapes, sweep_loads, policies, config_path, json_path, console)
+        return
     if write_trace is not None:
         _write_trace(write_trace, seed, conversations, duration_s, console)
         return
