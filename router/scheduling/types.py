@@ -201,6 +201,10 @@ class PrefixMatchInfo:
             return 0.0
         return self.matched.get(endpoint_name, 0.0) / self.total_blocks
 
+    def ratio_of(self, matched_blocks: float) -> float:
+        """``matched_blocks`` as a fraction of the prompt's blocks, 0..1 (0 with no blocks)."""
+        return matched_blocks / self.total_blocks if self.total_blocks > 0 else 0.0
+
     def uncached_tokens(self, endpoint_name: str, prompt_tokens: int) -> int:
         """Prompt tokens the endpoint would have to compute, in tokens (prompt − matched tokens)."""
         cached = int(self.matched.get(endpoint_name, 0.0) * self.block_size_tokens)

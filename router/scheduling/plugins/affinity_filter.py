@@ -1,10 +1,13 @@
 """``prefix-cache-affinity-filter``: keep the engines holding the prompt's prefix unless a move pays
 for what it costs the fleet.
 
-The *sticky* set is the endpoints whose prefix score for this request is at least
-``affinityThreshold`` (they hold the prefix). The filter keeps the sticky set — unless
+The *sticky* set (the holders) is the endpoints with the longest prefix match for this request,
+when that match is at least ``affinityThreshold`` of the prompt's blocks. Every other endpoint —
+one holding a shorter part of the prefix too — is a move: it recomputes what it lacks. The filter
+keeps the holders — unless
 
-* no endpoint, or every endpoint, is sticky (nothing to narrow: all kept);
+* no endpoint holds ``affinityThreshold`` of the prompt, or every endpoint holds the longest match
+  (nothing to narrow: all kept);
 * an exploration draw fires (probability ``explorationProbability``, default 0), to seed the cache
   elsewhere over time;
 * **a move pays**: some other endpoint ``e`` saves this request more time than moving costs the
@@ -96,6 +99,9 @@ from router.scheduling.types import CycleState, Endpoint, LLMRequest, PrefixMatc
 
 AFFINITY_FILTER_TYPE = "prefix-cache-affinity-filter"
 
+_SAME_MATCH = 1e-9
+"""Matched blocks (tier-weighted floats) closer than this are the same match."""
+
 
 class AffinityOutcome(enum.StrEnum):
     """What the filter did for one decision (doubles as a metric label)."""
@@ -173,9 +179,12 @@ class PrefixCacheAffinityFilter:
         info: PrefixMatchInfo | None = state.read(self._match_key)
         if info is None:
             return AffinityOutcome.NO_STICKY, list(endpoints)
-        sticky = [ep for ep in endpoints if info.ratio(ep.name) >= p.affinity_threshold and info.matched.get(ep.name)]
-        if not sticky:
+        best = max((info.matched.get(ep.name, 0.0) for ep in endpoints), default=0.0)
+        if best <= 0.0 or info.ratio_of(best) < p.affinity_threshold:
             return AffinityOutcome.NO_STICKY, list(endpoints)
+        # the holders: the endpoints with the longest match; any other endpoint, a partial holder
+        # too, is a move that recomputes the difference and must pay for it
+        sticky = [ep for ep in endpoints if info.matched.get(ep.name, 0.0) >= best - _SAME_MATCH]
         if len(sticky) == len(endpoints):
             return AffinityOutcome.ALL_STICKY, list(endpoints)
         if p.exploration_probability > 0.0 and self._rng.random() < p.exploration_probability:

@@ -202,12 +202,15 @@ def affinity(**params):
     return build_affinity_filter("aff", base | params, handle())
 
 
-def test_affinity_filter_keeps_endpoints_at_or_above_threshold():
-    eps = endpoints(3)
+def test_affinity_filter_keeps_the_longest_holders_when_they_hold_the_threshold():
+    eps = endpoints(4)
     req = request(prompt(1, 256))
-    state = match_state(4, {"http://e0": 4, "http://e1": 3.2, "http://e2": 3})  # 1.0, 0.8, 0.75
-    assert affinity().filter(state, req, eps) == eps[:2]
+    state = match_state(4, {"http://e0": 4, "http://e1": 3.2, "http://e2": 3, "http://e3": 4})  # 1.0, 0.8, 0.75, 1.0
+    assert affinity().filter(state, req, eps) == [eps[0], eps[3]]  # e1, e2 would recompute a block: a move
     assert state.read("affinity-outcome/aff") == AffinityOutcome.STICKY
+    state = match_state(4, {"http://e0": 3, "http://e1": 2})  # the longest holds 0.75 < 0.8: no holder
+    assert affinity().filter(state, req, eps) == eps
+    assert state.read("affinity-outcome/aff") == AffinityOutcome.NO_STICKY
 
 
 def test_affinity_filter_keeps_all_without_sticky_endpoints_or_data():
