@@ -234,6 +234,10 @@ def _print_summary(console: Any, shapes: dict[str, dict[str, Any]]) -> None:
               help="Policies to run (repeat; default: all).")
 @click.option("--engines", type=int, default=None, help="Simulated engines (default: the shape's).")
 @click.option("--time-scale", type=float, default=None, help="Engines' wall seconds per model second (default 1).")
+@click.option("--gpu-blocks", type=click.IntRange(min=1), default=None,
+              help="GPU KV blocks per engine (default: the shape's; backfill simulate's --gpu-blocks).")
+@click.option("--cpu-blocks", type=click.IntRange(min=0), default=None,
+              help="CPU offload blocks per engine (default: the shape's; backfill simulate's --cpu-blocks).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
 @click.option("--load", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Multiplies the generated traces' arrival rates (not --quick's).")
@@ -244,8 +248,9 @@ def _print_summary(console: Any, shapes: dict[str, dict[str, Any]]) -> None:
               help="Run our POLICY (approximate or precise) with this scheduling YAML instead of the shipped one.")
 def prefix_command(quick: bool, shape: str, trace_path: Path | None, trace_format: str, start_min: float,
                    minutes: float | None, speed: float, write_trace: Path | None, policies: tuple[str, ...],
-                   engines: int | None, time_scale: float | None, seed: int, load: float, json_path: Path | None,
-                   log_dir: Path | None, configs: tuple[str, ...]) -> None:
+                   engines: int | None, time_scale: float | None, gpu_blocks: int | None, cpu_blocks: int | None,
+                   seed: int, load: float, json_path: Path | None, log_dir: Path | None,
+                   configs: tuple[str, ...]) -> None:
     """Captured prefix reuse and TTFT: round-robin, ours, vllm-router, sglang-router, per workload shape."""
     from rich.console import Console
 
@@ -263,8 +268,14 @@ def prefix_command(quick: bool, shape: str, trace_path: Path | None, trace_forma
         log_dir.mkdir(parents=True, exist_ok=True)
     load = 1.0 if quick else load
     runs: list[tuple[str, list[TimedRequest], EngineOptions]] = []
+
+    def fleet(shape_name: str) -> EngineOptions:
+        opts = SHAPES[shape_name].options(quick, engines, time_scale)
+        return replace(opts, num_gpu_blocks=gpu_blocks or opts.num_gpu_blocks,
+                       cpu_offload_blocks=opts.cpu_offload_blocks if cpu_blocks is None else cpu_blocks)
+
     if trace_path is not None:
-        opts = SHAPES["long-context"].options(quick, engines, time_scale)
+        opts = fleet("long-context")
         records = read_mooncake(trace_path)
         console.print(f"{trace_path}: {len(records)} records, {reusable_share(records):.3f} of prompt tokens "
                       "reusable within 5 minutes")
@@ -273,7 +284,7 @@ def prefix_command(quick: bool, shape: str, trace_path: Path | None, trace_forma
         runs.append(("mooncake", trace, opts))
     else:
         for name in (list(SHAPES) if shape == "all" else [shape]):
-            opts = SHAPES[name].options(quick, engines, time_scale)
+            opts = fleet(name)
             if name == "long-context":
                 trace, records = long_context_trace(seed, quick, load, opts.max_model_len)
                 console.print(f"long-context: {len(records)} records, {reusable_share(records):.3f} of prompt "
