@@ -22,17 +22,19 @@ The move rule (all in ms; ``h`` ranges over the sticky endpoints)::
 
 * ``recompute(e)``: the prefix tokens ``e`` would compute again that a holder has cached (prefill
   time at the calibrated rate; the request's own share of it is already in ``wait(e)``).
-* **Reuse lost** (``reuseLossWeight``, default 1): the recomputed tokens are cache the fleet had and
-  throws away — GPU time spent twice, once more than this request's own wait shows. Weight 1
-  counts that work exactly once.
+* **Reuse lost** (``reuseLossWeight``, default 16): the recomputed tokens are cache the fleet had
+  and throws away — GPU time spent twice — and the cost goes on: the holder's copy goes cold in its
+  cache, and the duplicate on ``e`` evicts as many tokens of other cached prefixes there, which
+  later requests then recompute. Weight 1 would count the recompute once; the default was chosen
+  by simulation (:class:`AffinityFilterParams`).
 * **Queue impact** (``queueImpactWeight``, default 1): every request in ``e``'s engine
   (``in_engine = waiting + running + unseen``) waits behind the recompute — a waiting request's
   prefill waits for it, a running request's next tokens share steps with its prefill chunks — and
   on a busy engine the queue refills as fast as it drains, so the count now stands for those that
   will stand behind it. So on a busy fleet (every engine holds requests) a move costs a multiple of
   its recompute, and a request leaves its prefix holder only when the holder is much worse off
-  than the target; on an idle target a move costs 2 × the recompute. This is the case the
-  issue-27 measurements showed: moving a long prompt off its holder when every engine is busy adds
+  than the target; on an idle target a move costs 16 × the recompute (the default weights). This
+  is the case the issue-27 measurements showed: moving a long prompt off its holder when every engine is busy adds
   a long recompute to a full queue (the peers' cache_aware policy stays, and kept 0.97 reuse at
   2× load where the old rule fell to 0.37–0.46).
 * ``maxTTFTPenaltyMs`` (default 150 in the shipped configs): the smallest saving worth a move
@@ -122,10 +124,14 @@ class AffinityFilterParams(PluginParams):
     ``defaultRequestDurationMs`` (ms, default 2000; ours): the request duration assumed on an
     endpoint before the router has measured one there, about a 100-token answer at vLLM's typical
     20 ms inter-token latency; 0 leaves the slot wait out until measured.
-    ``reuseLossWeight`` (default 1.0, ours) and ``queueImpactWeight`` (default 1.0, ours): the move
-    cost's terms (module docstring): 1.0 counts the recomputed work once for the cache left cold
-    and once for every request in the target engine (an accounting, not a fit: the sweep in
-    docs/benchmarks.md, issue 27, checked it); 0 and 0 leave only the ``maxTTFTPenaltyMs`` floor.
+    ``reuseLossWeight`` (default 16, ours) and ``queueImpactWeight`` (default 1.0, ours): the move
+    cost's terms (module docstring). ``queueImpactWeight`` 1 counts the recompute once for every
+    request in the target's engine (an accounting). ``reuseLossWeight`` was chosen by
+    ``backfill simulate --sweep`` over 1, 2, 4, 8, 16 and never moving (docs/benchmarks.md,
+    issue 27): the smallest weight within 0.015 of never moving's captured reuse on the
+    long-context shape at 1× and 2× load, while keeping the moves shared-prefix needs at 2×
+    (never moving: TTFT p50 0.35 s against 0.017 s); 1 lost 0.05–0.06 of long-context reuse for
+    no TTFT gain. 0 and 0 leave only the ``maxTTFTPenaltyMs`` floor.
     """
 
     prefix_match_info_producer_name: str = APPROX_PRODUCER_TYPE
@@ -134,7 +140,7 @@ class AffinityFilterParams(PluginParams):
     max_ttft_penalty_ms: float = Field(18000.0, alias="maxTTFTPenaltyMs", ge=0.0)
     peak_prefill_throughput: float = Field(15928.0, gt=0.0)
     default_request_duration_ms: float = Field(2000.0, ge=0.0)
-    reuse_loss_weight: float = Field(1.0, ge=0.0)
+    reuse_loss_weight: float = Field(16.0, ge=0.0)
     queue_impact_weight: float = Field(1.0, ge=0.0)
 
 

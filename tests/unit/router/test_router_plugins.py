@@ -198,7 +198,7 @@ def test_no_hit_lru_ranks_cold_requests_by_least_recent_cold_use():
 
 
 def affinity(**params):
-    base = {"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 1000}
+    base = {"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 1000, "reuseLossWeight": 1}
     return build_affinity_filter("aff", base | params, handle())
 
 

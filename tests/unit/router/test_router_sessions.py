@@ -212,8 +212,9 @@ def test_the_shipped_profile_keeps_a_session_then_moves_it_once():
     for turn in range(6):
         history = history + list(range(10_000 + 100 * turn, 10_000 + 100 * turn + 100))
         req = request(history, session_id="agent")
-        if turn == 3:
-            next(ep for ep in eps if ep.name == placed[-1]).num_requests_waiting = 6  # its engine saturates
+        if turn == 3:  # its engine saturates: 6 requests wait for a slot, each ~10 s: a move pays
+            bound = next(ep for ep in eps if ep.name == placed[-1])
+            bound.num_requests_waiting, bound.mean_request_duration_s = 6, 10.0
         res = scheduler.schedule(req, eps)
         scheduler.pre_request(req, res)
         scheduler.response_complete(req, res, None)
