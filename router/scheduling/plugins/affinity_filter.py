@@ -81,6 +81,12 @@ predicted latency follows llm-d's predicted-latency scorer (router/README.md, "P
 exceeds ``maxTTFTPenaltyMs`` alone; the old rule then let the load scorers choose among all
 endpoints, this one among those the move pays for).
 
+Blocks count whole in every cache tier here (:meth:`PrefixMatchInfo.prefill_tokens`): a block in
+the CPU tier is loaded (the twin: 0.08 ms per block), not recomputed, so the precise producer's
+tier weights (CPU 0.8, for the prefix scorer) would make a holder's offloaded history look 20 %
+uncached and a shorter GPU-only match elsewhere the longest — what put precise below approximate
+on the conversation shape (docs/benchmarks.md, issue 27).
+
 Each decision's outcome (:class:`AffinityOutcome`) goes into the CycleState under
 ``affinity-outcome/<name>``, for metrics (llm-d counts ``outcome="load_override"`` the same way).
 """
@@ -160,7 +166,7 @@ class PrefixCacheAffinityFilter:
     def estimated_wait_ms(self, endpoint: Endpoint, info: PrefixMatchInfo, prompt_tokens: int) -> float:
         """Estimated wait on ``endpoint`` for this request, in ms: prefill plus slot wait (module
         docstring)."""
-        tokens = endpoint.in_flight_uncached_tokens + info.uncached_tokens(endpoint.name, prompt_tokens)
+        tokens = endpoint.in_flight_uncached_tokens + info.prefill_tokens(endpoint.name, prompt_tokens)
         return tokens / self.params.peak_prefill_throughput * 1000.0 + self.slot_wait_ms(endpoint)
 
     def slot_wait_ms(self, endpoint: Endpoint) -> float:
@@ -185,12 +191,12 @@ class PrefixCacheAffinityFilter:
         info: PrefixMatchInfo | None = state.read(self._match_key)
         if info is None:
             return AffinityOutcome.NO_STICKY, list(endpoints)
-        best = max((info.matched.get(ep.name, 0.0) for ep in endpoints), default=0.0)
+        best = max((info.held_blocks(ep.name) for ep in endpoints), default=0.0)
         if best <= 0.0 or info.ratio_of(best) < p.affinity_threshold:
             return AffinityOutcome.NO_STICKY, list(endpoints)
         # the holders: the endpoints with the longest match; any other endpoint, a partial holder
         # too, is a move that recomputes the difference and must pay for it
-        sticky = [ep for ep in endpoints if info.matched.get(ep.name, 0.0) >= best - _SAME_MATCH]
+        sticky = [ep for ep in endpoints if info.held_blocks(ep.name) >= best - _SAME_MATCH]
         if len(sticky) == len(endpoints):
             return AffinityOutcome.ALL_STICKY, list(endpoints)
         if p.exploration_probability > 0.0 and self._rng.random() < p.exploration_probability:
@@ -216,14 +222,14 @@ class PrefixCacheAffinityFilter:
         """The non-sticky endpoints a move to which pays: saving > max(``maxTTFTPenaltyMs``, move
         cost) (module docstring); empty when none does (the request stays on its holders)."""
         best_wait = min(self.estimated_wait_ms(ep, info, prompt_tokens) for ep in sticky)
-        held = min(info.uncached_tokens(ep.name, prompt_tokens) for ep in sticky)
+        held = min(info.prefill_tokens(ep.name, prompt_tokens) for ep in sticky)
         sticky_ids = {id(ep) for ep in sticky}
         floor = self.params.max_ttft_penalty_ms
         movers = []
         for ep in endpoints:
             if id(ep) in sticky_ids:
                 continue
-            uncached = info.uncached_tokens(ep.name, prompt_tokens)
+            uncached = info.prefill_tokens(ep.name, prompt_tokens)
             saving = best_wait - self.estimated_wait_ms(ep, info, prompt_tokens)
             if saving > floor and saving > self.move_cost_ms(ep, uncached - held):
                 movers.append(ep)

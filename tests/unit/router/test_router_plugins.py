@@ -110,6 +110,7 @@ def test_precise_producer_weights_matched_blocks_by_tier():
     producer.produce(state, req, endpoints(4))
     info = state.read(prefix_match_key("precise"))
     assert info.matched == {"http://e0": 4.0, "http://e1": pytest.approx(3.2), "http://e2": 1.0}
+    assert info.held == {"http://e0": 4, "http://e1": 4, "http://e2": 2}  # every tier counted whole
     scorer = build_prefix_scorer("s", {"prefixMatchInfoProducerName": "precise"}, handle())
     assert scorer.score(state, req, endpoints(4)) == [1.0, pytest.approx(0.8), 0.25, 0.0]
 
@@ -268,6 +269,18 @@ def test_only_the_tokens_a_holder_has_and_the_target_lacks_are_charged():
     # 1000 - 128 = 872 ms; e2 holds nothing: 256 × 4 = 1024 ms against a saving of 744 ms
     state = match_state(4, {"http://e0": 4, "http://e1": 2})
     assert affinity(maxTTFTPenaltyMs=100, affinityThreshold=0.8).filter(state, req, eps) == [eps[1]]
+
+
+def test_a_holder_offloaded_to_the_cpu_tier_is_still_the_longest_holder():
+    eps = endpoints(3)
+    req = request(prompt(1, 640))  # 10 blocks of 64
+    state = CycleState()
+    # e0 holds all 10 blocks in the CPU tier (weighted 8.0), e1 the first 9 on the GPU (9.0)
+    state.write(prefix_match_key(APPROX), PrefixMatchInfo(10, 64, {"http://e0": 8.0, "http://e1": 9.0},
+                                                          {"http://e0": 10, "http://e1": 9}))
+    assert affinity().filter(state, req, eps) == [eps[0]]  # loads, recomputes nothing
+    info = state.read(prefix_match_key(APPROX))
+    assert info.prefill_tokens("http://e0", 640) == 0 and info.uncached_tokens("http://e0", 640) == 128
 
 
 def test_affinity_filter_explores_with_its_probability():
