@@ -16,12 +16,13 @@ keeps the holders — unless
 The move rule (all in ms; ``h`` ranges over the sticky endpoints)::
 
     saving(e)     = min_h wait(h) − wait(e)                          this request's TTFT gain
-    recompute(e)  = (uncached(e) − min_h uncached(h)) / peakPrefillThroughput × 1000
+    recompute(e)  = (prefill(e) − min_h prefill(h)) / peakPrefillThroughput × 1000
     move_cost(e)  = recompute(e) × (reuseLossWeight + queueImpactWeight × in_engine(e))
     e pays        ⇔ saving(e) > max(maxTTFTPenaltyMs, move_cost(e))
 
-* ``recompute(e)``: the prefix tokens ``e`` would compute again that a holder has cached (prefill
-  time at the calibrated rate; the request's own share of it is already in ``wait(e)``).
+* ``recompute(e)``: the prefix tokens ``e`` would compute again that a holder has cached
+  (``prefill(x)``: the prompt tokens ``x`` does not hold in any tier; prefill time at the
+  calibrated rate; the request's own share of it is already in ``wait(e)``).
 * **Reuse lost** (``reuseLossWeight``, default 16): the recomputed tokens are cache the fleet had
   and throws away — GPU time spent twice — and the cost goes on: the holder's copy goes cold in its
   cache, and the duplicate on ``e`` evicts as many tokens of other cached prefixes there, which
@@ -34,9 +35,9 @@ The move rule (all in ms; ``h`` ranges over the sticky endpoints)::
   will stand behind it. So on a busy fleet (every engine holds requests) a move costs a multiple of
   its recompute, and a request leaves its prefix holder only when the holder is much worse off
   than the target; on an idle target a move costs 16 × the recompute (the default weights). This
-  is the case the issue-27 measurements showed: moving a long prompt off its holder when every engine is busy adds
-  a long recompute to a full queue (the peers' cache_aware policy stays, and kept 0.97 reuse at
-  2× load where the old rule fell to 0.37–0.46).
+  is the case the issue-27 measurements showed: moving a long prompt off its holder when every
+  engine is busy adds a long recompute to a full queue (the peers' cache_aware policy stays, and
+  kept 0.97 reuse at 2× load where the old rule fell to 0.37–0.46).
 * ``maxTTFTPenaltyMs`` (default 150 in the shipped configs): the smallest saving worth a move
   (below it the estimate's noise — scrape lag, duration EWMA — decides); 0 means never move.
 
