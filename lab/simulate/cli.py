@@ -7,6 +7,9 @@ lanes), ``--workload NAME`` (the benchmark generators of :mod:`lab.toolkit.workl
 file as a backlog on the batch lane). Every policy runs the same workload on a fresh fleet; the
 table and ``--json`` hold the figures of each.
 
+``--sweep`` runs every policy on ``bench prefix``'s shapes (and ``conversation``) at several loads
+and seeds, each on its shape's fleet, and reports mean ± sd (:mod:`lab.simulate.sweep`).
+
 Fleets: ``--engines N`` engines of role ``both``; ``--prefill-engines P --decode-engines D`` a
 prefill/decode fleet (policy ``pd``: the shipped ``pd-config.yaml``, or ``--config``); ``--layout``
 (repeatable: ``N`` or ``P:D``) runs several fleets on the same workload, with a table of the P/D
