@@ -83,6 +83,8 @@ def admin_state(running: RunningRouter) -> RouterState:
     per_endpoint_blocks, index_info = _index_view(running)
     saturations = rt.endpoint_saturations()
     working_set = rt.session_working_set()
+    reserved = rt.reserved_working_set()
+    reasons = rt.gate_reasons(saturations)
     endpoints = []
     for state in parts.pool.states.values():
         ep, m = state.endpoint, state.metrics
@@ -94,7 +96,8 @@ def admin_state(running: RunningRouter) -> RouterState:
             num_requests_waiting=ep.num_requests_waiting, num_requests_running=ep.num_requests_running,
             kv_cache_usage_perc=ep.kv_cache_usage_perc, in_flight_requests=ep.in_flight_requests,
             in_flight_uncached_tokens=ep.in_flight_uncached_tokens,
-            idle_session_tokens=working_set.get(ep.name, 0),
+            idle_session_tokens=working_set.get(ep.name, 0), reserved_session_tokens=reserved.get(ep.name, 0),
+            gate_reason=reasons.get(ep.name, "") if state.healthy else "",
             saturation=saturation,
             gate_open=saturation is not None and saturation < SATURATION_THRESHOLD,
             headroom=None if saturation is None else max(0.0, 1.0 - saturation),
@@ -112,7 +115,8 @@ def admin_state(running: RunningRouter) -> RouterState:
     bands = [BandState(**band) for band in parts.flow.stats()["bands"]] if parts.flow is not None else []
     return RouterState(
         pool_saturation=sum(saturations.values()) / len(saturations) if saturations else 1.0,
-        gate_saturation=rt.gate_over(saturations), pool_gate_saturation=rt.pool_gates(saturations), time=time.time(),
+        gate_saturation=rt.gate_over(saturations), gate_reason=rt.gate_reason_over(saturations, reasons),
+        pool_gate_saturation=rt.pool_gates(saturations), time=time.time(),
         decisions_per_s=parts.director.decisions.rate(),
         profile=parts.director.profile or parts.scheduler.default_profile,
         tokenizer=parts.settings.tokenizer, endpoints=endpoints, bands=bands, index=index_info,

@@ -4,22 +4,53 @@ flow control's gate, the ``spare-capacity-filter`` and ``/admin/state`` (no I/O)
 It is built first and given its parts afterwards by :func:`router.assembly.build_router`, because
 the parts read it back: the scheduler's ``spare-capacity-filter`` calls
 :meth:`RouterRuntime.scheduling_saturation` and flow control :meth:`RouterRuntime.gate_saturation`.
+
+**The idle sessions' working set, capped** (``working_set_cap``, default 0.5). The session plugin
+sums, per engine, the last prompt of every session idle within ``workingSetWindowSeconds``
+(``router/scheduling/plugins/session.py``) and the saturation of sheddable work counts that sum as
+used KV, so batch does not take the room agents between turns are about to need. The sum is an
+upper bound of what those sessions can still use, and a loose one: sessions sharing a system
+prompt count it once each; a one-turn request carrying a session header (every request of a client
+that sends one) counts like an agent between turns, though most never come back; and once the sum
+passes what the GPU cache holds beside the running requests, the engine's own LRU eviction is
+already dropping the oldest of those sessions' blocks, whatever sheddable work does — holding batch
+back then protects nothing. Counted whole, it reads at or above ``kv_threshold`` on every engine
+of a busy-but-not-full fleet and closes the gate for the whole window however idle the engines are:
+``backfill simulate --synthetic-requests 2000 --engines 8`` held async and batch about 120 s (TTFT
+p99 ~132 s against round-robin's 9–10 s, docs/benchmarks.md). So an engine's working set counts at
+most ``working_set_cap`` of its GPU KV (:func:`reserved_working_set`): a working set that fits under
+the cap is reserved whole, as before; a larger one reserves the cap, which still keeps the larger
+share of the cache for the sessions (0.5 against the ``kv_threshold − 0.5`` = 0.3 that sheddable
+work may fill on an engine whose running requests use none of it) and lets sheddable work run only
+while the engine's own running requests use less than that 0.3. The cap is ours (no peer router
+reserves KV for idle sessions; llm-d's session scorer has no such term), chosen for the reasons
+above and measured in docs/benchmarks.md; 1.0 restores the uncapped rule.
+
+**Why the gate is closed** (:func:`gate_reason`): the term of an endpoint's sheddable saturation
+that reaches 1.0 — ``stale_metrics``, ``waiting_queue`` (queue term), ``kv_cache`` (KV use without
+the working set), ``idle_session_working_set`` (the KV term reaches 1.0 only with the idle sessions'
+reserve), ``sheddable_slots`` (the slot reserve for non-sheddable work), ``batch_prefill`` (the batch
+prefill bound), ``pending_dispatches`` (only with requests released but not yet forwarded), or
+``open``. ``/admin/state`` shows it per endpoint and for the gate (the least saturated endpoint's).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from router.flow_control import FlowController
 from router.pool.state import PoolState
 from router.scheduling.plugins.session import SessionWorkingSet
 from router.scheduling.saturation import (
+    SATURATED,
     SaturationThresholds,
+    effective_waiting,
     endpoint_saturation,
     gate_saturation,
     pd_fleet_saturation,
     pd_gate_saturation,
+    sheddable_slots,
 )
 from router.scheduling.types import Endpoint
 from router.settings import RouterSettings
@@ -33,6 +64,52 @@ def saturation_thresholds(settings: RouterSettings) -> SaturationThresholds:
         slot_reserve_fraction=settings.slot_reserve_fraction, min_slot_reserve=settings.min_slot_reserve,
         reserve_from_arrivals=settings.reserve_from_arrivals, batch_prefill_share=settings.batch_prefill_share,
         max_num_batched_tokens=settings.max_num_batched_tokens)
+
+
+#: :func:`gate_reason`'s values (module docstring), in the order the terms are checked.
+GATE_REASONS = ("open", "stale_metrics", "waiting_queue", "kv_cache", "idle_session_working_set", "sheddable_slots",
+                "batch_prefill", "pending_dispatches")
+
+
+def reserved_working_set(endpoint: Endpoint, tokens: int, cap: float) -> int:
+    """The part of an endpoint's idle-session working set (``tokens``) its sheddable saturation
+    counts as used KV, tokens: ``min(tokens, cap × block_size × num_gpu_blocks)`` (module
+    docstring: the rule); ``tokens`` unchanged while the GPU capacity is not scraped yet (the
+    saturation leaves the term out then anyway), 0 for ``tokens`` ≤ 0."""
+    if tokens <= 0:
+        return 0
+    if not endpoint.block_size or not endpoint.num_gpu_blocks:
+        return tokens
+    return min(tokens, int(cap * endpoint.block_size * endpoint.num_gpu_blocks))
+
+
+def gate_reason(endpoint: Endpoint, now: float, thresholds: SaturationThresholds, working_set_tokens: int,
+                value: float) -> str:
+    """Why ``endpoint`` takes no sheddable work (one of :data:`GATE_REASONS`, module docstring):
+    ``open`` when ``value`` (its sheddable saturation, pending dispatches placed) is below 1.0,
+    else the first term of :func:`router.scheduling.saturation.endpoint_saturation` at or above
+    1.0, ``working_set_tokens`` being the reserve it counted (:func:`reserved_working_set`)."""
+    if value < SATURATED:
+        return "open"
+    t = thresholds
+    updated = endpoint.metrics_updated_at
+    if updated is None or now - updated > t.max_metrics_age_s:
+        return "stale_metrics"
+    waiting = effective_waiting(endpoint) if t.in_flight_credit else endpoint.num_requests_waiting
+    if waiting / t.queue_threshold >= SATURATED:
+        return "waiting_queue"
+    if endpoint.kv_cache_usage_perc / t.kv_threshold >= SATURATED:
+        return "kv_cache"
+    if endpoint_saturation(endpoint, now, t, working_set_tokens=working_set_tokens) >= SATURATED and \
+            endpoint_saturation(endpoint, now, t) < SATURATED:
+        return "idle_session_working_set"
+    room = sheddable_slots(endpoint, t, now)
+    if room is not None and (endpoint.in_flight_sheddable / room >= SATURATED or waiting > 0):
+        return "sheddable_slots"
+    if t.batch_prefill_share is not None and endpoint.in_flight_sheddable_prefill_tokens >= \
+            t.batch_prefill_share * t.max_num_batched_tokens:
+        return "batch_prefill"
+    return "pending_dispatches"
 
 
 class RouterRuntime:
@@ -63,6 +140,40 @@ class RouterRuntime:
         (``router/scheduling/plugins/session.py``); empty without a session plugin."""
         return self.working_set() if self.working_set is not None else {}
 
+    def reserved_working_set(self, candidates: Sequence[Endpoint] | None = None) -> dict[str, int]:
+        """Endpoint name → the part of :meth:`session_working_set` its sheddable saturation counts
+        (:func:`reserved_working_set` with the settings' ``working_set_cap``), tokens, for the
+        healthy endpoints (``candidates``; None: the pool's); others are left out."""
+        raw = self.session_working_set()
+        if not raw:
+            return {}
+        if candidates is None:
+            assert self.pool is not None
+            candidates = self.pool.candidates()
+        cap = self.settings.working_set_cap
+        return {ep.name: reserved_working_set(ep, raw[ep.name], cap) for ep in candidates if raw.get(ep.name, 0) > 0}
+
+    def gate_reasons(self, saturations: Mapping[str, float]) -> dict[str, str]:
+        """Endpoint name → :func:`gate_reason` for every endpoint of ``saturations`` (the map of
+        :meth:`endpoint_saturations`), for ``/admin/state``."""
+        assert self.pool is not None
+        candidates = self.pool.candidates()
+        reserved = self.reserved_working_set(candidates)
+        now = self.clock()
+        return {ep.name: gate_reason(ep, now, self.thresholds, reserved.get(ep.name, 0), saturations[ep.name])
+                for ep in candidates if ep.name in saturations}
+
+    def gate_reason_over(self, saturations: Mapping[str, float], reasons: Mapping[str, str]) -> str:
+        """Why the gate is closed (``open`` when it is not): the reason of the least saturated
+        endpoint, the one the gate reads (for a prefill/decode fleet, of the more saturated pool's
+        least saturated endpoint); ``no_healthy_endpoint`` with none."""
+        if not saturations:
+            return "no_healthy_endpoint"
+        if self.gate_over(saturations) < SATURATED:
+            return "open"
+        name = min(saturations, key=lambda n: saturations[n])
+        return reasons.get(name, "open")
+
     def _fleet_values(self, reserve: bool) -> tuple[list[Endpoint], list[float]]:
         """The healthy endpoints and their saturations, aligned (:meth:`endpoint_saturations`)."""
         assert self.pool is not None
@@ -72,7 +183,7 @@ class RouterRuntime:
         if self.flow is not None:
             pending = max(0, self.flow.in_flight_requests - sum(ep.in_flight_requests for ep in candidates))
         values = pd_fleet_saturation(candidates, self.clock(), self.thresholds, pending, reserve=reserve,
-                                     working_set=self.session_working_set() if reserve else None)
+                                     working_set=self.reserved_working_set(candidates) if reserve else None)
         return candidates, values
 
     def endpoint_saturations(self, *, reserve: bool = True) -> dict[str, float]:
@@ -84,7 +195,8 @@ class RouterRuntime:
         (:func:`router.scheduling.saturation.fleet_saturation`). Flow control's gate and
         ``/admin/state`` read this one computation, so the dashboard shows what the gate does; the
         ``spare-capacity-filter`` reads the same per-endpoint detector (:meth:`scheduling_saturation`).
-        Sheddable values count the idle sessions' working set as used KV (:meth:`session_working_set`)."""
+        Sheddable values count the idle sessions' working set as used KV, at most ``working_set_cap``
+        of each engine's GPU KV (:meth:`reserved_working_set`, module docstring)."""
         candidates, values = self._fleet_values(reserve)
         return {ep.name: value for ep, value in zip(candidates, values)}
 
@@ -139,4 +251,5 @@ class RouterRuntime:
             tokens = source.tokens(endpoint.name)  # one entry, not the map over every endpoint
         else:
             tokens = source().get(endpoint.name, 0)
+        tokens = reserved_working_set(endpoint, tokens, self.settings.working_set_cap)
         return endpoint_saturation(endpoint, self.clock(), self.thresholds, working_set_tokens=tokens)

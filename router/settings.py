@@ -73,6 +73,9 @@ class RouterSettings(BaseSettings):
             ``router/scheduling/saturation.py`` gives the reasoning). Both 0: no reserve.
         make_room: a non-sheddable request bound for an engine with no free slot evicts the newest
             sheddable request this router runs there (``Director.make_room``; module doc: why on).
+        working_set_cap: the most of an engine's GPU KV, a fraction 0..1, that idle sessions' working
+            set holds back from sheddable work (default 0.5; ``router/runtime.py`` gives the rule and
+            its reasoning; 1.0: the whole working set, the rule before the cap).
         evict_on_wait, reserve_from_arrivals, batch_prefill_share, batch_prefill_window_s,
             max_num_batched_tokens: the engine-level interactive protection, each off by default (measured in
             docs/benchmarks.md "isolation"): evict-and-resume when an interactive request would wait
@@ -131,6 +134,7 @@ class RouterSettings(BaseSettings):
     queue_threshold: float = Field(5, gt=0)
     kv_threshold: float = Field(0.8, gt=0)
     slot_reserve_fraction: float = Field(0.1, ge=0, le=1)
+    working_set_cap: float = Field(0.5, ge=0, le=1)
     min_slot_reserve: int = Field(1, ge=0)
     make_room: bool = True
     evict_on_wait: bool = False

@@ -43,7 +43,7 @@ from batch_gateway.store.states import (
     ResponseStatus,
 )
 from common.contracts.queue import LANE_PRIORITIES, running_counts, running_key
-from common.contracts.router_state import SATURATION_THRESHOLD
+from common.contracts.router_state import GATE_REASON_TEXT, SATURATION_THRESHOLD
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -799,7 +799,7 @@ def _lanes(request: Request) -> dict:
                    width=1280, height=240),  # drawn full width
     ]
     return {**context, "lanes": lanes, "queues_error": queues_error, "charts": charts,
-            "threshold": SATURATION_THRESHOLD, "pool": settings.queue_pool}
+            "threshold": SATURATION_THRESHOLD, "pool": settings.queue_pool, "gate_reasons": GATE_REASON_TEXT}
 
 
 def _fleet(request: Request) -> dict:

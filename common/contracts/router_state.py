@@ -6,6 +6,8 @@ gate and the admin dashboard. Units: requests, tokens, blocks, seconds; fraction
                         room, sheddable work is held; for a prefill/decode fleet — some endpoint of
                         role "prefill" — the larger of the two pools' values below: room needs a
                         prefill-capable AND a decode-capable endpoint with room), "time": Unix s,
+     "gate_reason": str (why the gate is closed: the least saturated endpoint's "gate_reason";
+                        "open" when it is open, "no_healthy_endpoint" with none),
      "pool_gate_saturation": {"prefill": float, "decode": float} (least saturated healthy endpoint
                         of each pool: prefill-capable = roles prefill and both, decode-capable =
                         decode and both; 1.0 for an empty pool),
@@ -18,7 +20,13 @@ gate and the admin dashboard. Units: requests, tokens, blocks, seconds; fraction
                     "num_requests_waiting", "num_requests_running",
                     "kv_cache_usage_perc", "in_flight_requests", "in_flight_uncached_tokens",
                     "idle_session_tokens" (prompt tokens of sessions idle there within the router's
-                                           working-set window; counted as used KV in ``saturation``),
+                                           working-set window),
+                    "reserved_session_tokens" (the part of them ``saturation`` counts as used KV:
+                                           at most the router's ``working_set_cap`` of the GPU KV),
+                    "gate_reason": str (why it takes no sheddable work: "open" | "stale_metrics" |
+                                   "waiting_queue" | "kv_cache" | "idle_session_working_set" |
+                                   "sheddable_slots" | "batch_prefill" | "pending_dispatches";
+                                   "" while unhealthy),
                     "saturation": float | null (null while unhealthy), "metrics_age_s": s | null,
                     "gate_open": bool (healthy and saturation < 1.0: takes sheddable work now),
                     "headroom": float | null (max(0, 1 − saturation); null while unhealthy),
@@ -79,6 +87,10 @@ class EndpointState(_Lenient):
     in_flight_requests: int = 0
     in_flight_uncached_tokens: int = 0
     idle_session_tokens: int = 0
+    reserved_session_tokens: int = 0
+    """The part of ``idle_session_tokens`` the sheddable saturation counts as used KV (capped)."""
+    gate_reason: str = ""
+    """Why the endpoint takes no sheddable work (``open`` when it does; module docstring)."""
     saturation: float | None = None
     gate_open: bool = False
     headroom: float | None = None
@@ -141,6 +153,8 @@ class RouterState(_Lenient):
     pool_saturation: float
     time: float
     gate_saturation: float = 1.0
+    gate_reason: str = ""
+    """Why the gate is closed (``open`` when it is not; module docstring)."""
     pool_gate_saturation: dict[str, float] = Field(default_factory=dict)
     disaggregation: dict[str, Any] = Field(default_factory=dict)
     decisions_per_s: float = 0.0
@@ -189,6 +203,20 @@ def is_backpressure(reason: str) -> bool:
     """Whether a drop reason (llm-d's header value or its label) is backpressure
     (:data:`BACKPRESSURE_REASONS`) rather than shedding."""
     return reason_label(reason) in BACKPRESSURE_REASONS
+
+
+GATE_REASON_TEXT: dict[str, str] = {
+    "open": "open",
+    "no_healthy_endpoint": "no healthy engine",
+    "stale_metrics": "no fresh metrics from the engine",
+    "waiting_queue": "requests waiting in the engine's queue",
+    "kv_cache": "KV cache use at the threshold",
+    "idle_session_working_set": "KV kept for idle sessions' next turns (working set)",
+    "sheddable_slots": "slots kept for interactive work",
+    "batch_prefill": "batch prompt tokens in prefill at their bound",
+    "pending_dispatches": "requests released but not yet forwarded",
+}
+"""``gate_reason`` values (the router's and each endpoint's) in words, for the dashboard."""
 
 
 def reason_label(reason: str) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,116 +25,27 @@ import httpx
 from lab.toolkit.cli_common import mooncake_trace_options
 from lab.toolkit.launch import POLICIES, EngineOptions, LaunchError, Policy, fleet_with_router, our_policy
 from lab.toolkit.replay import replay, summarize
+from lab.toolkit.shapes import (  # noqa: F401  (re-exported: the bench's shapes, where they always were)
+    LONG_CONTEXT_OUTPUT_CAP,
+    SHAPES,
+    Shape,
+    build_trace,
+    engine_options,
+    long_context_trace,
+    shape_trace,
+)
 from lab.toolkit.workloads import (
-    MooncakeRecord,
     TimedRequest,
-    agentic_sessions,
-    long_context_records,
-    merge,
     mooncake_trace,
     oracle_reusable_tokens,
     read_mooncake,
     reusable_share,
-    shared_prefix_batch,
-    shared_prefix_groups,
-    tool_agents,
     write_mooncake,
 )
 
 PEERS = ("vllm-router-cache_aware", "vllm-router-kv_aware", "sglang-router-cache_aware")
 OURS = ("approximate", "precise")
 FIGURES = ("captured_reuse", "ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")
-
-
-def build_trace(seed: int = 0, quick: bool = False, load: float = 1.0) -> list[TimedRequest]:
-    """The benchmark's trace: agentic sessions and shared-prefix groups with their default
-    parameters, merged (full: about 260 calls, most sent in the first 10 model seconds; quick:
-    about 14 calls over a few model seconds). ``load`` multiplies the arrival rates (session starts
-    and shared-prefix requests); raises ``ValueError`` when it is not positive."""
-    if load <= 0:
-        raise ValueError("load must be positive")
-    if quick:
-        agentic = agentic_sessions(seed, sessions=3, system_tokens=300, task_tokens=(40, 80), call_tokens=(10, 20),
-                                   result_tokens=(40, 80), turns=(2, 3), pause_s=0.5, one_off_share=0.1,
-                                   one_off_tokens=(100, 200), duration_s=2.0, max_tokens=4)
-        shared = shared_prefix_groups(seed, groups=2, users=2, questions_per_user=1, prefix_tokens=300,
-                                      question_tokens=50, max_tokens=4, rate_per_s=4.0)
-        return merge(agentic, shared)
-    return merge(agentic_sessions(seed, duration_s=9.0 / load), shared_prefix_groups(seed, rate_per_s=14.0 * load))
-
-LONG_CONTEXT_OUTPUT_CAP = 64
-"""Output tokens per long-context request at most (the trace's ``output_length`` otherwise): TTFT
-and reuse do not depend on it, and 300-token answers would only lengthen every run."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One workload shape of the bench: its trace and its fleet (full and ``--quick``)."""
-
-    name: str
-    summary: str
-    full: EngineOptions
-    quick: EngineOptions
-
-    def options(self, quick: bool, engines: int | None, time_scale: float | None) -> EngineOptions:
-        """The fleet, with ``--engines`` / ``--time-scale`` applied."""
-        base = self.quick if quick else self.full
-        return replace(base, engines=engines or base.engines,
-                       time_scale=base.time_scale if time_scale is None else time_scale)
-
-
-_QUICK = EngineOptions(engines=2, num_gpu_blocks=160, cpu_offload_blocks=160, max_model_len=2048, time_scale=0.1)
-SHAPES: dict[str, Shape] = {s.name: s for s in (
-    Shape("agentic", "agentic sessions + llm-d shared-prefix groups (the original bench)", EngineOptions(), _QUICK),
-    Shape("shared-prefix", "cookbook-shaped batch: one system prompt + a movie per line, 80 requests/s burst",
-          EngineOptions(engines=2, num_gpu_blocks=512, cpu_offload_blocks=512, max_model_len=2048), _QUICK),
-    Shape("long-context", "long multi-turn conversations (Mooncake form): mean prompt ~12k tokens, tail to 122k",
-          EngineOptions(engines=4, num_gpu_blocks=8192, cpu_offload_blocks=8192, max_model_len=131072),
-          replace(_QUICK, num_gpu_blocks=320, max_model_len=4096)),
-    Shape("tool-agent", "48 parallel agents, 10-24 short tool calls each, growing histories",
-          EngineOptions(engines=4, num_gpu_blocks=2048, cpu_offload_blocks=2048), _QUICK),
-)}
-"""The shapes of ``--shape all``, in table order. Every full fleet holds less than its trace's
-working set in GPU blocks (evictions happen; the bench prints both)."""
-
-
-def long_context_trace(seed: int = 0, quick: bool = False, load: float = 1.0,
-                       max_model_len: int = 131072) -> tuple[list[TimedRequest], list[MooncakeRecord]]:
-    """The long-context shape: :func:`~lab.toolkit.workloads.long_context_records` (quick: 4
-    short conversations), replayed open loop at ``load`` × the generated rate; the requests and the
-    records (to write as a Mooncake file)."""
-    records = (long_context_records(seed, conversations=4, duration_s=2.0, median_tokens=800, max_tokens=3000,
-                                    multi_turn_share=0.5, think_s=0.5) if quick else long_context_records(seed))
-    return mooncake_trace(records, speed=load, max_model_len=max_model_len, max_output_tokens=LONG_CONTEXT_OUTPUT_CAP,
-                          workload="long-context"), records
-
-
-def shape_trace(shape: str, seed: int = 0, quick: bool = False, load: float = 1.0,
-                max_model_len: int = 131072) -> list[TimedRequest]:
-    """The trace of ``shape`` (a key of :data:`SHAPES`); ``load`` multiplies its arrival rates.
-    Raises ``KeyError`` for an unknown shape, ``ValueError`` for a non-positive load."""
-    if load <= 0:
-        raise ValueError("load must be positive")
-    if shape == "agentic":
-        return build_trace(seed, quick, load)
-    if shape == "shared-prefix":
-        return shared_prefix_batch(seed, lines=30 if quick else 1000, rate_per_s=80.0 * load,
-                                   max_tokens=4 if quick else 32)
-    if shape == "long-context":
-        return long_context_trace(seed, quick, load, max_model_len)[0]
-    if shape == "tool-agent":
-        if quick:
-            return tool_agents(seed, sessions=3, tool_sets=2, system_tokens=200, turns=(2, 4), duration_s=1.0,
-                               max_tokens=4)
-        return tool_agents(seed, duration_s=4.0 / load)
-    raise KeyError(shape)
-
-
-def engine_options(quick: bool, engines: int | None, time_scale: float | None) -> EngineOptions:
-    """The agentic shape's fleet. Full: 4 engines × 1,536 GPU blocks (24,576 tokens) + 3,072 CPU
-    blocks, time scale 1. Quick: 2 engines × 160 GPU blocks + 160 CPU blocks, max_model_len 2,048,
-    time scale 0.1."""
-    return SHAPES["agentic"].options(quick, engines, time_scale)
 
 
 def _engine_state(urls: list[str]) -> dict[str, Any]:
@@ -324,6 +235,10 @@ def _print_summary(console: Any, shapes: dict[str, dict[str, Any]]) -> None:
               help="Policies to run (repeat; default: all).")
 @click.option("--engines", type=int, default=None, help="Simulated engines (default: the shape's).")
 @click.option("--time-scale", type=float, default=None, help="Engines' wall seconds per model second (default 1).")
+@click.option("--gpu-blocks", type=click.IntRange(min=1), default=None,
+              help="GPU KV blocks per engine (default: the shape's; backfill simulate's --gpu-blocks).")
+@click.option("--cpu-blocks", type=click.IntRange(min=0), default=None,
+              help="CPU offload blocks per engine (default: the shape's; backfill simulate's --cpu-blocks).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
 @click.option("--load", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Multiplies the generated traces' arrival rates (not --quick's).")
@@ -334,8 +249,9 @@ def _print_summary(console: Any, shapes: dict[str, dict[str, Any]]) -> None:
               help="Run our POLICY (approximate or precise) with this scheduling YAML instead of the shipped one.")
 def prefix_command(quick: bool, shape: str, trace_path: Path | None, trace_format: str, start_min: float,
                    minutes: float | None, speed: float, write_trace: Path | None, policies: tuple[str, ...],
-                   engines: int | None, time_scale: float | None, seed: int, load: float, json_path: Path | None,
-                   log_dir: Path | None, configs: tuple[str, ...]) -> None:
+                   engines: int | None, time_scale: float | None, gpu_blocks: int | None, cpu_blocks: int | None,
+                   seed: int, load: float, json_path: Path | None, log_dir: Path | None,
+                   configs: tuple[str, ...]) -> None:
     """Captured prefix reuse and TTFT: round-robin, ours, vllm-router, sglang-router, per workload shape."""
     from rich.console import Console
 
@@ -353,8 +269,14 @@ def prefix_command(quick: bool, shape: str, trace_path: Path | None, trace_forma
         log_dir.mkdir(parents=True, exist_ok=True)
     load = 1.0 if quick else load
     runs: list[tuple[str, list[TimedRequest], EngineOptions]] = []
+
+    def fleet(shape_name: str) -> EngineOptions:
+        opts = SHAPES[shape_name].options(quick, engines, time_scale)
+        return replace(opts, num_gpu_blocks=gpu_blocks or opts.num_gpu_blocks,
+                       cpu_offload_blocks=opts.cpu_offload_blocks if cpu_blocks is None else cpu_blocks)
+
     if trace_path is not None:
-        opts = SHAPES["long-context"].options(quick, engines, time_scale)
+        opts = fleet("long-context")
         records = read_mooncake(trace_path)
         console.print(f"{trace_path}: {len(records)} records, {reusable_share(records):.3f} of prompt tokens "
                       "reusable within 5 minutes")
@@ -363,7 +285,7 @@ def prefix_command(quick: bool, shape: str, trace_path: Path | None, trace_forma
         runs.append(("mooncake", trace, opts))
     else:
         for name in (list(SHAPES) if shape == "all" else [shape]):
-            opts = SHAPES[name].options(quick, engines, time_scale)
+            opts = fleet(name)
             if name == "long-context":
                 trace, records = long_context_trace(seed, quick, load, opts.max_model_len)
                 console.print(f"long-context: {len(records)} records, {reusable_share(records):.3f} of prompt "

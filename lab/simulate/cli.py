@@ -7,6 +7,9 @@ lanes), ``--workload NAME`` (the benchmark generators of :mod:`lab.toolkit.workl
 file as a backlog on the batch lane). Every policy runs the same workload on a fresh fleet; the
 table and ``--json`` hold the figures of each.
 
+``--sweep`` runs every policy on ``bench prefix``'s shapes (and ``conversation``) at several loads
+and seeds, each on its shape's fleet, and reports mean ± sd (:mod:`lab.simulate.sweep`).
+
 Fleets: ``--engines N`` engines of role ``both``; ``--prefill-engines P --decode-engines D`` a
 prefill/decode fleet (policy ``pd``: the shipped ``pd-config.yaml``, or ``--config``); ``--layout``
 (repeatable: ``N`` or ``P:D``) runs several fleets on the same workload, with a table of the P/D
@@ -41,8 +44,13 @@ from lab.toolkit.cli_common import mooncake_trace_options
 from router.flow_control import FlowControlConfig
 from router.scheduling.errors import ConfigError
 
-WORKLOADS = ("agentic", "shared-prefix", "tool-agent", "long-context", "pd-mix")
-"""``--workload`` names: the generators of ``backfill bench prefix``'s shapes, and ``bench pd``'s mix."""
+WORKLOADS = ("agentic", "shared-prefix", "tool-agent", "long-context", "conversation", "pd-mix")
+"""``--workload`` names: the generators of ``backfill bench prefix``'s shapes, ``conversation``
+(:func:`lab.toolkit.workloads.conversation_records`: a window of a conversation service with the
+public Mooncake conversation trace's statistics), and ``bench pd``'s mix."""
+
+TRACE_SHAPES = ("long-context", "conversation")
+"""``--trace-shape`` names: the Mooncake-form generators ``--write-trace`` can write."""
 
 
 def parse_layout(spec: str) -> tuple[int, int, int]:
@@ -71,18 +79,18 @@ def layout_name(both: int, prefill: int, decode: int) -> str:
     return f"{prefill}:{decode}" + (f"+{both}" if both else "")
 
 
-def _generator(name: str, seed: int, conversations: int, duration_s: float,
+def _generator(name: str, seed: int, conversations: int, duration_s: float | None,
                max_model_len: int, engines: int = 4) -> tuple[Callable[[], Iterator[SimRequest]], int]:
     """A maker of the workload's arrivals and its request count (turns included); ``pd-mix`` is
     sized for ``engines`` (its rates and sessions are per engine) over ``duration_s``."""
     if name == "pd-mix":
         from lab.toolkit.pd_mix import PdOptions, pd_trace
 
-        opts = PdOptions(engines=engines, duration_s=duration_s, seed=seed, max_model_len=max_model_len)
+        opts = PdOptions(engines=engines, duration_s=duration_s or 24.0, seed=seed, max_model_len=max_model_len)
         return (lambda: pd_mix_requests(opts)), len(pd_trace(opts))
-    if name == "long-context":
-        records = wl.long_context_records(seed, conversations=conversations, duration_s=duration_s)
-        return (lambda: mooncake_requests(records, max_model_len=max_model_len, space="long-context")), len(records)
+    if name in TRACE_SHAPES:
+        records = _shape_records(name, seed, conversations, duration_s)
+        return (lambda: mooncake_requests(records, max_model_len=max_model_len, space=name)), len(records)
     if name == "agentic":
         trace = wl.merge(wl.agentic_sessions(seed), wl.shared_prefix_groups(seed))
     elif name == "shared-prefix":
@@ -108,11 +116,14 @@ def _generator(name: str, seed: int, conversations: int, duration_s: float,
               help="Add a benchmark generator's trace (repeatable).")
 @click.option("--conversations", type=click.IntRange(min=1), default=64, show_default=True,
               help="--workload long-context: conversations.")
-@click.option("--duration-s", type=click.FloatRange(min=0, min_open=True), default=24.0, show_default=True,
-              help="--workload long-context: seconds the conversations start over; pd-mix: the trace's seconds.")
+@click.option("--duration-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--workload long-context: seconds the conversations start over (default 24); conversation: "
+                   "the window's seconds (default 120); pd-mix: the trace's seconds (default 24).")
 @click.option("--write-trace", type=click.Path(dir_okay=False, path_type=Path),
-              help="Only write the long-context workload's records (--conversations, --duration-s, --seed) here as "
+              help="Only write the --trace-shape workload's records (--conversations, --duration-s, --seed) here as "
                    "Mooncake JSONL, for --trace here and in bench prefix, and exit.")
+@click.option("--trace-shape", type=click.Choice(TRACE_SHAPES), default="long-context", show_default=True,
+              help="--write-trace: the generator (conversation: the public Mooncake conversation trace's statistics).")
 @click.option("--batch", "batch_files", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Add an OpenAI batch input file as a backlog on the batch lane, via the processor (repeatable).")
 @click.option("--engines", type=click.IntRange(min=0), default=None,
@@ -154,25 +165,42 @@ def _generator(name: str, seed: int, conversations: int, duration_s: float,
               help="The router's make-room: a non-sheddable request bound for an engine with no free slot "
                    "evicts a sheddable one there (the router's default: on).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--sweep", is_flag=True,
+              help="Sweep: every policy (round-robin, approximate, precise, cache-aware-model, plus --config) on "
+                   "every --shape at every --load over --seeds seeds, each shape on its bench fleet; mean ± sd "
+                   "(docs/simulate.md, 'Sweep'). Ignores the workload and fleet options.")
+@click.option("--seeds", type=click.IntRange(min=1), default=5, show_default=True, help="--sweep: seeds 0 … N−1.")
+@click.option("--shape", "sweep_shapes", default="all", show_default=True,
+              help="--sweep: comma-separated shapes (agentic, shared-prefix, long-context, tool-agent, "
+                   "conversation) or 'all'.")
+@click.option("--load", "sweep_loads", default="1,2", show_default=True,
+              help="--sweep: comma-separated load factors (× the shape's arrival rates).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on long runs.")
 def simulate_command(trace_path: Path | None, trace_format: str, start_min: float, minutes: float | None,
                      speed: float, max_output_tokens: int | None, synthetic_requests: int | None, rate: float | None,
                      tenants: int, system_pieces: tuple[int, int], workload_names: tuple[str, ...],
-                     conversations: int, duration_s: float, write_trace: Path | None, batch_files: tuple[Path, ...],
+                     conversations: int, duration_s: float | None, write_trace: Path | None, trace_shape: str,
+                     batch_files: tuple[Path, ...],
                      engines: int | None, prefill_engines: int, decode_engines: int, layout_specs: tuple[str, ...],
                      kv_transfer_bandwidth: float | None, gpu_blocks: int, cpu_blocks: int, block_size: int,
                      max_num_seqs: int,
                      max_num_batched_tokens: int, max_model_len: int | None, scheduling_policy: str,
                      policies: tuple[str, ...], config_path: Path | None, flow_path: Path | None,
                      processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, make_room: bool, seed: int,
+                     sweep: bool, seeds: int, sweep_shapes: str, sweep_loads: str,
                      json_path: Path | None, progress: bool) -> None:
     """Run the fleet in virtual time with the production router, flow control and processor code."""
     from rich.console import Console
 
     console = Console(stderr=True)
+    if sweep:
+        from lab.simulate.sweep import run_sweep
+
+        run_sweep(seeds, sweep_shapes, sweep_loads, policies, config_path, json_path, console)
+        return
     if write_trace is not None:
-        _write_trace(write_trace, seed, conversations, duration_s, console)
+        _write_trace(write_trace, trace_shape, seed, conversations, duration_s, console)
         return
     if not (trace_path or synthetic_requests or workload_names or batch_files):
         raise click.UsageError("give a workload: --trace, --synthetic-requests, --workload or --batch")
@@ -215,11 +243,23 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
         console.print(f"wrote {json_path}")
 
 
-def _write_trace(path: Path, seed: int, conversations: int, duration_s: float, console: Any) -> None:
-    """``--write-trace``: the long-context conversations as a Mooncake trace file."""
-    records = wl.long_context_records(seed, conversations=conversations, duration_s=duration_s)
+def _shape_records(shape: str, seed: int, conversations: int, duration_s: float | None) -> list[wl.MooncakeRecord]:
+    """The records of a Mooncake-form generator (:data:`TRACE_SHAPES`): ``long-context``
+    (``conversations`` started over ``duration_s``, default 24 s) or ``conversation`` (a window of
+    ``duration_s``, default 120 s, of :func:`lab.toolkit.workloads.conversation_records`)."""
+    if shape == "conversation":
+        return wl.conversation_records(seed, duration_s=duration_s or 120.0)
+    return wl.long_context_records(seed, conversations=conversations, duration_s=duration_s or 24.0)
+
+
+def _write_trace(path: Path, shape: str, seed: int, conversations: int, duration_s: float | None,
+                 console: Any) -> None:
+    """``--write-trace``: the ``shape`` generator's records as a Mooncake trace file."""
+    records = _shape_records(shape, seed, conversations, duration_s)
     wl.write_mooncake(records, path)
-    console.print(f"wrote {path}: {len(records):,} records over {duration_s:g} s, "
+    lengths = [r.input_length for r in records]
+    console.print(f"wrote {path}: {len(records):,} records over {records[-1].timestamp_ms / 1000 if records else 0:.0f} s, "
+                  f"mean prompt {sum(lengths) / max(1, len(lengths)):,.0f} tokens (max {max(lengths, default=0):,}), "
                   f"{wl.reusable_share(records):.3f} of prompt tokens reusable within 5 min")
 
 

@@ -18,8 +18,9 @@ is stored but the generator and its parameters, or a Mooncake trace file). The w
 * :func:`shared_prefix_batch`: a batch in the OpenAI cookbook batch file's shape (one system
   prompt, one movie description per line), sent as a burst.
 * Mooncake-format traces (:class:`MooncakeRecord`, :func:`read_mooncake`, :func:`write_mooncake`,
-  :func:`mooncake_trace`) and :func:`long_context_records`, a generator of long multi-turn
-  conversations in that format.
+  :func:`mooncake_trace`), :func:`long_context_records`, a generator of long multi-turn
+  conversations in that format, and :func:`conversation_records`, a window of a conversation
+  service fitted to the public Mooncake conversation trace's statistics.
 
 Text is made of seeded random words, so distinct texts never share a 16-token block by accident.
 Token counts are for the simulator's built-in tokenizer (4 UTF-8 bytes per token over the ChatML
@@ -443,6 +444,79 @@ def long_context_records(seed: int = 0, conversations: int = 64, duration_s: flo
                 ids.append(next_id)
                 next_id += 1
             out.append(MooncakeRecord(round(t * 1000), length, rng.randint(*output_tokens), tuple(ids)))
+    return sorted(out, key=lambda r: r.timestamp_ms)
+
+
+CONVERSATION_DEFAULTS: dict[str, float] = {"rate_per_s": 3.1, "mean_prompt_tokens": 14_000.0,
+                                            "max_tokens": 121_000.0, "mean_output_tokens": 343.0}
+"""The public conversation trace's figures :func:`conversation_records` is fitted to: 556 requests
+in a 3-minute window (3.1/s), mean prompt about 14k tokens, the longest about 121k (issue 27's
+held-back window of Mooncake's production conversation trace); mean answer 343 tokens (the Mooncake
+FAST'25 paper's conversation trace: 12,031 requests in an hour, mean input 12,035, output 343)."""
+
+
+def conversation_records(seed: int = 0, duration_s: float = 120.0, rate_per_s: float = 3.1,
+                         first_median_tokens: int = 6500, sigma: float = 1.1, max_tokens: int = 121_000,
+                         mean_turns: float = 2.6, turn_tokens: tuple[int, int] = (200, 2500),
+                         think_s: float = 45.0, system_prompts: int = 4, system_tokens: int = 1024,
+                         mean_output_tokens: float = 343.0, warmup_s: float = 300.0) -> list[MooncakeRecord]:
+    """A window of a multi-turn conversation service in Mooncake form, fitted to the public
+    conversation trace's statistics (:data:`CONVERSATION_DEFAULTS`): mean prompt about 14k tokens
+    with a tail to ``max_tokens``, about 3.1 requests/s, later turns reusing their conversation's
+    history after a think time, about 38 % of prompt tokens reusable within 5 minutes
+    (:func:`reusable_share`; the Mooncake paper reports a cache ratio of about 40 % for its
+    conversation trace). Deterministic for a seed.
+
+    Model: conversations start as a Poisson process over ``[-warmup_s, duration_s)`` (rate
+    ``rate_per_s / mean_turns``); only the records inside ``[0, duration_s)`` are kept, so the window
+    opens mid-stream as a cut of a production trace does (conversations already under way, their
+    earlier turns outside the window). Each conversation starts with one of ``system_prompts``
+    shared system prompts (``system_tokens``, whole 512-token blocks shared by every conversation
+    using it; 0 prompts: none), then its own first message: total first prompt log-normal (median
+    ``first_median_tokens``, log-space ``sigma``), at least 512 tokens, at most ``max_tokens``. It
+    has ``1 + Geometric`` turns (mean ``mean_turns``); a later turn comes an exponential think time
+    (mean ``think_s``) after the previous one plus its answer's decode time at 30 tokens/s, and its
+    prompt is the previous prompt plus the previous answer plus a new user message
+    (``turn_tokens``, inclusive range), capped at ``max_tokens``: it repeats every full 512-token
+    block of the previous prompt (same ids) and continues with new ids. ``output_length``:
+    exponential with mean ``mean_output_tokens``, 1 to 4,096.
+
+    Raises ``ValueError`` for a non-positive duration, rate, median, think time or
+    ``mean_turns`` below 1, or ``max_tokens`` below 512.
+    """
+    if duration_s <= 0 or rate_per_s <= 0 or first_median_tokens < 1 or think_s <= 0 or mean_turns < 1:
+        raise ValueError("duration_s, rate_per_s, first_median_tokens, think_s must be positive; mean_turns ≥ 1")
+    if max_tokens < MOONCAKE_BLOCK_TOKENS or system_prompts < 0 or system_tokens < 0:
+        raise ValueError("max_tokens must be ≥ 512; system_prompts and system_tokens ≥ 0")
+    rng = random.Random(seed)
+    system_blocks = system_tokens // MOONCAKE_BLOCK_TOKENS if system_prompts else 0
+    systems = [list(range(s * system_blocks, (s + 1) * system_blocks)) for s in range(system_prompts)]
+    next_id = system_prompts * system_blocks
+    more_turn = 1 - 1 / mean_turns  # geometric: P(another turn)
+    out: list[MooncakeRecord] = []
+    t = -warmup_s
+    while True:
+        t += rng.expovariate(rate_per_s / mean_turns)
+        if t >= duration_s:
+            break
+        ids = list(rng.choice(systems)) if systems else []
+        length = int(min(max_tokens, max(MOONCAKE_BLOCK_TOKENS, len(ids) * MOONCAKE_BLOCK_TOKENS + 1,
+                                         rng.lognormvariate(math.log(first_median_tokens), sigma))))
+        at = t
+        while True:
+            if len(ids) * MOONCAKE_BLOCK_TOKENS > length:  # a previous partial block: new content now
+                ids = ids[:length // MOONCAKE_BLOCK_TOKENS]
+            while len(ids) < -(-length // MOONCAKE_BLOCK_TOKENS):
+                ids.append(next_id)
+                next_id += 1
+            output = min(4096, max(1, round(rng.expovariate(1 / mean_output_tokens))))
+            if 0 <= at < duration_s:
+                out.append(MooncakeRecord(round(at * 1000), length, output, tuple(ids)))
+            if rng.random() >= more_turn or length >= max_tokens:
+                break
+            ids = ids[:length // MOONCAKE_BLOCK_TOKENS]  # the partial last block grows: new content
+            at += output / 30.0 + rng.expovariate(1 / think_s)
+            length = min(max_tokens, length + output + rng.randint(*turn_tokens))
     return sorted(out, key=lambda r: r.timestamp_ms)
 
 

@@ -18,7 +18,7 @@ see ``shared/contracts/vllm-engine.md``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -189,17 +189,34 @@ class PrefixMatchInfo:
         block_size_tokens: tokens per block.
         matched: endpoint name → matched blocks from block 0, weighted by cache tier (a run found
             in the CPU tier counts 0.8 per block, etc.); endpoints with no match are absent.
+        held: endpoint name → the same runs in blocks, every tier counted whole (a CPU-tier block
+            is loaded, not recomputed); None when no tier weighs less than 1 (then ``matched``).
     """
 
     total_blocks: int
     block_size_tokens: int
     matched: dict[str, float]
+    held: dict[str, int] | None = None
+
+    def held_blocks(self, endpoint_name: str) -> float:
+        """Blocks of the prompt the endpoint holds from block 0 in any tier (``held``, else
+        ``matched``)."""
+        source: Mapping[str, float] = self.matched if self.held is None else self.held
+        return source.get(endpoint_name, 0)
+
+    def prefill_tokens(self, endpoint_name: str, prompt_tokens: int) -> int:
+        """Prompt tokens the endpoint would compute, in tokens: prompt − tokens held in any tier."""
+        return max(0, prompt_tokens - int(self.held_blocks(endpoint_name) * self.block_size_tokens))
 
     def ratio(self, endpoint_name: str) -> float:
         """Matched fraction of the prompt's blocks on ``endpoint_name``, 0..1 (0 with no blocks)."""
         if self.total_blocks <= 0:
             return 0.0
         return self.matched.get(endpoint_name, 0.0) / self.total_blocks
+
+    def ratio_of(self, matched_blocks: float) -> float:
+        """``matched_blocks`` as a fraction of the prompt's blocks, 0..1 (0 with no blocks)."""
+        return matched_blocks / self.total_blocks if self.total_blocks > 0 else 0.0
 
     def uncached_tokens(self, endpoint_name: str, prompt_tokens: int) -> int:
         """Prompt tokens the endpoint would have to compute, in tokens (prompt − matched tokens)."""

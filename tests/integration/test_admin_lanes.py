@@ -5,6 +5,7 @@ time; and a router that is down, failing or talking nonsense is reported on the 
 
 from __future__ import annotations
 
+import html
 import re
 import secrets
 import threading
@@ -59,12 +60,15 @@ class FakeRouter:
                   "cache_blocks": {"gpu": 812, "cpu": 96, "disk": 0}, "prefix_cache_hit_rate": 0.8,
                   "external_prefix_cache_hit_rate": 0.15, "last_error": None,
                   "slot_reserve": 26, "reserve_in_use": 3, "batch_prefill_tokens": 1024, "num_preemptions": 4,
-                  "evictions": {"batch_prefill": 5, "no_free_slot": 2}, "evicted_tokens": 1900}
+                  "evictions": {"batch_prefill": 5, "no_free_slot": 2}, "evicted_tokens": 1900,
+                  "idle_session_tokens": 0, "reserved_session_tokens": 0, "gate_reason": "open"}
         hot = {**engine, "name": "engine-1", "role": "prefill", "models": ["sim-model", "sim-lora"], "kv_cache_usage_perc": 0.95,
-               "saturation": 1.7, "gate_open": False, "headroom": 0.0, "prefix_cache_hit_rate": None, "external_prefix_cache_hit_rate": None}
+               "saturation": 1.7, "gate_open": False, "headroom": 0.0, "prefix_cache_hit_rate": None, "external_prefix_cache_hit_rate": None,
+               "idle_session_tokens": 300_000, "reserved_session_tokens": 65_536, "gate_reason": "idle_session_working_set"}
         sick = {**engine, "name": "engine-2", "healthy": False, "saturation": None, "gate_open": False,
                 "headroom": None, "last_error": "refused"}
         return {"pool_saturation": self.saturation, "gate_saturation": self.gate_saturation, "time": 1_800_000_000 + TIME_STEP * self.reads,
+                "gate_reason": "open" if self.gate_saturation < 1 else "idle_session_working_set",
                 "decisions_per_s": 42.0, "endpoints": [engine, hot, sick],
                 "bands": [{"objective": "interactive", "priority": 100, "queued_requests": 0, "queued_bytes": 0,
                            "in_flight": 4, "dispatched_total": 500, "refused_total": {}, "shed_total": {}},
@@ -145,10 +149,15 @@ def test_lanes_page_shows_queues_rates_sheds_gate_and_saturation_over_time(gatew
 
         assert 'id="gate-saturation">1.30<' in page.text
         assert _row(page.text, "data-engine", "engine-0")[1:4] == [["open"], ["0.90"], ["10%"]]
-        assert _row(page.text, "data-engine", "engine-1")[1:4] == [["closed"], ["1.70"], ["0%"]]
+        # why the gate and a closed engine take no sheddable work (issue 27): the idle sessions' reserve
+        why = html.unescape(page.text.split('id="gate-reason">')[1].split("</p>")[0])
+        assert why.startswith("Why: <strong>KV kept for idle sessions' next turns (working set)</strong>")
+        hot = _row(page.text, "data-engine", "engine-1")
+        assert hot[1][:2] == ["closed", "KV"] and "idle sessions'" in html.unescape(" ".join(hot[1])) and hot[2:4] == [["1.70"], ["0%"]]
+        assert hot[7] == ["65,536", "/", "300,000"]  # reserved (capped) / all idle sessions' tokens
         # issue 13's protection per engine: reserve in use / kept, batch prefill tokens, preemptions,
         # evictions by reason, wasted tokens
-        assert _row(page.text, "data-engine", "engine-0")[8:13] == [
+        assert _row(page.text, "data-engine", "engine-0")[9:14] == [
             ["3", "/", "26"], ["1024"], ["4"], ["7", "batch_prefill", "5", "no_free_slot", "2"], ["1900"]]
         assert _row(page.text, "data-engine", "engine-2")[1:3] == [["unhealthy"], ["—"]]
 
@@ -157,6 +166,7 @@ def test_lanes_page_shows_queues_rates_sheds_gate_and_saturation_over_time(gatew
         _wait(client, lambda s: s["router"]["gate_saturation"] == 0.4)
         fragment = client.get("/admin/fragments/lanes", headers=ADMIN).text
         assert "open" in fragment.split('id="gate-state">')[1][:40] and "<html" not in fragment
+        assert 'id="gate-reason"' not in fragment
         assert 'id="pool-saturation">1.30<' in fragment
 
         state = client.get("/admin/api/state", headers=ADMIN).json()

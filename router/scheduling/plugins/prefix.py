@@ -246,9 +246,11 @@ class PrecisePrefixCacheProducer:
         self._by_tier = getattr(index, "longest_prefix_tiers", None)
 
     def produce(self, state: CycleState, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
-        """Write this request's tier-weighted matches under ``prefix-match/<name>``."""
+        """Write this request's tier-weighted matches (and the blocks held in any tier) under
+        ``prefix-match/<name>``."""
         keys = request_block_keys(request, self.block_size_tokens, self.max_blocks)
         matched: dict[str, float] = {}
+        held: dict[str, int] = {}
         if keys:
             weights = self._weights
             if self._by_tier is not None:
@@ -258,13 +260,15 @@ class PrecisePrefixCacheProducer:
                     weighted = g * wg + c * wc + d * wd
                     if weighted > 0:
                         matched[ep] = weighted
+                        held[ep] = g + c + d
             else:
                 found: Mapping[str, tuple[int, str]] = self.index.longest_prefix(request.model, keys)
                 for ep, (blocks, tier) in found.items():
                     weighted = blocks * weights.get(tier.lower(), 0.0)
                     if weighted > 0:
                         matched[ep] = weighted
-        state.write(self._key, PrefixMatchInfo(len(keys), self.block_size_tokens, matched))
+                        held[ep] = blocks
+        state.write(self._key, PrefixMatchInfo(len(keys), self.block_size_tokens, matched, held))
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
         """With ``speculativeIndexing``, seed the index with the blocks just routed, held until the

@@ -9,10 +9,14 @@ least recently used first once there are ``maxSessions``.
 * ``session-affinity-filter`` (the shipped profiles): a bound session **stays on the engine holding
   its prefix** — the filter keeps that endpoint alone — **unless that engine is saturated**
   (saturation ≥ ``saturationThreshold``, :mod:`router.scheduling.saturation`: the queue and KV terms
-  for an interactive request, the sheddable value for a sheddable one). Then it **moves once,
-  whole**: the saturated endpoint is left out, the rest of the profile picks the new one, and the
-  decision moves the binding there, so the session's later turns follow it (they find their prefix
-  there now) instead of going back. A request without a session, an unbound session, or one
+  for an interactive request, the sheddable value for a sheddable one). Then the filter **releases**
+  the session: every endpoint stays a candidate and the move is judged by the same cost as any
+  other request's — ``prefix-cache-affinity-filter``'s move rule (the session's prefix is on its
+  engine, so that engine is a holder: the session leaves only when the saving pays for the
+  recompute it costs the fleet; a saturated engine alone is no reason, when every engine is
+  busy). When the decision picks another engine the session **moves once, whole**: the binding
+  moves there, so the session's later turns follow it (they find their prefix there now) instead
+  of going back. A request without a session, an unbound session, or one
   whose endpoint is not a candidate passes the filter untouched (the decision makes the binding).
   Like llm-d's ``session-affinity-filter`` it never empties the candidate set.
 * ``session-affinity-scorer``: 1.0 for the bound endpoint, 0.0 elsewhere (llm-d's scorer shape; no
@@ -62,9 +66,9 @@ DEFAULT_WORKING_SET_WINDOW_S = 120.0
 
 class SessionAffinityParams(PluginParams):
     """``evictionTtlSeconds`` (s, default 600: llm-d's scorer's); ``maxSessions`` (bindings, default
-    100000, ours); ``saturationThreshold`` (filter: a bound endpoint at or above it moves the session;
-    default 1.0, the detector's "at a threshold"); ``workingSetWindowSeconds`` (s, default 120, module
-    docstring; 0: no working-set term)."""
+    100000, ours); ``saturationThreshold`` (filter: a bound endpoint at or above it releases the
+    session to the move rule; default 1.0, the detector's "at a threshold");
+    ``workingSetWindowSeconds`` (s, default 120, module docstring; 0: no working-set term)."""
 
     eviction_ttl_seconds: float = Field(600.0, gt=0.0)
     max_sessions: int = Field(100_000, ge=1)
@@ -78,7 +82,7 @@ class SessionOutcome:
     NO_SESSION = "no_session"
     UNBOUND = "unbound"
     KEPT = "kept"
-    MOVED = "moved"
+    RELEASED = "released"
 
 
 @dataclass(slots=True)
@@ -239,17 +243,16 @@ class SessionAffinityFilter(SessionAffinity):
     plugin_type = SESSION_FILTER_TYPE
 
     def filter(self, state: CycleState, request: LLMRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
-        """The session's endpoint alone, or the others when it is saturated, or all (module docstring)."""
+        """The session's endpoint alone; all endpoints when it is saturated (the move rule decides)
+        or the session is unbound (module docstring)."""
         bound = self.bound_endpoint(request.session_id) if request.session_id else None
         target = next((ep for ep in endpoints if ep.name == bound), None) if bound is not None else None
         if target is None:
             state.write(self._outcome_key, SessionOutcome.UNBOUND if request.session_id else SessionOutcome.NO_SESSION)
             return list(endpoints)
-        if self.saturated(target, request):
-            others = [ep for ep in endpoints if ep is not target]
-            if others:
-                state.write(self._outcome_key, SessionOutcome.MOVED)
-                return others
+        if len(endpoints) > 1 and self.saturated(target, request):
+            state.write(self._outcome_key, SessionOutcome.RELEASED)
+            return list(endpoints)
         state.write(self._outcome_key, SessionOutcome.KEPT)
         return [target]
 

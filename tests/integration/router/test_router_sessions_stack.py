@@ -26,3 +26,9 @@ def test_a_claude_code_session_stays_on_one_engine_and_its_working_set_shows(tmp
         home = s.engine_urls[served.index(6)]
         tokens = {e["name"]: e["idle_session_tokens"] for e in s.state()["endpoints"]}
         assert tokens[home] > 0 and sum(tokens.values()) == tokens[home]
+        state = s.state()
+        # the gate counts the working set, at most working_set_cap of the engine's GPU KV, and says why it is
+        # open or closed (issue 27)
+        reserved = {e["name"]: e["reserved_session_tokens"] for e in state["endpoints"]}
+        assert 0 < reserved[home] <= tokens[home]
+        assert state["gate_reason"] == "open" and {e["gate_reason"] for e in state["endpoints"]} == {"open"}

@@ -110,6 +110,7 @@ def test_precise_producer_weights_matched_blocks_by_tier():
     producer.produce(state, req, endpoints(4))
     info = state.read(prefix_match_key("precise"))
     assert info.matched == {"http://e0": 4.0, "http://e1": pytest.approx(3.2), "http://e2": 1.0}
+    assert info.held == {"http://e0": 4, "http://e1": 4, "http://e2": 2}  # every tier counted whole
     scorer = build_prefix_scorer("s", {"prefixMatchInfoProducerName": "precise"}, handle())
     assert scorer.score(state, req, endpoints(4)) == [1.0, pytest.approx(0.8), 0.25, 0.0]
 
@@ -198,16 +199,19 @@ def test_no_hit_lru_ranks_cold_requests_by_least_recent_cold_use():
 
 
 def affinity(**params):
-    base = {"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 1000}
+    base = {"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 1000, "reuseLossWeight": 1}
     return build_affinity_filter("aff", base | params, handle())
 
 
-def test_affinity_filter_keeps_endpoints_at_or_above_threshold():
-    eps = endpoints(3)
+def test_affinity_filter_keeps_the_longest_holders_when_they_hold_the_threshold():
+    eps = endpoints(4)
     req = request(prompt(1, 256))
-    state = match_state(4, {"http://e0": 4, "http://e1": 3.2, "http://e2": 3})  # 1.0, 0.8, 0.75
-    assert affinity().filter(state, req, eps) == eps[:2]
+    state = match_state(4, {"http://e0": 4, "http://e1": 3.2, "http://e2": 3, "http://e3": 4})  # 1.0, 0.8, 0.75, 1.0
+    assert affinity().filter(state, req, eps) == [eps[0], eps[3]]  # e1, e2 would recompute a block: a move
     assert state.read("affinity-outcome/aff") == AffinityOutcome.STICKY
+    state = match_state(4, {"http://e0": 3, "http://e1": 2})  # the longest holds 0.75 < 0.8: no holder
+    assert affinity().filter(state, req, eps) == eps
+    assert state.read("affinity-outcome/aff") == AffinityOutcome.NO_STICKY
 
 
 def test_affinity_filter_keeps_all_without_sticky_endpoints_or_data():
@@ -220,15 +224,63 @@ def test_affinity_filter_keeps_all_without_sticky_endpoints_or_data():
 def test_affinity_filter_breaks_stickiness_when_the_sticky_backlog_is_too_long():
     eps = endpoints(2)
     req = request(prompt(1, 256))
-    # wait(e0) = (in-flight + 0 uncached) / 1000 tok/s; wait(e1) = (0 + 256) / 1000 tok/s = 256 ms
-    eps[0].in_flight_uncached_tokens = 1000  # 1000 - 256 = 744 ms <= 1000 ms penalty: stick
+    # wait(e0) = (in-flight + 0 uncached) / 1000 tok/s; wait(e1) = (0 + 256) / 1000 tok/s = 256 ms;
+    # the move to the idle e1 costs the 256 recomputed tokens × (1 reuse lost + 0 in its engine) = 256 ms
+    eps[0].in_flight_uncached_tokens = 1000  # 1000 - 256 = 744 ms <= 1000 ms floor: stick
     state = match_state(4, {"http://e0": 4})
     assert affinity().filter(state, req, eps) == [eps[0]]
-    eps[0].in_flight_uncached_tokens = 1300  # 1300 - 256 = 1044 ms > 1000 ms: open up
+    eps[0].in_flight_uncached_tokens = 1300  # 1300 - 256 = 1044 ms > max(1000, 256) ms: move
     state = match_state(4, {"http://e0": 4})
-    assert affinity().filter(state, req, eps) == eps
+    assert affinity().filter(state, req, eps) == [eps[1]]  # the endpoints the move pays for
     assert state.read("affinity-outcome/aff") == AffinityOutcome.LOAD_OVERRIDE
     assert affinity(maxTTFTPenaltyMs=0).filter(match_state(4, {"http://e0": 4}), req, eps) == [eps[0]]
+
+
+def test_move_cost_is_the_recompute_times_reuse_lost_plus_the_requests_in_the_target_engine():
+    ep = endpoints(1, num_requests_waiting=2, num_requests_running=3, in_flight_requests=7)[0]  # 2 unseen
+    # 512 tokens at 1000 tok/s = 512 ms, × (1 + 1 × (2 + 3 + 2)) = 8
+    assert affinity().move_cost_ms(ep, 512) == pytest.approx(512 * 8)
+    assert affinity(reuseLossWeight=0.5, queueImpactWeight=2).move_cost_ms(ep, 512) == pytest.approx(512 * 14.5)
+    assert affinity(reuseLossWeight=0, queueImpactWeight=0).move_cost_ms(ep, 512) == 0.0
+    assert affinity().move_cost_ms(ep, -5) == 0.0  # the target holds more than the holder: nothing recomputed
+
+
+def test_a_busy_target_must_save_more_than_the_recompute_costs_its_queue():
+    eps = endpoints(2)
+    req = request(prompt(1, 256))
+    eps[1].num_requests_running = 5  # every request there waits behind a 256-token recompute: 256 × 6 = 1536 ms
+    aff = affinity(maxTTFTPenaltyMs=100)
+    eps[0].in_flight_uncached_tokens = 1700  # saving 1700 - 256 = 1444 ms < 1536 ms: stay on the holder
+    assert aff.filter(match_state(4, {"http://e0": 4}), req, eps) == [eps[0]]
+    eps[0].in_flight_uncached_tokens = 1900  # saving 1644 ms > 1536 ms: the move pays
+    assert aff.filter(match_state(4, {"http://e0": 4}), req, eps) == [eps[1]]
+    old_rule = affinity(maxTTFTPenaltyMs=100, reuseLossWeight=0, queueImpactWeight=0)
+    eps[0].in_flight_uncached_tokens = 1700  # without the cost terms the 1444 ms saving moved it
+    assert old_rule.filter(match_state(4, {"http://e0": 4}), req, eps) == [eps[1]]
+
+
+def test_only_the_tokens_a_holder_has_and_the_target_lacks_are_charged():
+    eps = endpoints(3)
+    req = request(prompt(1, 256))
+    for ep in eps[1:]:
+        ep.num_requests_running = 3
+    eps[0].in_flight_uncached_tokens = 1000
+    # e1 holds half the prompt: it recomputes 128 tokens (128 ms × 4 = 512 ms) and saves
+    # 1000 - 128 = 872 ms; e2 holds nothing: 256 × 4 = 1024 ms against a saving of 744 ms
+    state = match_state(4, {"http://e0": 4, "http://e1": 2})
+    assert affinity(maxTTFTPenaltyMs=100, affinityThreshold=0.8).filter(state, req, eps) == [eps[1]]
+
+
+def test_a_holder_offloaded_to_the_cpu_tier_is_still_the_longest_holder():
+    eps = endpoints(3)
+    req = request(prompt(1, 640))  # 10 blocks of 64
+    state = CycleState()
+    # e0 holds all 10 blocks in the CPU tier (weighted 8.0), e1 the first 9 on the GPU (9.0)
+    state.write(prefix_match_key(APPROX), PrefixMatchInfo(10, 64, {"http://e0": 8.0, "http://e1": 9.0},
+                                                          {"http://e0": 10, "http://e1": 9}))
+    assert affinity().filter(state, req, eps) == [eps[0]]  # loads, recomputes nothing
+    info = state.read(prefix_match_key(APPROX))
+    assert info.prefill_tokens("http://e0", 640) == 0 and info.uncached_tokens("http://e0", 640) == 128
 
 
 def test_affinity_filter_explores_with_its_probability():

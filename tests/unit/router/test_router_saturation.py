@@ -276,3 +276,91 @@ def test_the_gate_reads_equal_the_gate_over_the_admin_values(seed):
     assert rt.gate_saturation() == rt._gate(rt.endpoint_saturations())
     assert rt.unreserved_gate_saturation() == rt._gate(rt.endpoint_saturations(reserve=False))
     assert 0.0 < rt.gate_saturation()
+
+
+# --- the idle sessions' working set, capped (issue 27: small fleets) ---------------------------------
+
+
+def _idle_sessions_fleet(cap: float | None):
+    """Two fresh engines of 1,000 blocks × 16 tokens, 10 % KV in use, and a session plugin with
+    forty one-turn sessions idle on each (40 × 2,000 tokens: five times the cache)."""
+    from scheduling_helpers import FakeClock, request
+
+    from router.scheduling.interfaces import PluginHandle
+    from router.scheduling.plugins.session import build_session_filter, working_set_of
+    from router.scheduling.scheduler import SchedulingResult
+    from router.scheduling.types import CycleState
+
+    clock = FakeClock(NOW)
+    eps = [Endpoint(f"http://e{i}", metrics_updated_at=NOW, block_size=16, num_gpu_blocks=1000,
+                    kv_cache_usage_perc=0.1, peak_running=8) for i in range(2)]
+    plugin = build_session_filter("session", None, PluginHandle(clock=clock))
+    for i in range(80):
+        ep = eps[i % 2]
+        req = request(list(range(2000)), session_id=f"s{i}")
+        plugin.pre_request(req, SchedulingResult("default", ep, [ep], [0.0], {}, CycleState()))
+        plugin.response_complete(req, ep, None)
+    settings = RouterSettings(engines=[]) if cap is None else RouterSettings(engines=[], working_set_cap=cap)
+    rt = RouterRuntime(settings, clock=clock)
+    rt.pool = FakePool(eps)  # type: ignore[assignment]
+    rt.working_set = working_set_of([plugin])
+    return rt, eps, clock
+
+
+def test_uncapped_idle_sessions_close_the_gate_on_an_idle_fleet_and_say_so():
+    rt, eps, _ = _idle_sessions_fleet(cap=1.0)
+    saturations = rt.endpoint_saturations()
+    assert rt.gate_saturation() == pytest.approx((0.1 + 1.0) / 0.8)  # the whole cache counted as used
+    reasons = rt.gate_reasons(saturations)
+    assert set(reasons.values()) == {"idle_session_working_set"}
+    assert rt.gate_reason_over(saturations, reasons) == "idle_session_working_set"
+    assert rt.reserved_working_set() == {ep.name: 16_000 for ep in eps}  # as much as the whole cache
+
+
+def test_the_default_cap_leaves_room_for_sheddable_work_and_only_half_the_cache_reserved():
+    rt, eps, _ = _idle_sessions_fleet(cap=None)
+    assert rt.settings.working_set_cap == 0.5
+    assert rt.session_working_set() == {ep.name: 80_000 for ep in eps}  # still all known (the dashboard's)
+    assert rt.reserved_working_set() == {ep.name: 8_000 for ep in eps}  # 0.5 × 16,000 tokens
+    assert rt.gate_saturation() == pytest.approx((0.1 + 0.5) / 0.8)  # open: 0.75
+    saturations = rt.endpoint_saturations()
+    assert rt.gate_reason_over(saturations, rt.gate_reasons(saturations)) == "open"
+    assert rt.scheduling_saturation(eps[0]) == pytest.approx(0.75)  # the spare-capacity filter reads the same
+    # the engine's own running requests still close it: 0.35 + 0.5 reserved ≥ 0.8
+    eps[0].kv_cache_usage_perc = eps[1].kv_cache_usage_perc = 0.35
+    saturations = rt.endpoint_saturations()
+    assert rt.gate_reason_over(saturations, rt.gate_reasons(saturations)) == "idle_session_working_set"
+    eps[0].kv_cache_usage_perc = eps[1].kv_cache_usage_perc = 0.85  # full without any session
+    saturations = rt.endpoint_saturations()
+    assert set(rt.gate_reasons(saturations).values()) == {"kv_cache"}
+
+
+def test_a_working_set_under_the_cap_is_reserved_whole_and_ends_with_the_window():
+    rt, eps, clock = _idle_sessions_fleet(cap=None)
+    from router.runtime import reserved_working_set
+
+    assert reserved_working_set(eps[0], 3_000, 0.5) == 3_000 and reserved_working_set(eps[0], 0, 0.5) == 0
+    unknown = Endpoint("http://new", metrics_updated_at=NOW)  # sizes not scraped: left as is
+    assert reserved_working_set(unknown, 3_000, 0.5) == 3_000
+    clock.now += 121  # past workingSetWindowSeconds: nothing idle is counted
+    for ep in eps:
+        ep.metrics_updated_at = clock.now
+    assert rt.reserved_working_set() == {} and rt.gate_saturation() == pytest.approx(0.1 / 0.8)
+
+
+def test_gate_reasons_name_the_term_that_closes_each_engine():
+    from router.runtime import gate_reason
+    from router.scheduling.saturation import SaturationThresholds
+
+    t = SaturationThresholds(in_flight_credit=True)
+    base = dict(metrics_updated_at=NOW, block_size=16, num_gpu_blocks=1000, peak_running=4)
+    assert gate_reason(Endpoint("http://a", **base), NOW, t, 0, 0.2) == "open"
+    assert gate_reason(Endpoint("http://a", **{**base, "metrics_updated_at": NOW - 5}), NOW, t, 0, 1.0) == "stale_metrics"
+    assert gate_reason(Endpoint("http://a", **base, num_requests_waiting=6), NOW, t, 0, 1.2) == "waiting_queue"
+    assert gate_reason(Endpoint("http://a", **base, kv_cache_usage_perc=0.9), NOW, t, 0, 1.1) == "kv_cache"
+    assert gate_reason(Endpoint("http://a", **base, kv_cache_usage_perc=0.5), NOW, t, 8000, 1.25) == \
+        "idle_session_working_set"
+    slots = Endpoint("http://a", **base, learned_max_num_seqs=4, in_flight_sheddable=3, in_flight_requests=3,
+                     num_requests_running=3)
+    assert gate_reason(slots, NOW, t, 0, 1.0) == "sheddable_slots"
+    assert gate_reason(Endpoint("http://a", **base), NOW, t, 0, 1.0) == "pending_dispatches"

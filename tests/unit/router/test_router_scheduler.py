@@ -78,7 +78,7 @@ def test_affinity_filter_sticks_until_the_sticky_endpoint_is_backlogged():
     scheduler, _ = scheduler_from("""
 plugins:
 - type: prefix-cache-affinity-filter
-  parameters: {maxTTFTPenaltyMs: 1000, peakPrefillThroughput: 1000}
+  parameters: {maxTTFTPenaltyMs: 1000, peakPrefillThroughput: 1000, reuseLossWeight: 1}
 - type: token-load-scorer
   parameters: {queueThresholdTokens: 10000}
 schedulingProfiles:
@@ -92,7 +92,7 @@ schedulingProfiles:
         if ep is not home:
             ep.in_flight_uncached_tokens = 0
     assert route(scheduler, request(prompt(1, 512)), pool).endpoint is home
-    home.in_flight_uncached_tokens = 2000  # 2000 ms vs 512 ms elsewhere: more than 1000 ms worse
+    home.in_flight_uncached_tokens = 2000  # 2000 ms vs 512 ms elsewhere: 1488 ms > max(1000, 512 × 1) ms
     result = route(scheduler, request(prompt(1, 512)), pool)
     assert result.endpoint is not home
     assert result.state.read("affinity-outcome/prefix-cache-affinity-filter") == "load_override"
@@ -207,18 +207,25 @@ def test_a_full_sticky_engine_with_waiting_requests_sends_the_request_to_an_idle
     scheduler = fleet.default_scheduler()
     home = fleet.place(scheduler, batch_line(0)).endpoint
     idle = fleet.pool[1 - fleet.pool.index(home)]
-    # the measured state of issue 12: home runs 4 (all its slots) with 3 waiting; only a little
-    # prefill is queued there (1,332 tokens ≈ 84 ms < maxTTFTPenaltyMs 150)
+    # home runs 4 (all its slots) with 3 waiting; only a little prefill is queued there (1,332
+    # tokens ≈ 84 ms); the slot wait, 3 × 2 s ÷ 7 = 857 ms, does not pay for recomputing the
+    # 1,280-token shared prompt on the idle engine: 80 ms × (16 + 0 requests there) = 1,286 ms
     home.in_flight_requests, home.in_flight_uncached_tokens = 7, 1332
     fleet.scrape(home)
     result = fleet.place(scheduler, batch_line(1))
+    assert result.endpoint is home
+    assert result.state.read("affinity-outcome/prefix-cache-affinity-filter") == "sticky"
+    # 8 waiting: 8 × 2 s ÷ 12 = 1,333 ms > 1,286 ms: the move pays
+    home.in_flight_requests = 12
+    fleet.scrape(home)
+    result = fleet.place(scheduler, batch_line(2))
     assert result.endpoint is idle
     assert result.state.read("affinity-outcome/prefix-cache-affinity-filter") == "load_override"
-    # the same state without the slot term sticks to the full engine (the defect)
+    # the same state without the slot term sticks to the full engine (the defect of issue 12)
     blind = SlotBoundFleet(2, duration_s=None)
     scheduler = blind.default_scheduler(defaultRequestDurationMs=0)
     home = blind.place(scheduler, batch_line(0)).endpoint
-    home.in_flight_requests, home.in_flight_uncached_tokens = 7, 1332
+    home.in_flight_requests, home.in_flight_uncached_tokens = 12, 1332
     blind.scrape(home)
     assert blind.place(scheduler, batch_line(1)).endpoint is home
 

@@ -1,4 +1,5 @@
-"""Sessions: the session id from headers, the session-affinity filter (stay, move once), the idle
+"""Sessions: the session id from headers, the session-affinity filter (stay, released to the move
+rule when saturated, move once), the idle
 sessions' working set and its term in the saturation batch is gated on."""
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def test_a_bound_session_stays_on_its_endpoint():
     assert plugin.filter(CycleState(), request(), eps) == eps
 
 
-def test_a_saturated_endpoint_moves_the_session_once_and_later_turns_follow():
+def test_a_saturated_endpoint_releases_the_session_and_a_move_is_followed_by_later_turns():
     clock, eps = FakeClock(NOW), fleet()
     plugin = session_filter(clock)
     serve(plugin, request(session_id="agent"), eps[0])
@@ -99,8 +100,8 @@ def test_a_saturated_endpoint_moves_the_session_once_and_later_turns_follow():
     state = CycleState()
     turn = request(session_id="agent")
     kept = plugin.filter(state, turn, eps)
-    assert kept == eps[1:] and state.read("session-affinity-outcome/session") == SessionOutcome.MOVED
-    serve(plugin, turn, eps[1])  # the rest of the profile picked e1: the binding moves
+    assert kept == eps and state.read("session-affinity-outcome/session") == SessionOutcome.RELEASED
+    serve(plugin, turn, eps[1])  # the rest of the profile (the move rule) picked e1: the binding moves
     assert plugin.bound_endpoint("agent") == eps[1].name and plugin.moves_total == 1
     eps[0].num_requests_waiting = 0  # the old engine has room again: the session does not go back
     assert plugin.filter(CycleState(), request(session_id="agent"), eps) == [eps[1]]
@@ -124,7 +125,7 @@ def test_an_interactive_session_is_not_moved_by_the_slot_reserve_but_a_sheddable
     plugin = session_filter(clock)
     serve(plugin, request(session_id="agent"), eps[0])
     assert plugin.filter(CycleState(), request(session_id="agent"), eps) == [eps[0]]
-    assert plugin.filter(CycleState(), request(session_id="agent", sheddable=True), eps) == [eps[1]]
+    assert plugin.filter(CycleState(), request(session_id="agent", sheddable=True), eps) == eps  # released
 
 
 def test_bindings_expire_and_go_with_their_endpoint():
@@ -211,14 +212,40 @@ def test_the_shipped_profile_keeps_a_session_then_moves_it_once():
     for turn in range(6):
         history = history + list(range(10_000 + 100 * turn, 10_000 + 100 * turn + 100))
         req = request(history, session_id="agent")
-        if turn == 3:
-            next(ep for ep in eps if ep.name == placed[-1]).num_requests_waiting = 6  # its engine saturates
+        if turn == 3:  # its engine saturates: 6 requests wait for a slot, each ~10 s: a move pays
+            bound = next(ep for ep in eps if ep.name == placed[-1])
+            bound.num_requests_waiting, bound.mean_request_duration_s = 6, 10.0
         res = scheduler.schedule(req, eps)
         scheduler.pre_request(req, res)
         scheduler.response_complete(req, res, None)
         placed.append(res.endpoint.name)
     assert len(set(placed[:3])) == 1  # stays
     assert placed[3] != placed[2] and len(set(placed[3:])) == 1  # moved once, later turns follow
+
+
+def test_the_shipped_profile_keeps_a_session_on_its_saturated_engine_when_every_engine_is_as_busy():
+    """The session filter releases a saturated engine's session to the move rule, and moving
+    would only add a 2,000-token recompute to another full queue: it stays."""
+    clock = FakeClock(NOW)
+    scheduler = build_scheduler(load_config(DEFAULT_CONFIG_PATH), PluginHandle(rng=random.Random(0), clock=clock))
+    eps = fleet(3)
+    history = list(range(2000))
+    placed = []
+    for turn in range(5):
+        history = history + list(range(10_000 + 100 * turn, 10_000 + 100 * turn + 100))
+        req = request(history, session_id="agent")
+        if turn == 2:
+            for ep in eps:  # every engine saturates alike
+                ep.num_requests_waiting, ep.num_requests_running = 6, 4
+                ep.in_flight_requests = 10
+        res = scheduler.schedule(req, eps)
+        state = res.state
+        scheduler.pre_request(req, res)
+        scheduler.response_complete(req, res, None)
+        placed.append(res.endpoint.name)
+        if turn >= 2:
+            assert state.read("session-affinity-outcome/session-affinity-filter") == SessionOutcome.RELEASED
+    assert len(set(placed)) == 1
 
 
 def test_one_endpoints_working_set_read_equals_its_entry_in_the_whole_map():

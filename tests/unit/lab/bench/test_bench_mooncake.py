@@ -15,6 +15,7 @@ from lab.toolkit.workloads import (
     MooncakeRecord,
     agentic_sessions,
     chat_tokens,
+    conversation_records,
     long_context_records,
     mooncake_trace,
     oracle_reusable_tokens,
@@ -161,3 +162,40 @@ def test_every_full_shape_outgrows_its_fleets_gpu_cache(shape):
     oracle = oracle_reusable_tokens(trace, block_size=opts.block_size)
     assert oracle.distinct_blocks > opts.engines * opts.num_gpu_blocks
     assert max(oracle.prompt_tokens) + max(r.max_tokens for r in trace) <= opts.max_model_len
+
+
+def test_conversation_generator_has_the_public_trace_statistics():
+    # CONVERSATION_DEFAULTS: ~3.1 requests/s, mean prompt ~14k tokens, tail toward 121k, mean answer
+    # ~343 tokens, and ~40 % of prompt tokens reusable within 5 minutes (Mooncake's conversation trace)
+    means, shares, counts, peaks, outputs = [], [], [], [], []
+    for seed in range(6):
+        records = conversation_records(seed, duration_s=120.0)
+        lengths = [r.input_length for r in records]
+        means.append(statistics.mean(lengths))
+        shares.append(reusable_share(records))
+        counts.append(len(records))
+        peaks.append(max(lengths))
+        outputs.append(statistics.mean(r.output_length for r in records))
+        assert all(len(r.hash_ids) == -(-r.input_length // MOONCAKE_BLOCK_TOKENS) for r in records)
+        assert all(0 <= r.timestamp_ms < 120_000 for r in records)
+        assert max(lengths) <= 121_000
+    assert 12_000 <= statistics.mean(means) <= 16_000
+    assert 0.30 <= statistics.mean(shares) <= 0.50
+    assert 300 <= statistics.mean(counts) <= 400
+    assert max(peaks) >= 100_000
+    assert 280 <= statistics.mean(outputs) <= 400
+    assert conversation_records(seed=3) == conversation_records(seed=3)
+    assert conversation_records(seed=3) != conversation_records(seed=4)
+
+
+def test_conversation_turns_repeat_their_history_and_share_system_prompts():
+    records = conversation_records(seed=1, duration_s=60.0, think_s=5.0, mean_turns=4.0)
+    first_blocks = {r.hash_ids[:2] for r in records}
+    assert len(first_blocks) <= 4  # the 4 shared 1,024-token system prompts
+    # a later turn: some earlier record's full blocks are its prefix, and it is longer
+    by_prefix = {r.hash_ids[:r.input_length // MOONCAKE_BLOCK_TOKENS]: r for r in records}
+    later = [r for r in records if any(r.hash_ids[:len(p)] == p and r is not q and len(p) > 2
+                                       for p, q in by_prefix.items())]
+    assert len(later) >= len(records) // 3
+    with pytest.raises(ValueError):
+        conversation_records(mean_turns=0.5)

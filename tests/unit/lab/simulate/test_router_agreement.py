@@ -100,16 +100,25 @@ class Outcome:
     """What one side decided: the comparison."""
 
     picks: list[tuple[str, str]] = field(default_factory=list)
+    outcomes: list[tuple[str | None, Any, Any]] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
     ended: Counter[str] = field(default_factory=Counter)
     counters: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
-def _spy_picks(parts_scheduler: Any, picks: list[tuple[str, str]]) -> None:
+AFFINITY_OUTCOME = "affinity-outcome/prefix-cache-affinity-filter"
+SESSION_OUTCOME = "session-affinity-outcome/session-affinity-filter"
+
+
+def _spy_picks(parts_scheduler: Any, picks: list[tuple[str, str]],
+               outcomes: list[tuple[str | None, Any, Any]] | None = None) -> None:
     real = parts_scheduler.pre_request
 
     def pre_request(request: LLMRequest, result: Any) -> None:
         picks.append((request.request_id, result.endpoint.name))
+        if outcomes is not None:  # the move rule's and the session filter's outcome of the decision
+            outcomes.append((request.session_id, result.state.read(AFFINITY_OUTCOME),
+                             result.state.read(SESSION_OUTCOME)))
         real(request, result)
 
     parts_scheduler.pre_request = pre_request
@@ -124,7 +133,7 @@ def _counters(states: dict[str, EndpointState]) -> dict[str, tuple[int, int, int
 def _simulator(config: SimConfig, policy: str, steps: list[Step]) -> Outcome:
     sim = Simulation(config, policy, iter([]))
     out = Outcome()
-    _spy_picks(sim.scheduler, out.picks)
+    _spy_picks(sim.scheduler, out.picks, out.outcomes)
     names = sim.router_settings.all_engines
     for step in steps:
         if isinstance(step, SimRequest):
@@ -215,7 +224,7 @@ async def _router_async(config: SimConfig, policy: str, steps: list[Step]) -> Ou
     parts = _app_router(config, policy, lambda: now[0])
     director = parts.director
     out = Outcome()
-    _spy_picks(parts.scheduler, out.picks)
+    _spy_picks(parts.scheduler, out.picks, out.outcomes)
     names = parts.settings.all_engines
     held = asyncio.Event()
     transports: dict[str, _Transport] = {}
@@ -281,6 +290,10 @@ def _aggregated_steps(precise: bool) -> list[Step]:
         Tick(0.01), _req(8, 300, 20, 30),
         Tick(0.5), *[Scrape(i, 1, 0) for i in range(3)],
         Tick(0.01), _req(9, 200, 21, 10, objective="batch"),
+        # every engine saturated alike: the session filter releases s1 to the move rule, which
+        # keeps it on its engine (a move would add its recompute to another full queue)
+        Tick(0.5), *[Scrape(i, 4, 6) for i in range(3)],
+        Tick(0.01), _req(1, 1024, 23, 40, session="s1"),
         AllDown(), _req(1, 1024, 22, 10),
     ]
     return steps
@@ -319,6 +332,7 @@ def test_the_router_and_the_simulator_take_the_same_decisions(policy: str) -> No
     config, steps = _config(policy), _steps(policy)
     router, simulated = _router(config, policy, steps), _simulator(config, policy, steps)
     assert simulated.picks == router.picks
+    assert simulated.outcomes == router.outcomes
     assert simulated.running == router.running
     assert simulated.ended == router.ended
     assert simulated.counters == router.counters
@@ -330,6 +344,11 @@ def test_the_router_and_the_simulator_take_the_same_decisions(policy: str) -> No
         assert len(router.picks) > len({rid for rid, _ in router.picks})  # prefill and decode picks
     else:
         assert router.ended["evicted"] >= 1  # make-room evicted a batch request
+        # the session filter handed s1's saturated engine to the move rule, which kept it there
+        s1 = [(endpoint, session) for (sid, _, session), (_, endpoint) in zip(router.outcomes, router.picks,
+                                                                            strict=True) if sid == "s1"]
+        assert [session for _, session in s1][-1] == "released"
+        assert len({endpoint for endpoint, _ in s1}) == 1
 
 
 def test_the_comparison_catches_a_drift_of_the_prefill_retry_rule(monkeypatch: pytest.MonkeyPatch) -> None:

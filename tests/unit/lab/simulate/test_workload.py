@@ -3,6 +3,8 @@ PERFORMANCE.md's; the in-process KV events equal what the router decodes off the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine_twin.kv_cache import TieredPrefixCache, block_hashes, none_hash
 from engine_twin.kv_events import BlockRemoved, BlockStored, encode_batch
 from lab.simulate.fleet import to_router_events
@@ -72,3 +74,24 @@ def test_events_in_process_equal_the_wire_decode() -> None:
     assert len(events) > 2
     wire = decode_payload(encode_batch(events, "map", 0)).events
     assert to_router_events(events) == wire
+
+
+def test_the_conversation_generator_writes_a_trace_simulate_replays(tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from lab.simulate.cli import simulate_command
+    from lab.toolkit.workloads import conversation_records, read_mooncake
+
+    trace, out = tmp_path / "conv.jsonl", tmp_path / "run.json"
+    runner = CliRunner()
+    wrote = runner.invoke(simulate_command, ["--write-trace", str(trace), "--trace-shape", "conversation",
+                                             "--duration-s", "10", "--seed", "5"])
+    assert wrote.exit_code == 0, wrote.output
+    assert read_mooncake(trace) == conversation_records(5, duration_s=10.0)
+    ran = runner.invoke(simulate_command, ["--trace", str(trace), "--max-output-tokens", "8", "--policy", "approximate",
+                                           "--gpu-blocks", "16384", "--no-progress", "--json", str(out)])
+    assert ran.exit_code == 0, ran.output
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["completed"] == len(read_mooncake(trace))
