@@ -161,10 +161,10 @@ def _generator(name: str, seed: int, conversations: int, duration_s: float | Non
 @click.option("--make-room/--no-make-room", default=True, show_default=True,
               help="The router's make-room: a non-sheddable request bound for an engine with no free slot "
                    "evicts a sheddable one there (the router's default: on).")
-@click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--router-seeds", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run every policy N times, the router's (and engines') seed --seed … --seed+N−1 on the same "
                    "workload, and print mean ± sd: one run is one draw of the router's tie-breaks.")
+@click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on long runs.")
 def simulate_command(trace_path: Path | None, trace_format: str, start_min: float, minutes: float | None,
@@ -174,11 +174,11 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
                      batch_files: tuple[Path, ...],
                      engines: int | None, prefill_engines: int, decode_engines: int, layout_specs: tuple[str, ...],
                      kv_transfer_bandwidth: float | None, gpu_blocks: int, cpu_blocks: int, block_size: int,
-                     max_num_seqs: int,
+                     max_num_seqs: int, router_seeds: int,
                      max_num_batched_tokens: int, max_model_len: int | None, scheduling_policy: str,
                      policies: tuple[str, ...], config_path: Path | None, flow_path: Path | None,
                      processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, make_room: bool, seed: int,
-                     router_seeds: int, json_path: Path | None, progress: bool) -> None:
+                     json_path: Path | None, progress: bool) -> None:
     """Run the fleet in virtual time with the production router, flow control and processor code."""
     from rich.console import Console
 
