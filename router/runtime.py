@@ -52,7 +52,7 @@ from router.scheduling.saturation import (
     pd_gate_saturation,
     sheddable_slots,
 )
-from router.scheduling.types import Endpoint
+from router.scheduling.types import ROLE_PREFILL, Endpoint
 from router.settings import RouterSettings
 
 
@@ -171,7 +171,15 @@ class RouterRuntime:
             return "no_healthy_endpoint"
         if self.gate_over(saturations) < SATURATED:
             return "open"
-        name = min(saturations, key=lambda n: saturations[n])
+        assert self.pool is not None
+        candidates = [ep for ep in self.pool.candidates() if ep.name in saturations]
+        pools = [candidates]
+        if any(ep.role == ROLE_PREFILL for ep in candidates):
+            pools = [[ep for ep in candidates if ep.can_prefill], [ep for ep in candidates if ep.can_decode]]
+        least = [min(pool, key=lambda ep: saturations[ep.name]) for pool in pools if pool]
+        if not least:
+            return "no_healthy_endpoint"
+        name = max(least, key=lambda ep: saturations[ep.name]).name  # the pool that holds the gate closed
         return reasons.get(name, "open")
 
     def _fleet_values(self, reserve: bool) -> tuple[list[Endpoint], list[float]]:

@@ -164,6 +164,9 @@ def _generator(name: str, seed: int, conversations: int, duration_s: float | Non
 @click.option("--make-room/--no-make-room", default=True, show_default=True,
               help="The router's make-room: a non-sheddable request bound for an engine with no free slot "
                    "evicts a sheddable one there (the router's default: on).")
+@click.option("--router-seeds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run every policy N times, the router's (and engines') seed --seed … --seed+N−1 on the same "
+                   "workload, and print mean ± sd: one run is one draw of the router's tie-breaks.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--sweep", is_flag=True,
               help="Sweep: every policy (round-robin, approximate, precise, cache-aware-model, plus --config) on "
@@ -184,7 +187,7 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
                      batch_files: tuple[Path, ...],
                      engines: int | None, prefill_engines: int, decode_engines: int, layout_specs: tuple[str, ...],
                      kv_transfer_bandwidth: float | None, gpu_blocks: int, cpu_blocks: int, block_size: int,
-                     max_num_seqs: int,
+                     max_num_seqs: int, router_seeds: int,
                      max_num_batched_tokens: int, max_model_len: int | None, scheduling_policy: str,
                      policies: tuple[str, ...], config_path: Path | None, flow_path: Path | None,
                      processor_concurrency: int, tenant_limit: int, kv_event_delay_ms: float, make_room: bool, seed: int,
@@ -232,13 +235,24 @@ def simulate_command(trace_path: Path | None, trace_format: str, start_min: floa
         sources.append(gen)
     for batch_path in batch_files:
         total += _add_batch(sources, batch_path, block_size)
-    results = _run_layouts(config, layouts, policies, config_path, sources, total, progress, console)
+    results = []
+    for k in range(router_seeds):
+        draw = _run_layouts(replace(config, seed=seed + k), layouts, policies, config_path, sources, total, progress,
+                            console)
+        for r in draw:
+            r["router_seed"] = seed + k
+            if router_seeds > 1:
+                r["run"] = f"{r['run']} #{seed + k}"
+        results += draw
     comparison = pd_comparison(results)
     _print_tables(results, comparison, layouts, gpu_blocks, cpu_blocks, total)
+    spread = seed_spread(results) if router_seeds > 1 else {}
+    if spread:
+        _print_spread(spread, router_seeds)
     if json_path is not None:
         payload = {"engines": fleet_engines, "layouts": [layout_name(*lay) for lay in layouts],
                    "gpu_blocks": gpu_blocks, "cpu_blocks": cpu_blocks, "seed": seed,
-                   "requests": total, "runs": results, "pd_comparison": comparison}
+                   "requests": total, "runs": results, "pd_comparison": comparison, "router_seed_spread": spread}
         json_path.write_text(json.dumps(payload, indent=2))
         console.print(f"wrote {json_path}")
 
@@ -395,6 +409,49 @@ def _print_tables(results: list[dict[str, Any]], comparison: dict[str, dict[str,
     print_table(lanes, out)
     if any(r["pd"] for r in results):
         print_table(_pd_table(results, comparison), out)
+
+
+SPREAD_FIGURES = ("captured_reuse", "ttft_p50_s", "ttft_p99_s")
+"""The figures ``--router-seeds`` summarises."""
+
+
+def seed_spread(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per run name without its ``#seed`` suffix (a policy on a layout): for each of
+    :data:`SPREAD_FIGURES`, ``{"mean", "sd", "min", "max", "n"}`` over its runs (``sd`` the sample
+    standard deviation, 0.0 for one run; figures that are None are left out, a figure with none
+    is absent)."""
+    import statistics
+
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault(str(r["run"]).rsplit(" #", 1)[0], []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for name, runs in groups.items():
+        row: dict[str, Any] = {}
+        for key in SPREAD_FIGURES:
+            values = [float(r[key]) for r in runs if r.get(key) is not None]
+            if values:
+                row[key] = {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                            "min": min(values), "max": max(values), "n": len(values)}
+        out[name] = row
+    return out
+
+
+def _print_spread(spread: dict[str, dict[str, Any]], n: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lab.toolkit.tables import print_table
+
+    table = Table(title=f"mean ± sd over {n} router seeds (min – max)")
+    table.add_column("policy")
+    for key in SPREAD_FIGURES:
+        table.add_column(key, justify="right")
+    for name, row in spread.items():
+        cells = [f"{_fmt(g['mean'])} ± {_fmt(g['sd'])} ({_fmt(g['min'])} – {_fmt(g['max'])})" if (g := row.get(key))
+                 else "-" for key in SPREAD_FIGURES]
+        table.add_row(name, *cells)
+    print_table(table, Console())
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

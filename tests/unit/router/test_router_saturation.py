@@ -364,3 +364,16 @@ def test_gate_reasons_name_the_term_that_closes_each_engine():
                      num_requests_running=3)
     assert gate_reason(slots, NOW, t, 0, 1.0) == "sheddable_slots"
     assert gate_reason(Endpoint("http://a", **base), NOW, t, 0, 1.0) == "pending_dispatches"
+
+
+def test_the_gate_reason_of_a_prefill_decode_fleet_is_the_closed_pools():
+    eps = [Endpoint("http://p0", metrics_updated_at=NOW, role="prefill", num_requests_waiting=6),
+           Endpoint("http://d0", metrics_updated_at=NOW, role="decode", kv_cache_usage_perc=0.1)]
+    rt = RouterRuntime(RouterSettings(engines=[]), clock=lambda: NOW)
+    rt.pool = FakePool(eps)  # type: ignore[assignment]
+    saturations = rt.endpoint_saturations()
+    reasons = rt.gate_reasons(saturations)
+    assert reasons == {"http://p0": "waiting_queue", "http://d0": "open"}
+    # the decode pool has room, the prefill pool none: closed, for the prefill engine's reason
+    assert rt.gate_over(saturations) >= 1.0 and rt.gate_reason_over(saturations, reasons) == "waiting_queue"
+    assert rt.gate_reason_over({}, {}) == "no_healthy_endpoint"
