@@ -143,7 +143,7 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                     max_background_prefill_tokens: int | None = None,
                     pd_role: str | None = None, kv_transfer_bandwidth_gb_s: float | None = None,
                     kv_load_failure_policy: str | None = FLEET_KV_LOAD_FAILURE_POLICY,
-                    extra: Sequence[str] = ()) -> list[str]:
+                    plugin_metrics: bool = True, extra: Sequence[str] = ()) -> list[str]:
     """argv of one simulated engine (``backfill engine-sim …``), ready for ``subprocess.Popen``.
 
     ``served_model_names``: every name the engine answers to (the first labels its metrics).
@@ -159,7 +159,9 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
     ``pd_role`` (``prefill``, ``decode``, ``both``; None: no disaggregation) adds NixlConnector's
     ``--kv-transfer-config`` (:func:`kv_transfer_config_json`, with ``kv_load_failure_policy``) and,
     with ``kv_transfer_bandwidth_gb_s``, the link's GB/s; start the process with
-    :func:`pd_engine_env`. Raises ``ValueError`` without a model name or for an unknown role.
+    :func:`pd_engine_env`. ``plugin_metrics=False`` adds ``--no-plugin-metrics``: ``/metrics`` as
+    vLLM without backfill's plugin exports it (no ``backfill:engine_config_info``, so no stated
+    ``max_num_seqs``). Raises ``ValueError`` without a model name or for an unknown role.
     """
     if not served_model_names:
         raise ValueError("served_model_names needs at least one name")
@@ -184,6 +186,8 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                                                              kv_events_replay_endpoint)]
     if pd_role is not None:
         argv += ["--kv-transfer-config", kv_transfer_config_json(pd_role, kv_load_failure_policy)]
+    if not plugin_metrics:
+        argv.append("--no-plugin-metrics")
     return argv + list(extra)
 
 
