@@ -3,7 +3,7 @@ parsed by :func:`parse_engine_metrics`. Pure: the probes (:mod:`router.pool.prob
 a simulation builds :class:`EngineMetrics` itself; either hands it to
 :meth:`router.pool.state.PoolState.record_metrics`.
 
-What an engine states about its own size (docs/engine-slots.md):
+What an engine states about its own size (router/README.md, "Engine slots"):
 
 * ``vllm:cache_config_info`` — vLLM's info gauge, one series per engine (data-parallel rank), its
   labels every ``CacheConfig`` field (``vllm/v1/metrics/loggers.py``, ``log_metrics_info``):
