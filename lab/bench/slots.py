@@ -15,7 +15,10 @@ stack):
 * ``plain``: simulated engines with ``--no-plugin-metrics`` (``/metrics`` as vLLM alone: the
   router learns the slots from traffic, ``router/pool/slots.py``);
 * ``configured``: plain engines, the router told ``BACKFILL_ROUTER_MAX_NUM_SEQS`` (the operator's
-  word; the reference for what the router's own slot reserve leaves to batch).
+  word; the reference for what the router's own slot reserve leaves to batch);
+* ``unreserved`` (not in the default set): ``stated`` with the router's slot reserve for
+  interactive work off (``BACKFILL_ROUTER_SLOT_RESERVE_FRACTION=0``,
+  ``BACKFILL_ROUTER_MIN_SLOT_RESERVE=0``): what the reserve's slot (1 of 8 per engine) costs batch.
 
 With ``--engine-url`` (given twice, e.g. real vLLM engines) the bench runs on those instead, as
 variant ``given``, whatever the engines state.
@@ -58,7 +61,13 @@ WARMUP_S = 5.0
 """Completions of the capacity run's first seconds are not counted (every slot fills first)."""
 GOAL = 0.9
 """Batch through the stack ÷ the fleet's throughput, after the restart (issue 24)."""
-VARIANTS = ("stated", "plain", "configured")
+VARIANTS = ("stated", "plain", "configured", "unreserved")
+DEFAULT_VARIANTS = VARIANTS[:3]
+VARIANT_ENV = {
+    "configured": lambda opts: {"BACKFILL_ROUTER_MAX_NUM_SEQS": str(opts["max_num_seqs"])},
+    "unreserved": lambda opts: {"BACKFILL_ROUTER_SLOT_RESERVE_FRACTION": "0", "BACKFILL_ROUTER_MIN_SLOT_RESERVE": "0"},
+}
+"""Router settings of a variant, set in the environment ``backfill up``'s children inherit."""
 DONE_REASONS = ('finished_reason="stop"', 'finished_reason="length"')
 
 
@@ -254,7 +263,7 @@ def _engines(group: Any, opts: dict[str, Any], variant: str) -> list[str]:
                 "--max-num-seqs", str(opts["max_num_seqs"]), "--step-overhead-ms",
                 str(overhead_ms_for_idle_step(opts["itl_ms"])), "--time-scale", str(opts["time_scale"]),
                 "--served-model-name", opts["model"], "--engine-index", str(i)]
-        if variant != "stated":
+        if variant in ("plain", "configured"):
             argv.append("--no-plugin-metrics")
         proc = group.start(f"{variant}-engine-{i}", argv)
         urls.append(f"http://{HOST}:{port}")
@@ -278,7 +287,8 @@ def _print(figures: dict[str, Any], console: Any) -> None:
 
 @click.command("slots")
 @click.option("--variant", "variants", multiple=True, type=click.Choice(VARIANTS),
-              help="simulated fleets to run, side by side (default: all three); ignored with --engine-url")
+              help="simulated fleets to run, side by side (default: stated, plain, configured); ignored with "
+                   "--engine-url")
 @click.option("--engine-url", "engine_urls", multiple=True,
               help="run on these engines instead (give two; e.g. real vLLM started with --max-num-seqs 8)")
 @click.option("--model", default="sim-model", show_default=True, help="model name the engines serve")
@@ -297,9 +307,11 @@ def _print(figures: dict[str, Any], console: Any) -> None:
               help="send vLLM's ignore_eos (default: with --engine-url, so a random-weight model decodes every token)")
 @click.option("--source", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="batch file whose shape the lines take (default: the cookbook movies file)")
+@click.option("--quick", is_flag=True, help="a smoke run (about a minute a variant): 32 output tokens, 150 lines, "
+              "short windows; what the tests run")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="also write the figures here")
 @click.option("--data-dir", type=click.Path(path_type=Path), help="stack data and logs (default: temporary)")
-def slots_command(variants: tuple[str, ...], engine_urls: tuple[str, ...], json_path: Path | None,
+def slots_command(variants: tuple[str, ...], engine_urls: tuple[str, ...], quick: bool, json_path: Path | None,
                   data_dir: Path | None, **opts: Any) -> None:
     """Batch throughput on --max-num-seqs 8 engines vs the fleet's, before and after a router restart."""
     from rich.console import Console
@@ -308,13 +320,15 @@ def slots_command(variants: tuple[str, ...], engine_urls: tuple[str, ...], json_
     from lab.toolkit.launch import HOST, free_port, process_group
     from lab.toolkit.stack import backfill_up
 
+    if quick:
+        opts.update(max_tokens=32, lines=150, capacity_seconds=WARMUP_S + 4, window=4.0, settle=2.0)
     console = Console()
     opts["source"] = opts["source"] or DEFAULT_SOURCE
     if opts["ignore_eos"] is None:
         opts["ignore_eos"] = bool(engine_urls)
     if engine_urls and len(engine_urls) != 2:
         raise click.UsageError("give --engine-url twice (the reproduction's two engines)")
-    runs = ["given"] if engine_urls else list(variants or VARIANTS)
+    runs = ["given"] if engine_urls else list(variants or DEFAULT_VARIANTS)
     figures: dict[str, Any] = {"options": {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()},
                                "variants": {}}
     import uvloop
@@ -324,19 +338,20 @@ def slots_command(variants: tuple[str, ...], engine_urls: tuple[str, ...], json_
         for variant in runs:
             console.print(f"[bold]{variant}[/bold]")
             (root / variant).mkdir(parents=True, exist_ok=True)
-            saved = os.environ.get("BACKFILL_ROUTER_MAX_NUM_SEQS")
-            if variant == "configured":
-                os.environ["BACKFILL_ROUTER_MAX_NUM_SEQS"] = str(opts["max_num_seqs"])  # up's children inherit it
+            env = VARIANT_ENV[variant](opts) if variant in VARIANT_ENV else {}
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # up's children inherit it
             try:
                 with process_group(root / variant) as group:
                     urls = list(engine_urls) if engine_urls else _engines(group, opts, variant)
                     with backfill_up(root / variant / "stack", HOST, free_port(), engine_urls=urls) as stack:
                         figures["variants"][variant] = uvloop.run(run_variant(opts, urls, stack, console))
             finally:
-                if saved is None:
-                    os.environ.pop("BACKFILL_ROUTER_MAX_NUM_SEQS", None)
-                else:
-                    os.environ["BACKFILL_ROUTER_MAX_NUM_SEQS"] = saved
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
     figures["goal_after_ratio"] = GOAL
     _print(figures, console)
     if json_path:
