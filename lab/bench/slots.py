@@ -38,8 +38,11 @@ Steps of one variant:
    would), its ``/health`` back, ``--settle`` seconds, then the same window again;
 5. the batch cancelled, the stack and engines stopped.
 
-Printed and in ``--json``: C, both windows' rates and their ratio to C, and the router's view of
-each engine after each window (``max_num_seqs`` and its source, ``slot_reserve``).
+Printed and in ``--json``: C (before and after the batch, pooled), both windows' rates and their
+ratio to C, the mean requests running per engine in each window ÷ ``--max-num-seqs`` (the share
+of the slots the batch held: on CPU engines the stack's own work slows the engines, which the
+rate ratio counts and this does not), and the router's view of each engine after each window
+(``max_num_seqs`` and its source, ``slot_reserve``).
 """
 
 from __future__ import annotations
@@ -186,13 +189,16 @@ async def wait_health(session: Any, url: str, timeout: float = 120.0) -> None:
 
 
 def batch_lines(opts: dict[str, Any], seed: str) -> list[dict[str, Any]]:
-    """``opts["lines"]`` cookbook-shaped lines for model ``opts["model"]`` with ``max_tokens``."""
+    """``opts["lines"]`` cookbook-shaped lines for model ``opts["model"]`` with ``max_tokens``, without
+    the file's ``response_format`` (a JSON grammar on a random-weight model's output only slows a
+    real engine down; the twin ignores it)."""
     from lab.bench.mixed import shared_prefix_batch
 
     lines = shared_prefix_batch(opts["source"], opts["lines"], seed, use_file_lines=False)
     for line in lines:
         line["body"]["model"] = opts["model"]
         line["body"]["max_tokens"] = opts["max_tokens"]
+        line["body"].pop("response_format", None)
         if opts["ignore_eos"]:
             line["body"]["ignore_eos"] = True  # vLLM's extension: every request decodes max_tokens
     return lines
@@ -200,7 +206,8 @@ def batch_lines(opts: dict[str, Any], seed: str) -> list[dict[str, Any]]:
 
 async def run_variant(opts: dict[str, Any], engine_urls: list[str], stack: Any, console: Any) -> dict[str, Any]:
     """Steps 1 and 3–5 of the module docstring on a running stack in front of ``engine_urls``
-    (C is measured before the batch, on the same engines, the stack idle)."""
+    (C is measured on the same engines with the stack up and idle, before the batch and again
+    after it, and pooled: a drift of the machine's load shows as their difference)."""
     import aiohttp
 
     from lab.bench.mixed import TERMINAL, Gateway
@@ -210,7 +217,8 @@ async def run_variant(opts: dict[str, Any], engine_urls: list[str], stack: Any, 
                                      timeout=aiohttp.ClientTimeout(total=120)) as session:
         shape = [orjson.dumps(line["body"]) for line in batch_lines(opts, "capacity")]
         out["fleet_rps"] = await capacity(session, engine_urls, shape, opts["max_num_seqs"], opts["capacity_seconds"])
-        console.print(f"  fleet: {out['fleet_rps']:.2f} requests/s ({opts['max_num_seqs']} in flight per engine)")
+        console.print(f"  fleet before the batch: {out['fleet_rps']:.2f} requests/s ({opts['max_num_seqs']} in "
+                      "flight per engine)")
         await wait_idle(session, engine_urls)
         gateway = Gateway(stack.gateway_url, {"default": stack.api_key}, SimpleNamespace(rows=[]))  # type: ignore[arg-type]
         try:
@@ -246,8 +254,16 @@ async def run_variant(opts: dict[str, Any], engine_urls: list[str], stack: Any, 
             await gateway.cancel_unfinished()
             await gateway.close()
         await wait_idle(session, engine_urls)
+        out["fleet_before_rps"] = out["fleet_rps"]
+        out["fleet_after_rps"] = await capacity(session, engine_urls, shape, opts["max_num_seqs"],
+                                                opts["capacity_seconds"])
+        out["fleet_rps"] = (out["fleet_before_rps"] + out["fleet_after_rps"]) / 2
+        console.print(f"  fleet after the batch: {out['fleet_after_rps']:.2f} requests/s; pooled "
+                      f"{out['fleet_rps']:.2f}")
     out["before_ratio"] = out["before_rps"] / out["fleet_rps"]
     out["after_ratio"] = out["after_rps"] / out["fleet_rps"]
+    out["before_occupancy"] = out["before_running"] / opts["max_num_seqs"]
+    out["after_occupancy"] = out["after_running"] / opts["max_num_seqs"]
     return out
 
 
@@ -275,13 +291,14 @@ def _print(figures: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     table = Table(title="batch through the stack ÷ the fleet's throughput (goal after the restart ≥ 0.9)")
-    for col in ("variant", "fleet req/s", "batch before", "× fleet", "batch after restart", "× fleet",
-                "router's slots after"):
+    for col in ("variant", "fleet req/s", "batch before", "× fleet", "slots held", "batch after restart",
+                "× fleet", "slots held", "router's slots after"):
         table.add_column(col)
     for name, v in figures["variants"].items():
         table.add_row(name, f"{v['fleet_rps']:.2f}", f"{v['before_rps']:.2f}", f"{v['before_ratio']:.2f}",
-                      f"{v['after_rps']:.2f}", f"{v['after_ratio']:.2f}",
-                      ", ".join(f"{e['max_num_seqs']} ({e['slots_source']})" for e in v["after_router"]))
+                      f"{v['before_occupancy']:.2f}", f"{v['after_rps']:.2f}", f"{v['after_ratio']:.2f}",
+                      f"{v['after_occupancy']:.2f}",
+                      ", ".join(f"{e['max_num_seqs']} ({(e['slots_source'] or '-')[:5]})" for e in v["after_router"]))
     console.print(table)
 
 
