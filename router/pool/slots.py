@@ -20,11 +20,14 @@ request that arrived between two engine steps, or a prefill the token budget hel
 operator's reproduction of issue 24 learned 4 slots on ``--max-num-seqs 8`` engines from one);
 ``learned_max_num_seqs`` is then ``peak_running`` and follows it upward. A learned figure is a
 lower bound that the router's own slot reserve stops it from ever exceeding (it sends no more
-sheddable work than the slots it assumes), so it is confirmed again at least every
-:data:`RELEARN_AFTER_S`: until a scrape confirms it full, the router assumes one slot more than
-it has seen running (``peak_running + 1``), so an engine with more slots takes that request,
-raises ``peak_running`` and the estimate climbs; a full engine holds it waiting, which confirms
-the figure. Everything learned or stated is forgotten when the endpoint goes down
+sheddable work than the slots it assumes), so :data:`RELEARN_AFTER_S` after the last
+confirmation it is probed (:attr:`Endpoint.probing`): sheddable work may then hold one request
+more than the engine was ever seen running (``peak_running + 1``,
+:func:`router.scheduling.saturation.sheddable_slots`), so an engine with more slots runs it,
+raises ``peak_running`` and the estimate climbs (the probe goes on from each new peak); a full
+engine holds it waiting, which confirms the figure; and :data:`PROBE_S` without a new peak ends
+the probe with the figure confirmed as it is (with only sheddable work in flight the engine never
+shows requests waiting, and an endless probe would leave the slot reserve short for good). Everything learned or stated is forgotten when the endpoint goes down
 (:func:`forget_slots`): it may come back as another engine. A stated figure is never lowered by
 what was seen: learning does not touch it.
 """
@@ -41,26 +44,47 @@ waiting before it counts as full (ours: one scrape is often a request between tw
 
 RELEARN_AFTER_S = 30.0
 """Seconds after the last confirmation that a learned slot count is probed upward again (ours:
-a few batch requests' durations on the fleets measured in docs/benchmarks.md; a probe costs at
-most one request waiting in the engine's queue)."""
+a few batch requests' durations on the fleets measured in docs/benchmarks.md)."""
+
+PROBE_S = 10.0
+"""How long a probe offers one slot more than seen without the engine ever running more before
+the count is taken as confirmed again (ours: long enough for the router to send a request into
+the extra slot and a scrape to see it; a probe costs at most one request waiting in the engine's
+queue, or the slot reserve's slot, for this long)."""
 
 
 def learn_slots(endpoint: Endpoint, running: int, waiting: int, now: float) -> None:
     """Learn from one scrape at ``now`` (seconds, the pool's clock) showing ``running`` and
     ``waiting`` requests (module docstring). Sets ``peak_running``, ``full_scrapes``,
-    ``learned_max_num_seqs`` and ``slots_confirmed_at``; never ``stated_max_num_seqs``."""
+    ``learned_max_num_seqs``, ``slots_confirmed_at`` and ``probe_since``; never
+    ``stated_max_num_seqs``."""
+    raised = running > endpoint.peak_running
     endpoint.peak_running = max(endpoint.peak_running, running)
     if waiting > 0 and 0 < running >= endpoint.peak_running:
         endpoint.full_scrapes += 1
     else:
         endpoint.full_scrapes = 0
     if endpoint.full_scrapes >= FULL_SCRAPES:
+        _confirm(endpoint, now)
+        return
+    if endpoint.learned_max_num_seqs is None:
+        return
+    confirmed = endpoint.slots_confirmed_at
+    if confirmed is not None and now - confirmed <= RELEARN_AFTER_S:
         endpoint.learned_max_num_seqs = endpoint.peak_running
-        endpoint.slots_confirmed_at = now
-    elif endpoint.learned_max_num_seqs is not None:
-        confirmed = endpoint.slots_confirmed_at
-        probing = confirmed is None or now - confirmed > RELEARN_AFTER_S
-        endpoint.learned_max_num_seqs = endpoint.peak_running + (1 if probing else 0)
+        return
+    if endpoint.probe_since is None or raised:  # a probe starts, or it found a slot: go on from here
+        endpoint.probe_since = now
+    if now - endpoint.probe_since > PROBE_S:  # offered one request more for PROBE_S, never ran it
+        _confirm(endpoint, now)
+    else:
+        endpoint.learned_max_num_seqs = endpoint.peak_running
+
+
+def _confirm(endpoint: Endpoint, now: float) -> None:
+    endpoint.learned_max_num_seqs = endpoint.peak_running
+    endpoint.slots_confirmed_at = now
+    endpoint.probe_since = None
 
 
 def state_slots(endpoint: Endpoint, max_num_seqs: int | None) -> None:
@@ -111,4 +135,5 @@ def forget_slots(endpoint: Endpoint) -> None:
     endpoint.full_scrapes = 0
     endpoint.learned_max_num_seqs = None
     endpoint.slots_confirmed_at = None
+    endpoint.probe_since = None
     endpoint.stated_max_num_seqs = None

@@ -65,11 +65,13 @@ class Endpoint:
             many requests it sent since the last scrape will have started rather than queued.
         learned_max_num_seqs: the endpoint's sequence slots (vLLM's ``max_num_seqs``) as learned
             from scrapes: None until scrapes showed it full (running ``peak_running`` with others
-            waiting, :data:`router.pool.slots.FULL_SCRAPES` in a row); then ``peak_running``, plus
-            one while the figure is probed upward (:func:`router.pool.slots.learn_slots`).
+            waiting, :data:`router.pool.slots.FULL_SCRAPES` in a row); then ``peak_running``
+            (:func:`router.pool.slots.learn_slots`).
         full_scrapes: scrapes in a row that showed the endpoint full (the learning's count).
         slots_confirmed_at: when scrapes last confirmed ``learned_max_num_seqs`` (router's
             monotonic clock, seconds); None before.
+        probe_since: while the learned count is probed upward, when the probe started or last
+            found a slot (same clock); None otherwise.
         stated_max_num_seqs: the endpoint's sequence slots as the engine states them (requests,
             summed over its data-parallel ranks): ``backfill:engine_config_info{max_num_seqs}`` in
             its ``/metrics`` (backfill's vLLM plugin, the engine twin), else vLLM's
@@ -112,6 +114,7 @@ class Endpoint:
     learned_max_num_seqs: int | None = None
     full_scrapes: int = 0
     slots_confirmed_at: float | None = None
+    probe_since: float | None = None
     stated_max_num_seqs: int | None = None
     max_num_seqs: int | None = None
     in_flight_sheddable: int = 0
@@ -139,6 +142,12 @@ class Endpoint:
         if self.interactive_rate_at is None:
             return 0.0
         return self.interactive_rate_per_s * math.exp(-max(0.0, now - self.interactive_rate_at) / tau_s)
+
+    @property
+    def probing(self) -> bool:
+        """The learned slot count is being probed upward (:func:`router.pool.slots.learn_slots`):
+        neither configured nor stated, and unconfirmed for a while."""
+        return self.probe_since is not None and self.max_num_seqs is None and self.stated_max_num_seqs is None
 
     @property
     def slots(self) -> int | None:

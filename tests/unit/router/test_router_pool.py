@@ -20,7 +20,8 @@ from router.pool import (
     server_info_max_num_seqs,
     slots_source,
 )
-from router.pool.slots import FULL_SCRAPES, RELEARN_AFTER_S
+from router.pool.slots import FULL_SCRAPES, PROBE_S, RELEARN_AFTER_S
+from router.scheduling.saturation import sheddable_slots
 from router.scheduling.types import Endpoint
 
 DATA = Path(__file__).with_name("data")
@@ -168,26 +169,35 @@ def test_slot_count_is_learned_from_scrapes_showing_the_engine_full_twice_and_re
 def test_a_learned_slot_count_is_probed_upward_until_confirmed_again() -> None:
     """A learned count that the router's own slot reserve keeps the engine under (the issue-24
     reproduction: 4 learned on --max-num-seqs 8) climbs: after RELEARN_AFTER_S without a
-    confirmation the router assumes one slot more than it saw running, every step up it sees."""
+    confirmation, sheddable work may hold one request more than the engine was ever seen running;
+    each new peak goes on from there; PROBE_S without one ends the probe."""
     clock = SimpleNamespace(now=0.0)
     pool = EndpointPool(None, clock=lambda: clock.now)  # type: ignore[arg-type]
     state = EndpointState(Endpoint("http://e"))
     ep = state.endpoint
     for _ in range(FULL_SCRAPES):
         pool.record_metrics(state, EngineMetrics(num_requests_running=4, num_requests_waiting=1))
-    assert ep.slots == 4
+    assert (ep.slots, ep.probing, sheddable_slots(ep)) == (4, False, 3)  # the reserve keeps one of the 4
     clock.now = RELEARN_AFTER_S / 2
     pool.record_metrics(state, EngineMetrics(num_requests_running=3))
-    assert ep.slots == 4  # confirmed recently: kept
+    assert not ep.probing  # confirmed recently
     clock.now = RELEARN_AFTER_S + 1
     pool.record_metrics(state, EngineMetrics(num_requests_running=3))
-    assert ep.slots == 5  # unconfirmed for too long: one more than seen, so the router sends one more
-    for running in (5, 6, 7, 8):
+    assert (ep.slots, ep.probing, sheddable_slots(ep)) == (4, True, 5)  # one more than ever seen running
+    for running in (5, 6, 7, 8):  # the engine runs each one more: the probe climbs with it
+        clock.now += 1
         pool.record_metrics(state, EngineMetrics(num_requests_running=running))
-        assert ep.slots == running + 1
-    for _ in range(FULL_SCRAPES):  # 8 running, the ninth waits: full at 8, confirmed
+        assert (ep.slots, sheddable_slots(ep)) == (running, running + 1)
+    for _ in range(FULL_SCRAPES):  # the ninth waits: full at 8, confirmed, probe over
+        clock.now += 0.05
         pool.record_metrics(state, EngineMetrics(num_requests_running=8, num_requests_waiting=1))
-    assert ep.slots == 8
+    assert (ep.slots, ep.probing, sheddable_slots(ep)) == (8, False, 7)
+    clock.now += RELEARN_AFTER_S + 1  # probed again; offered a ninth for PROBE_S, never ran it: confirmed
+    pool.record_metrics(state, EngineMetrics(num_requests_running=8))
+    assert ep.probing
+    clock.now += PROBE_S + 1
+    pool.record_metrics(state, EngineMetrics(num_requests_running=8))
+    assert (ep.slots, ep.probing, sheddable_slots(ep)) == (8, False, 7)
 
 
 def test_a_stated_slot_count_wins_over_the_learned_one_and_a_configured_one_over_both() -> None:
