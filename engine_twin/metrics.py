@@ -69,6 +69,10 @@ class _LiveCollector(Collector):
             "num_cpu_blocks": str(s.cpu_offload_blocks), "enable_prefix_caching": "True",
             "prefix_caching_hash_algo": "sha256_cbor", "cache_dtype": "auto",
         }, base={"engine": self.labels["engine"]})
+        if s.plugin_metrics:  # backfill's vLLM plugin (vllm_plugin/): the config vLLM's info gauges leave out
+            yield self._gauge("backfill:engine_config_info", "Engine configuration the router reads (backfill plugin)",
+                              1.0, {"max_num_seqs": str(s.max_num_seqs), "num_gpu_blocks": str(s.num_gpu_blocks),
+                                    "block_size": str(s.block_size)}, base={"engine": self.labels["engine"]})
         yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", stats.queries_tokens)
         yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", stats.hits_tokens)
         tiers = stats.queries_tokens if (s.cpu_offload_blocks or s.disk_offload_blocks) else 0

@@ -186,6 +186,11 @@ class EngineSimSettings(BaseSettings):
     seed: int = 0
     engine_index: str = "0"
     data_parallel_rank: int = 0
+    plugin_metrics: bool = True
+    """Export the series backfill's vLLM plugin adds to ``/metrics`` (``backfill:engine_config_info``
+    with ``max_num_seqs``, ``num_gpu_blocks``, ``block_size``): the twin stands in for vLLM with the
+    plugin (what ``deploy/`` runs), whose rules it carries. False: ``/metrics`` as vLLM alone
+    exports it (no ``max_num_seqs`` anywhere), the router's slot-learning fallback."""
 
     @field_validator("kv_events_config", "kv_transfer_config", mode="before")
     @classmethod

@@ -36,7 +36,7 @@ from router.assembly import RouterParts, build_router
 from router.kv_index.subscriber import KVEventSource, KVEventSubscriber, parse_connect_spec
 from router.metrics import RouterMetrics
 from router.parsing import RESPONSES_PATH
-from router.pool import KubernetesSource, PoolProbes, PoolState
+from router.pool import KubernetesSource, PoolProbes, PoolState, slots_source
 from router.proxy import Proxy, error_response
 from router.responses import ResponsesAPI
 from router.runtime import RouterRuntime as RouterRuntime  # re-exported: where its readers import it from
@@ -106,7 +106,7 @@ def admin_state(running: RunningRouter) -> RouterState:
             cache_blocks=CacheBlocks(**per_endpoint_blocks.get(ep.name, {})),
             prefix_cache_hit_rate=_ratio(m.prefix_cache_hits, m.prefix_cache_queries),
             external_prefix_cache_hit_rate=_ratio(m.external_prefix_cache_hits, m.prefix_cache_queries),
-            last_error=state.last_error,
+            last_error=state.last_error, max_num_seqs=ep.slots, slots_source=slots_source(ep),
             slot_reserve=endpoint_reserve(ep, now, rt.thresholds), reserve_in_use=reserve_in_use(ep, now, rt.thresholds),
             interactive_rate_per_s=ep.interactive_rate(now), batch_prefill_tokens=ep.in_flight_sheddable_prefill_tokens,
             num_preemptions=ep.num_preemptions, evictions=evictions, evicted_tokens=evicted_tokens,

@@ -42,7 +42,7 @@ from router.settings import build_settings
               help="send vLLM's priority field (engines run --scheduling-policy priority)")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
               help="every engine's sequence slots (vLLM --max-num-seqs) for the slot reserve "
-                   "(default: learned per engine from its metrics)")
+                   "(default: what each engine states, else learned from its metrics; router/pool/slots.py)")
 @click.option("--api-keys", "api_keys", type=click.Path(exists=True, dir_okay=False), default=None,
               help="YAML/JSON file mapping API key -> tenant: the fairness id of callers without the trusted "
                    "token (default: every such caller is tenant 'anonymous')")

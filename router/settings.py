@@ -84,7 +84,9 @@ class RouterSettings(BaseSettings):
             as a share of the engines' ``max_num_batched_tokens``
             (``router/scheduling/saturation.py``, ``router/pool/state.py``).
         max_num_seqs: every engine's sequence slots (vLLM's ``--max-num-seqs``), when the fleet
-            shares one; None (default): learned per engine from its scrapes (``router/pool/slots.py``).
+            shares one; None (default): what each engine states (``backfill:engine_config_info`` in
+            its ``/metrics``, vLLM's ``/server_info``), else learned from its scrapes
+            (``router/pool/slots.py``).
         connect_timeout_s: connecting to an engine, seconds.
         request_timeout_s: base of a proxied request's timeout, seconds (0 = none): the whole request
             when it names no ``max_tokens``, the longest silence of a stream.

@@ -102,6 +102,11 @@ class EndpointState(_Lenient):
     prefix_cache_hit_rate: float | None = None
     external_prefix_cache_hit_rate: float | None = None
     last_error: str | None = None
+    max_num_seqs: int | None = None
+    """The engine's sequence slots the router assumes (vLLM's ``max_num_seqs``; None: unknown)."""
+    slots_source: str | None = None
+    """Where that figure comes from: ``configured`` (router setting), ``stated`` (the engine's
+    ``backfill:engine_config_info`` or ``/server_info``), ``learned`` (from its scrapes), None."""
     slot_reserve: int | None = None
     """Slots kept for non-sheddable work (None while the slot count is unknown)."""
     reserve_in_use: int = 0

@@ -29,6 +29,7 @@ from router.pool.discovery import (
 )
 from router.pool.engine_metrics import SCRAPED_SERIES, EngineMetrics, parse_engine_metrics
 from router.pool.probes import EndpointPool, PoolProbes
+from router.pool.slots import server_info_max_num_seqs, slots_source
 from router.pool.state import EndpointState, InFlight, OnDown, PoolState
 
 __all__ = [
@@ -49,4 +50,6 @@ __all__ = [
     "ready_pod_kv_sources",
     "ready_pod_roles",
     "ready_pod_urls",
+    "server_info_max_num_seqs",
+    "slots_source",
 ]

@@ -13,7 +13,11 @@ endpoint that joins the pool gets two tasks, removed when it leaves:
   a row (or one failed connection reported by the request path, ``PoolState.report_failure``, and
   confirmed by a check) take it out of the candidate set (:meth:`~router.pool.state.PoolState.mark_down`,
   RELIABILITY.md F9); a healthy answer brings it back (``mark_up``, F10) and reads its
-  ``/v1/models`` once.
+  ``/v1/models`` once;
+* once per time an endpoint comes up, when its ``/metrics`` states no ``max_num_seqs``
+  (``backfill:engine_config_info``), a read of ``GET /server_info?config_format=json`` (vLLM
+  serves it with ``VLLM_SERVER_DEV_MODE=1`` only; a 404 is the usual answer): its
+  ``scheduler_config.max_num_seqs`` is the engine's slot count (:mod:`router.pool.slots`).
 
 :class:`EndpointPool` is a pool state with its probes in one object.
 """
@@ -27,7 +31,12 @@ from typing import Any
 import aiohttp
 
 from router.pool.engine_metrics import parse_engine_metrics
+from router.pool.slots import server_info_max_num_seqs
 from router.pool.state import PoolState
+
+SERVER_INFO_TIMEOUT_S = 30.0
+"""Time allowed for ``/server_info`` (seconds): vLLM collects its environment report on the first
+call (``vllm.collect_env``, subprocesses), seconds on a busy machine."""
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +151,29 @@ class PoolProbes:
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return False
         self.pool.record_metrics(state, metrics)
+        if metrics.max_num_seqs is None and not state.server_info_read and name in self._tasks:
+            state.server_info_read = True
+            self._tasks[name].append(asyncio.create_task(self.read_server_info(name), name=f"server_info {name}"))
         return True
+
+    async def read_server_info(self, name: str) -> int | None:
+        """Read ``name``'s ``GET /server_info?config_format=json`` once into its state's
+        ``server_info_max_num_seqs`` (per rank); the figure, or None when not served or unreadable."""
+        state = self.pool.states.get(name)
+        if state is None:
+            return None
+        try:
+            async with self._session.get(f"{name}/server_info", params={"config_format": "json"},
+                                         timeout=aiohttp.ClientTimeout(total=SERVER_INFO_TIMEOUT_S)) as resp:
+                if resp.status != 200:
+                    return None
+                body = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return None
+        found = server_info_max_num_seqs(body)
+        if found is not None and self.pool.states.get(name) is state and state.server_info_read:
+            state.server_info_max_num_seqs = found
+        return found
 
 
 class EndpointPool(PoolState):

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from router.pool.engine_metrics import EngineMetrics
-from router.pool.slots import forget_slots, learn_slots
+from router.pool.slots import forget_slots, learn_slots, state_slots
 from router.scheduling.types import ROLE_BOTH, ROLES, Endpoint
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ class EndpointState:
         models: model names from the engine's ``/v1/models`` (empty until read).
         metrics: the last successful scrape.
         last_error: text of the last failure, for the admin page.
+        server_info_max_num_seqs: ``max_num_seqs`` per data-parallel rank as the engine's
+            ``/server_info`` answered it (vLLM with ``VLLM_SERVER_DEV_MODE=1``), requests; None
+            when not read or not served (:mod:`router.pool.slots`).
+        server_info_read: ``/server_info`` was asked once since the endpoint came up.
     """
 
     endpoint: Endpoint
@@ -65,6 +69,8 @@ class EndpointState:
     models: list[str] = field(default_factory=list)
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     last_error: str | None = None
+    server_info_max_num_seqs: int | None = None
+    server_info_read: bool = False
 
     @property
     def name(self) -> str:
@@ -306,11 +312,17 @@ class PoolState:
     # ---- scrapes -------------------------------------------------------------------------------
     def record_metrics(self, state: EndpointState, metrics: EngineMetrics) -> None:
         """Put one successful scrape into the endpoint's :class:`Endpoint` (counts, the slot count
-        learned, block fields), stamp it fresh and call ``on_change``."""
+        stated by the engine — its ``/metrics``, else its ``/server_info`` answer scaled to its
+        ranks — and the one learned, block fields), stamp it fresh and call ``on_change``."""
         ep = state.endpoint
+        now = self.clock()
         ep.num_requests_waiting = metrics.num_requests_waiting
         ep.num_requests_running = metrics.num_requests_running
-        learn_slots(ep, metrics.num_requests_running, metrics.num_requests_waiting)
+        learn_slots(ep, metrics.num_requests_running, metrics.num_requests_waiting, now)
+        stated = metrics.max_num_seqs
+        if stated is None and state.server_info_max_num_seqs is not None:
+            stated = state.server_info_max_num_seqs * max(1, metrics.engine_ranks)
+        state_slots(ep, stated)
         ep.kv_cache_usage_perc = metrics.kv_cache_usage_perc
         ep.num_preemptions = int(metrics.num_preemptions)
         if metrics.block_size is not None:
@@ -319,7 +331,7 @@ class PoolState:
             ep.num_gpu_blocks = metrics.num_gpu_blocks
         if metrics.num_cpu_blocks is not None:
             ep.num_cpu_blocks = metrics.num_cpu_blocks
-        ep.metrics_updated_at = self.clock()
+        ep.metrics_updated_at = now
         state.metrics = metrics
         self.on_change()
 
@@ -425,6 +437,8 @@ class PoolState:
             ep.in_flight_sheddable = 0
             ep.metrics_updated_at = None
             forget_slots(ep)  # it may come back as another engine
+            state.server_info_max_num_seqs = None
+            state.server_info_read = False
             ep.mean_request_duration_s = None
             ep.in_flight_sheddable_prefill_tokens = 0
             ep.interactive_rate_per_s = 0.0

@@ -222,15 +222,18 @@ def reserve_in_use(endpoint: Endpoint, now: float, thresholds: SaturationThresho
 def sheddable_slots(endpoint: Endpoint, thresholds: SaturationThresholds | None = None,
                     now: float | None = None) -> int | None:
     """Slots sheddable work may hold on the endpoint (``slots − reserve``, ≥ 1), requests; None
-    while its slot count is unknown. ``now`` (seconds) is needed for ``reserve_from_arrivals``;
-    without it the fixed reserve applies."""
+    while its slot count is unknown. While a learned count is probed upward
+    (:attr:`Endpoint.probing`), at least ``peak_running + 1``: one request more than the engine
+    was ever seen running, which an engine with more slots runs (``router/pool/slots.py``).
+    ``now`` (seconds) is needed for ``reserve_from_arrivals``; without it the fixed reserve applies."""
     slots = endpoint.slots
     if slots is None or slots < 1:
         return None
     if now is not None:
-        reserve = endpoint_reserve(endpoint, now, thresholds)
-        return slots - (reserve or 0)
-    return slots - slot_reserve(slots, thresholds)
+        room = slots - (endpoint_reserve(endpoint, now, thresholds) or 0)
+    else:
+        room = slots - slot_reserve(slots, thresholds)
+    return max(room, endpoint.peak_running + 1) if endpoint.probing else room
 
 
 def effective_waiting(endpoint: Endpoint) -> int:

@@ -63,13 +63,22 @@ class Endpoint:
         peak_running: the most requests the endpoint has been seen running at once (scraped);
             a lower bound of its batch size (``max_num_seqs``), which the router uses to tell how
             many requests it sent since the last scrape will have started rather than queued.
-        learned_max_num_seqs: the endpoint's sequence slots (vLLM's ``max_num_seqs``, which vLLM
-            does not export) as learned from scrapes: None until a scrape showed it running
-            requests with others waiting (it was full); from then on ``peak_running``, which is at
-            least the running count of every such scrape and never above ``max_num_seqs``
-            (:func:`router.pool.slots.learn_slots` sets it).
+        learned_max_num_seqs: the endpoint's sequence slots (vLLM's ``max_num_seqs``) as learned
+            from scrapes: None until scrapes showed it full (running ``peak_running`` with others
+            waiting, :data:`router.pool.slots.FULL_SCRAPES` in a row); then ``peak_running``
+            (:func:`router.pool.slots.learn_slots`).
+        full_scrapes: scrapes in a row that showed the endpoint full (the learning's count).
+        slots_confirmed_at: when scrapes last confirmed ``learned_max_num_seqs`` (router's
+            monotonic clock, seconds); None before.
+        probe_since: while the learned count is probed upward, when the probe started or last
+            found a slot (same clock); None otherwise.
+        stated_max_num_seqs: the endpoint's sequence slots as the engine states them (requests,
+            summed over its data-parallel ranks): ``backfill:engine_config_info{max_num_seqs}`` in
+            its ``/metrics`` (backfill's vLLM plugin, the engine twin), else vLLM's
+            ``/server_info`` (:mod:`router.pool.slots`); None while it states none. Overrides
+            the learned figure.
         max_num_seqs: a configured slot count (router setting ``max_num_seqs``); overrides the
-            learned one. None: learn it.
+            stated and learned ones. None: take the engine's.
         in_flight_sheddable: of ``in_flight_requests``, those of sheddable bands
             (:attr:`LLMRequest.sheddable`), requests; the slot reserve counts them.
         mean_request_duration_s: exponentially weighted mean of the durations, in seconds, of
@@ -103,6 +112,10 @@ class Endpoint:
     in_flight_uncached_tokens: int = 0
     peak_running: int = 0
     learned_max_num_seqs: int | None = None
+    full_scrapes: int = 0
+    slots_confirmed_at: float | None = None
+    probe_since: float | None = None
+    stated_max_num_seqs: int | None = None
     max_num_seqs: int | None = None
     in_flight_sheddable: int = 0
     mean_request_duration_s: float | None = None
@@ -131,10 +144,21 @@ class Endpoint:
         return self.interactive_rate_per_s * math.exp(-max(0.0, now - self.interactive_rate_at) / tau_s)
 
     @property
+    def probing(self) -> bool:
+        """The learned slot count is being probed upward (:func:`router.pool.slots.learn_slots`):
+        neither configured nor stated, and unconfirmed for a while."""
+        return self.probe_since is not None and self.max_num_seqs is None and self.stated_max_num_seqs is None
+
+    @property
     def slots(self) -> int | None:
         """The sequence slots the router assumes (requests): the configured ``max_num_seqs``,
-        else the learned one; None while unknown (no slot reserve applies then)."""
-        return self.max_num_seqs if self.max_num_seqs is not None else self.learned_max_num_seqs
+        else the one the engine states, else the learned one; None while unknown (no slot
+        reserve applies then)."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        if self.stated_max_num_seqs is not None:
+            return self.stated_max_num_seqs
+        return self.learned_max_num_seqs
 
 
 @dataclass(slots=True, eq=False)

@@ -120,6 +120,9 @@ def test_metrics_have_vllm_names_and_labels(sim):
         assert f"{name}{labels}" in text, name
     info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")][0]
     assert 'block_size="16"' in info and 'num_gpu_blocks="8192"' in info
+    # the series backfill's vLLM plugin adds, which the twin stands in for: the engine's slots, stated
+    stated = [line for line in text.splitlines() if line.startswith("backfill:engine_config_info{")]
+    assert len(stated) == 1 and 'max_num_seqs="256"' in stated[0] and 'engine="0"' in stated[0]
     hits = [line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")][0]
     assert float(hits.split()[-1]) > 0
 

