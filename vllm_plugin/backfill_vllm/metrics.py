@@ -86,8 +86,10 @@ class BackfillStatLogger(AggregateStatLoggerBase):
     def _set_config_info(self) -> None:
         cache = self.vllm_config.cache_config
         sched = self.vllm_config.scheduler_config
+        # vLLM 0.32's ``max_num_active_seqs``, when set, is the real cap on running requests.
+        slots = getattr(sched, "max_num_active_seqs", None) or sched.max_num_seqs
         for idx in self.engine_indexes:
-            _metrics()["config"].labels(engine=str(idx), max_num_seqs=str(sched.max_num_seqs),
+            _metrics()["config"].labels(engine=str(idx), max_num_seqs=str(slots),
                                         num_gpu_blocks=str(cache.num_gpu_blocks), block_size=str(cache.block_size)).set(1)
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
