@@ -1006,6 +1006,9 @@ class Simulation:
             "cached_tokens": cached,
             "oracle_reusable_tokens": oracle,
             "captured_reuse": cached / oracle if oracle else None,
+            # as lab.toolkit.replay.summarize: cached beyond the oracle happens when requests run in
+            # another order than they arrived, or a retry finds its own evicted attempt's prefill
+            "cached_above_oracle_tokens": sum(max(c - o, 0) for c, o in zip(self.cached, self.oracle, strict=True)),
             "ttft_p50_s": percentile(self.ttft, 50),
             "ttft_p99_s": percentile(self.ttft, 99),
             "itl_p99_s": self.itl.percentile(99),

@@ -31,7 +31,8 @@ def test_simulate_writes_every_figure(tmp_path: Path) -> None:
     for r in runs:
         assert KEYS <= set(r)
         assert r["completed"] == r["requests"]
-        assert 0 < r["captured_reuse"] <= 1
+        assert r["captured_reuse"] > 0  # above 1 only by what ran out of arrival order (make-room retries)
+        assert r["cached_tokens"] - r["cached_above_oracle_tokens"] <= r["oracle_reusable_tokens"]
     assert runs[1]["ttft_p50_vs_round_robin"] == runs[1]["ttft_p50_s"] / runs[0]["ttft_p50_s"]
 
 

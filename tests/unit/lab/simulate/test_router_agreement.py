@@ -283,7 +283,8 @@ def _aggregated_steps(precise: bool) -> list[Step]:
         Tick(0.01), _req(3, 600, 14, 20, objective="batch"),
         Tick(0.01), _req(3, 600, 15, 20, objective="batch"),
         Tick(0.01), _req(6, 600, 16, 20, objective="batch"),
-        Tick(0.05), *[Scrape(i, 3, 1) for i in range(3)],  # full with requests waiting: 3 slots learned
+        Tick(0.05), *[Scrape(i, 3, 1) for i in range(3)],  # full with requests waiting, twice in a row
+        Tick(0.05), *[Scrape(i, 3, 1) for i in range(3)],  # (router.pool.slots): 3 slots learned
         Tick(0.01), _req(1, 1024, 17, 40, session="s1"),
         Tick(0.01), _req(3, 600, 18, 30),
         Tick(0.01), _req(2, 1024, 19, 40, session="s2"),
