@@ -152,6 +152,7 @@ async def create_response(request: Request, tenant: TenantDep, session: SessionD
         return row
 
     row = await run_in_threadpool(create)
+    request.app.state.metrics.responses_created.inc()
     log.info("background response created", extra={"action": "response_created", "response_id": row.id,
                                                     **tenant_fields(tenant.id, tenant.name)})
     await run_in_threadpool(_publish, request, session, row)

@@ -284,3 +284,31 @@ def test_delete_forgets_a_response_and_stops_an_open_one(gateway, processor):
     processor.complete(message)
     assert collect_responses(_ctx(gateway)) == 0  # nothing left to end
     assert gateway.http().get(f"/v1/responses/{created.id}").status_code == 404
+
+
+def test_gateway_metrics_count_responses_by_status_and_the_oldest_queued_wait(gateway, processor):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, dict[tuple, float]]:
+        answer = httpx.get(gateway.base_url + "/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+        assert answer.status_code == 200
+        return {family.name: {tuple(sorted(s.labels.items())): s.value for s in family.samples}
+                for family in text_string_to_metric_families(answer.text)}
+
+    client = gateway.client()
+    waiting = client.responses.create(model="m", input="one", background=True)
+    running = client.responses.create(model="m", input="two", background=True)
+    cancelled = client.responses.create(model="m", input="three", background=True)
+    client.responses.cancel(cancelled.id)
+    processor.take()
+    with gateway.session() as session:
+        session.execute(update(BackgroundResponse).where(BackgroundResponse.id == waiting.id)
+                        .values(created_at=BackgroundResponse.created_at - 120))
+        session.execute(update(BackgroundResponse).where(BackgroundResponse.id == running.id)
+                        .values(status="in_progress", in_progress_at=BackgroundResponse.created_at))
+        session.commit()
+    after = scrape()  # the first scrape of this gateway: the gauges' cached read is made now
+    counts = {labels[0][1]: value for labels, value in after["backfill_gateway_background_responses"].items()}
+    assert counts == {"queued": 1, "in_progress": 1, "cancelled": 1, "completed": 0, "failed": 0, "incomplete": 0}
+    assert 120 <= after["backfill_gateway_background_responses_oldest_queued_seconds"][()] < 200
+    assert after["backfill_gateway_background_responses_created"][()] == 3
