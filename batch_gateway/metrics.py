@@ -170,34 +170,45 @@ LANE_GAUGES = (
 )
 
 
-class BatchStatusCollector(Collector):
-    """``backfill_gateway_batches{status}``, every OpenAI status present (0 when none). ``sessions``:
-    returns a new session (the caller's sessionmaker); a failed count yields no sample rather than
-    a failed scrape."""
+class _CachedDatabaseRead(Collector):
+    """A collector whose samples come from one database read (``read(session)``), reused for
+    ``ttl_seconds``. ``sessions``: returns a new session (the caller's sessionmaker); a failed read
+    yields no sample rather than a failed scrape."""
 
-    def __init__(self, sessions: Callable[[], Session], ttl_seconds: float = BATCH_COUNT_TTL_SECONDS,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, sessions: Callable[[], Session], read: Callable[[Session], Any],
+                 ttl_seconds: float = BATCH_COUNT_TTL_SECONDS, clock: Callable[[], float] = time.monotonic):
         self.sessions = sessions
+        self.read = read
         self.ttl_seconds = ttl_seconds
         self.clock = clock
         self._lock = threading.Lock()
-        self._counts: dict[str, int] | None = None
+        self._value: Any = None
         self._read_at = -float("inf")
 
-    def counts(self) -> dict[str, int] | None:
-        """``{status: batches}``, re-read when older than the TTL; None when the count failed."""
+    def value(self) -> Any:
+        """What ``read`` returned, re-read when older than the TTL; None when the read failed."""
         with self._lock:
             if self.clock() - self._read_at >= self.ttl_seconds:
                 try:
                     with self.sessions() as session:
-                        self._counts = queries.batch_status_counts(session)
-                except Exception:  # the database is down: this scrape has no batch gauge
-                    self._counts = None
+                        self._value = self.read(session)
+                except Exception:  # the database is down: this scrape has no such samples
+                    self._value = None
                 self._read_at = self.clock()
-            return self._counts
+            return self._value
+
+    def describe(self) -> list:
+        return []  # collected lazily: registering must not query the database
+
+
+class BatchStatusCollector(_CachedDatabaseRead):
+    """``backfill_gateway_batches{status}``, every OpenAI status present (0 when none)."""
+
+    def __init__(self, sessions: Callable[[], Session], **kwargs: Any):
+        super().__init__(sessions, queries.batch_status_counts, **kwargs)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        counts = self.counts()
+        counts: dict[str, int] | None = self.value()
         if counts is None:
             return
         family = GaugeMetricFamily("backfill_gateway_batches", "Batches in each OpenAI status.", labels=["status"])
@@ -205,39 +216,17 @@ class BatchStatusCollector(Collector):
             family.add_metric([status], counts.get(status, 0))
         yield family
 
-    def describe(self) -> list:
-        return []  # collected lazily: registering must not query the database
 
-
-class ResponseStatusCollector(Collector):
+class ResponseStatusCollector(_CachedDatabaseRead):
     """``backfill_gateway_background_responses{status}`` (every OpenAI status, 0 when none) and
-    ``backfill_gateway_background_responses_oldest_queued_seconds``, as
-    :class:`BatchStatusCollector` reads batches (``sessions``, TTL, no sample when the read failed)."""
+    ``backfill_gateway_background_responses_oldest_queued_seconds``
+    (:func:`~batch_gateway.store.queries.responses.response_status_counts`)."""
 
-    def __init__(self, sessions: Callable[[], Session], ttl_seconds: float = BATCH_COUNT_TTL_SECONDS,
-                 clock: Callable[[], float] = time.monotonic):
-        self.sessions = sessions
-        self.ttl_seconds = ttl_seconds
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._read: tuple[dict[str, int], int] | None = None
-        self._read_at = -float("inf")
-
-    def read(self) -> tuple[dict[str, int], int] | None:
-        """``({status: responses}, oldest queued wait in s)``, re-read when older than the TTL; None
-        when the read failed."""
-        with self._lock:
-            if self.clock() - self._read_at >= self.ttl_seconds:
-                try:
-                    with self.sessions() as session:
-                        self._read = response_queries.response_status_counts(session)
-                except Exception:  # the database is down: this scrape has no response gauges
-                    self._read = None
-                self._read_at = self.clock()
-            return self._read
+    def __init__(self, sessions: Callable[[], Session], **kwargs: Any):
+        super().__init__(sessions, response_queries.response_status_counts, **kwargs)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        read = self.read()
+        read: tuple[dict[str, int], int] | None = self.value()
         if read is None:
             return
         counts, oldest = read
@@ -248,9 +237,6 @@ class ResponseStatusCollector(Collector):
         yield family
         yield GaugeMetricFamily("backfill_gateway_background_responses_oldest_queued_seconds", "Seconds the oldest "
                                 "queued background response has waited (0: none queued).", value=oldest)
-
-    def describe(self) -> list:
-        return []  # collected lazily: registering must not query the database
 
 
 class GatewayMetrics:
