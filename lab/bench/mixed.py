@@ -39,7 +39,7 @@ Steps, on one stack, each alone step waiting for the engines to drain before the
    batches and interactive text new, with two more streams in its window: **background responses**,
    one every ``--background-interval`` s (2 s) through the gateway with the ``openai`` SDK
    (``responses.create(background=True)``, tenant D's key), each retrieved every
-   ``POLL_SECONDS`` until it ends; and **flex calls**, Poisson arrivals at ``--flex-load`` × C
+   ``BACKGROUND_POLL_SECONDS`` (1 s) until it ends; and **flex calls**, Poisson arrivals at ``--flex-load`` × C
    (0.05) of non-streamed chat completions with ``service_tier: "flex"`` straight to the router (no
    objective header, as a user sends them). The processor's lane-wait histogram
    (``backfill_processor_queue_wait_seconds``) is read around the window.
@@ -102,6 +102,9 @@ PROBE_TIMEOUT_SECONDS = 60.0
 """A queued probe without a result by then counts at this latency."""
 POLL_SECONDS = 0.25
 """How often the gateway's batch status and the router's ``/admin/state`` are read."""
+BACKGROUND_POLL_SECONDS = 1.0
+"""How often each background response is retrieved, as a user polls one (OpenAI's background-mode
+guide polls every 2 s); faster polling of 15 open responses is itself a load on a small stack."""
 DRAIN_TIMEOUT_SECONDS = 120.0
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -449,7 +452,7 @@ class BackgroundWatched:
 class BackgroundStream:
     """``POST /v1/responses`` with ``background: true`` through the gateway with the ``openai``
     SDK (tenant :data:`BACKGROUND_TENANT`), one every ``interval`` s, each retrieved every
-    :data:`POLL_SECONDS` until it ends."""
+    :data:`BACKGROUND_POLL_SECONDS` until it ends."""
 
     def __init__(self, client: Any, interval: float, max_tokens: int):
         self.client = client
@@ -460,7 +463,7 @@ class BackgroundStream:
     async def _follow(self, watched: BackgroundWatched, timeout: float) -> None:
         deadline = watched.created + timeout
         while watched.status in ("queued", "in_progress") and time.perf_counter() < deadline:
-            await asyncio.sleep(POLL_SECONDS)
+            await asyncio.sleep(BACKGROUND_POLL_SECONDS)
             with contextlib.suppress(Exception):
                 response = await self.client.responses.retrieve(watched.response_id)
                 now = time.perf_counter()
@@ -493,7 +496,7 @@ class BackgroundStream:
 
 def background_figures(watched: list[BackgroundWatched], duration: float) -> dict[str, Any]:
     """Statuses, create → first seen running and create → ended percentiles (ms; polled every
-    :data:`POLL_SECONDS`, so the first is an upper bound of the start) of a background stream sent
+    :data:`BACKGROUND_POLL_SECONDS`, so both are upper bounds) of a background stream sent
     over ``duration`` s."""
     started = [(w.started - w.created) * 1000 for w in watched if not math.isnan(w.started)]
     ended = [(w.ended - w.created) * 1000 for w in watched if not math.isnan(w.ended)]
