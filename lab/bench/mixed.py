@@ -41,7 +41,8 @@ Steps, on one stack, each alone step waiting for the engines to drain before the
    (``responses.create(background=True)``, tenant D's key), each retrieved every
    ``BACKGROUND_POLL_SECONDS`` (1 s) until it ends; and **flex calls**, Poisson arrivals at ``--flex-load`` × C
    (0.05) of non-streamed chat completions with ``service_tier: "flex"`` straight to the router (no
-   objective header, as a user sends them). The processor's lane-wait histogram
+   objective header, as a user sends them). Both streams are sent from a process of their own, so
+   their clients' work does not delay the event loop that times the interactive requests. The processor's lane-wait histogram
    (``backfill_processor_queue_wait_seconds``) is read around the window.
 
 Figures (goals in docs/benchmarks.md): queued-interactive latency p50 mixed ÷ idle (≤ 1.5); direct TTFT
@@ -228,12 +229,17 @@ class QueuedProbes:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+            # not awaited unbounded: a cancel that lands inside redis-py's blocking read can be lost
+            # (the task then waits on its read forever); closing the backend below ends that read
+            await asyncio.wait({self._reader}, timeout=5.0)
         if self.backend is not None:
             with contextlib.suppress(Exception):
                 await self.backend.client.delete(self.stream)
             await self.backend.close()
+        if self._reader is not None:
+            await asyncio.wait({self._reader}, timeout=5.0)
+            if self._reader.done() and not self._reader.cancelled():
+                self._reader.exception()  # the read the closed connection ended: retrieved, not logged
 
     async def one(self, lane: str, payload: dict[str, Any], tenant: str) -> tuple[float, bool]:
         """Publish one request on ``lane`` and wait for its result: ``(seconds, answered 2xx)``;
@@ -383,6 +389,7 @@ class Gateway:
 
         self.clients = {t: openai.AsyncOpenAI(base_url=base_url, api_key=k, max_retries=2, timeout=120)
                         for t, k in keys.items()}
+        self.base_url, self.keys = base_url, keys
         self.sampler = sampler
         self.watched: list[Watched] = []
 
@@ -624,6 +631,53 @@ def wait_figures(before: LaneWaits, after: LaneWaits, lane: str) -> dict[str, An
 
 
 @dataclass
+class SurfacePlan:
+    """The async surface's streams for one window, sent by :func:`run_surface` in a process of its
+    own: the gateway (base URL, tenant D's key) and the router, the background responses' texts,
+    interval (s), ``max_output_tokens`` and follow timeout (s), the flex arrivals (s from the
+    start) and bodies."""
+
+    gateway_url: str
+    api_key: str
+    router_url: str
+    interval: float
+    max_tokens: int
+    timeout: float
+    texts: list[str]
+    flex_arrivals: list[float]
+    flex_bodies: list[bytes]
+
+
+def warm_surface() -> None:
+    """Import what :func:`run_surface` needs (a spawned worker's first task: the window then starts
+    on time)."""
+    import aiohttp  # noqa: F401
+    import openai  # noqa: F401
+    import uvloop  # noqa: F401
+
+
+def run_surface(plan: SurfacePlan) -> tuple[list[BackgroundWatched], list[FlexSample]]:
+    """The background-response and flex streams of ``plan``, both started now, in this process's
+    own event loop (the bench runs them in a separate process: their SDK parsing and polling must
+    not delay the event loop that times the interactive requests). Times are ``perf_counter``
+    (CLOCK_MONOTONIC: one clock for every process of the machine)."""
+    import openai
+    import uvloop
+
+    async def main() -> tuple[list[BackgroundWatched], list[FlexSample]]:
+        client = openai.AsyncOpenAI(base_url=plan.gateway_url, api_key=plan.api_key, max_retries=2, timeout=120)
+        try:
+            stream = BackgroundStream(client, plan.interval, plan.max_tokens)
+            background, flex = await asyncio.gather(stream.run(plan.texts, plan.timeout),
+                                                    run_flex(plan.router_url, plan.flex_arrivals, plan.flex_bodies))
+            return background, flex
+        finally:
+            await client.close()
+
+    return uvloop.run(main())
+
+
+@dataclass
 class _MixContext:
     """What one mixed step needs of the run: options, clients, the step printer, the interactive
     sequences' arrival times and sizes; ``stack`` only for the step with the async surface."""
@@ -641,6 +695,7 @@ class _MixContext:
     async_n: int
     capacity: float
     stack: Any = None
+    surface_pool: Any = None
 
 
 @dataclass
@@ -695,17 +750,16 @@ async def _mix(ctx: _MixContext, label: str) -> MixResult:
         "async", ctx.bodies(f"async-{label}", ctx.async_n, stream=False), opts["async_interval"], "trickle"))
     direct_task = asyncio.create_task(run_interactive(ctx.router, ctx.arrivals, [
         orjson.dumps(b) for b in ctx.bodies(f"direct-{label}", len(ctx.arrivals), stream=True)]))
-    background_task = flex_task = None
+    surface_task = None
     if surface:
         background_n = max(1, int(duration / opts["background_interval"]))
-        stream = BackgroundStream(ctx.gateway.clients[BACKGROUND_TENANT], opts["background_interval"],
-                                  opts["max_tokens"])
-        texts = [b["messages"][0]["content"] for b in ctx.bodies("background", background_n, stream=False)]
-        background_task = asyncio.create_task(stream.run(texts, opts["small_timeout"]))
         flex_arrivals = poisson_arrivals(opts["flex_load"] * ctx.capacity, duration, seed + 1)
-        flex_bodies = [orjson.dumps(b | {"service_tier": "flex"})
-                       for b in ctx.bodies("flex", len(flex_arrivals), stream=False)]
-        flex_task = asyncio.create_task(run_flex(ctx.router, flex_arrivals, flex_bodies))
+        plan = SurfacePlan(ctx.gateway.base_url, ctx.gateway.keys[BACKGROUND_TENANT], ctx.router,
+                           opts["background_interval"], opts["max_tokens"], opts["small_timeout"],
+                           [b["messages"][0]["content"] for b in ctx.bodies("background", background_n, stream=False)],
+                           flex_arrivals, [orjson.dumps(b | {"service_tier": "flex"})
+                                           for b in ctx.bodies("flex", len(flex_arrivals), stream=False)])
+        surface_task = asyncio.get_running_loop().run_in_executor(ctx.surface_pool, run_surface, plan)
     window_end = window_start + duration
     while time.perf_counter() < window_end and big.status not in TERMINAL:
         await asyncio.sleep(0.05)
@@ -717,13 +771,24 @@ async def _mix(ctx: _MixContext, label: str) -> MixResult:
     queued, asyncs = await queued_task, await async_task
     result = MixResult(big, small, served_before, served_start, served_window, served_end, window_start, window_end,
                        time.perf_counter(), queued, asyncs, direct)
-    if background_task is not None and flex_task is not None:
-        result.background, result.flex = await background_task, await flex_task
+    if surface_task is not None:
+        result.background, result.flex = await surface_task
         waits_after = await lane_waits(session, metrics_url)
         result.waits = {lane: wait_figures(waits_before, waits_after, lane) for lane in ("async", "batch")}
     step(f"{label} end", "done; cancelling what is left of A's batch")
     await ctx.gateway.cancel_unfinished()
     return result
+
+
+async def _surface_mix(context: _MixContext, stack: Any) -> MixResult:
+    """The ``surface`` step (:func:`_mix`), its streams sent from a spawned worker process that has
+    imported their clients before the step starts."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        await asyncio.get_running_loop().run_in_executor(pool, warm_surface)
+        return await _mix(dataclasses.replace(context, stack=stack, surface_pool=pool), "surface")
 
 
 def surface_figures(mix: MixResult, plain: dict[str, Any], sampler: LaneSampler, capacity: float,
@@ -856,7 +921,7 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         surface = None
         if opts["async_surface"]:
             await wait_idle(session, engines)
-            surface = await _mix(dataclasses.replace(context, stack=stack), "surface")
+            surface = await _surface_mix(context, stack)
     finally:
         sampling.cancel()
         with contextlib.suppress(asyncio.CancelledError):
