@@ -727,10 +727,12 @@ async def _mix(ctx: _MixContext, label: str) -> MixResult:
     opts, session, engines, step = ctx.opts, ctx.session, ctx.engines, ctx.step
     seed, source, duration = opts["seed"], opts["source"], opts["duration"]
     surface = ctx.stack is not None
+    streams = surface and not opts.get("surface_control")
     suffix = "" if label == "mixed" else f"-{label}"
     step(label, f"{label}: tenant A's {opts['lines']:,}-line shared-prefix batch; B, C and the interactive "
                 f"parts {opts['prelude']:g} s later, for {duration:g} s"
-                + ("; with background responses and flex calls" if surface else ""))
+                + ("; with background responses and flex calls" if streams else
+                   "; A/A control: no streams added" if surface else ""))
     served_before = await served_counts(session, engines)
     big = await ctx.gateway.submit(TENANTS[0], shared_prefix_batch(source, opts["lines"], f"{seed}-a{suffix}"))
     while math.isnan(big.in_progress_at) and time.perf_counter() - big.created < 60:
@@ -751,7 +753,7 @@ async def _mix(ctx: _MixContext, label: str) -> MixResult:
     direct_task = asyncio.create_task(run_interactive(ctx.router, ctx.arrivals, [
         orjson.dumps(b) for b in ctx.bodies(f"direct-{label}", len(ctx.arrivals), stream=True)]))
     surface_task = None
-    if surface:
+    if streams:
         background_n = max(1, int(duration / opts["background_interval"]))
         flex_arrivals = poisson_arrivals(opts["flex_load"] * ctx.capacity, duration, seed + 1)
         plan = SurfacePlan(ctx.gateway.base_url, ctx.gateway.keys[BACKGROUND_TENANT], ctx.router,
@@ -1141,6 +1143,9 @@ def _print_surface(figures: dict[str, Any], console: Any) -> None:
 @click.option("--async-surface/--no-async-surface", default=True, show_default=True,
               help="Run the mix a second time with a background-response stream (gateway) and a flex stream "
                    "(router) beside it, and compare.")
+@click.option("--surface-control", is_flag=True,
+              help="A/A control: the async-surface step runs without its two streams (the same mix twice), to "
+                   "show how far its figures move from the plain mix's with nothing added.")
 @click.option("--background-interval", default=2.0, show_default=True, type=click.FloatRange(0.05),
               help="Seconds between background responses (POST /v1/responses, background: true) in the "
                    "async-surface step.")
