@@ -58,8 +58,8 @@ lane's in that window (< 1: async before batch). A queued request without a resu
 at its age then (also flagged).
 
 Time: with the defaults (time scale 1, the model's own) a run takes about 3–5 minutes, of which the
-stack's start is ~20 s; ``--quick`` (a test's run) halves model time and shortens every step to
-about a minute in all.
+stack's start is ~20 s, and about 1.5 minutes more with the async-surface step; ``--quick`` (a
+test's run) halves model time and shortens every step to about a minute in all.
 """
 
 from __future__ import annotations
