@@ -53,6 +53,7 @@ class Work:
     back as the result if the deadline ends the retries. ``gated_by``: the kind of the gate holding
     it back now ("" when none), so :class:`~async_processor.gates.AllGates` counts a deny once.
     ``taken_over``: its claim was found lost to another processor; it is dropped, never finished.
+    ``started``: an attempt of it was dispatched (a held refusal included), so its lane wait is over.
     """
 
     request: RequestMessage
@@ -66,6 +67,7 @@ class Work:
     last_body: bytes = b""
     gated_by: str = ""
     taken_over: bool = False
+    started: bool = False
     body: bytes = field(default=b"", repr=False)
 
     @property

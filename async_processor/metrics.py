@@ -14,6 +14,9 @@ Series (docs/observability.md has the full list; tenant ids are never labels):
   POST; a request taken over from another processor counts again there).
 - ``backfill_processor_resent_total{lane}``: POSTs of a request after its first: retries after a
   retryable answer and re-sends after the router's fast refusal (dispatched + resent = every POST).
+- ``backfill_processor_queue_wait_seconds{lane}`` (histogram): a request's first dispatch, seconds
+  since its message was put on the lane (:func:`enqueued_at`): the wait a lane's priority buys
+  (``async`` before ``batch``).
 - ``backfill_processor_router_request_duration_seconds{lane, status}``: one attempt, from the POST
   to the whole answer read; ``status`` the class (``2xx``, ``4xx``, ``5xx``) or ``none`` (no answer).
 - ``backfill_processor_results_total{lane, error_code}``: terminal results published;
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,6 +65,9 @@ log = logging.getLogger("async_processor.processor")
 
 ROUTER_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 """10 ms (a quick 429) to 600 s (``request_timeout_s``' default): a long generation takes minutes."""
+QUEUE_WAIT_BUCKETS_SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+                              4 * 3600.0, 24 * 3600.0)
+"""50 ms (an idle fleet) to 24 h (a batch's completion window)."""
 
 SHED_REASONS = tuple(str(reason) for reason in Shed)
 RETRY_REASONS = (*(str(s) for s in sorted(RETRYABLE_STATUSES)), "no_answer", "rejected_saturated")
@@ -71,6 +78,16 @@ TAKEN_OVER_STAGES = ("held", "in_flight", "result")
 def status_class(status: int) -> str:
     """``2xx`` … ``5xx`` for an HTTP status, ``none`` for 0 (no answer)."""
     return f"{status // 100}xx" if status else "none"
+
+
+def enqueued_at(work: Work) -> float:
+    """Unix seconds ``work``'s message was put on its lane: the time in its Redis stream entry id
+    (``<milliseconds>-<seq>``, Redis' own clock), else the message's ``created`` (whole seconds,
+    the producer's clock: Pub/Sub and the sorted-set transport)."""
+    head, sep, _ = work.delivery.transport_id.partition("-")
+    if sep and head.isdigit():
+        return int(head) / 1000
+    return float(work.request.created)
 
 
 class _ProcessorCollector(Collector):
@@ -124,6 +141,9 @@ class ProcessorMetrics:
                                    "(its first POST).", ["lane"], registry=r)
         self._resent = Counter("backfill_processor_resent", "POSTs of a request after its first (retries, and "
                                "re-sends after the router's fast refusal).", ["lane"], registry=r)
+        self._queue_wait = Histogram("backfill_processor_queue_wait_seconds", "A request's first dispatch: "
+                                     "seconds since its message was put on the lane.", ["lane"],
+                                     buckets=QUEUE_WAIT_BUCKETS_SECONDS, registry=r)
         self._latency = Histogram("backfill_processor_router_request_duration_seconds", "One HTTP attempt to "
                                   "the router, until its whole answer is read.", ["lane", "status"],
                                   buckets=ROUTER_BUCKETS_SECONDS, registry=r)
@@ -157,6 +177,7 @@ class ProcessorMetrics:
         for lane in processor.buffer.order:
             self._child(self._dispatched, lane)
             self._child(self._resent, lane)
+            self._child(self._queue_wait, lane)
             for stage in TAKEN_OVER_STAGES:
                 self._child(self._taken_over, lane, stage)
             for values, metric in ((SHED_REASONS, self._shed), (RETRY_REASONS, self._retries),
@@ -166,8 +187,10 @@ class ProcessorMetrics:
 
     def dispatched(self, work: Work) -> None:
         """A POST started: counted in ``dispatched`` the first time (``work.sends`` 1), in ``resent``
-        after."""
+        after; the first dispatch's wait since the message was enqueued is observed."""
         self._child(self._dispatched if work.sends <= 1 else self._resent, work.lane).inc()
+        if not work.started:
+            self._child(self._queue_wait, work.lane).observe(max(0.0, time.time() - enqueued_at(work)))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("dispatch", extra=log_fields("dispatch", work.request, lane=work.lane,
                                                    attempt=work.attempts + 1))

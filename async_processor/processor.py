@@ -372,6 +372,7 @@ class Processor:
                 self.gate.acquire(ready)
                 ready.sends += 1
                 self.metrics.dispatched(ready)
+                ready.started = True
                 self.in_flight[ready] = asyncio.create_task(self._checked_attempt(ready))
             next_at = self.buffer.next_ready_at(now)
             timeout = 0.1 if next_at is None else max(0.001, min(0.1, next_at - now))

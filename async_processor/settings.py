@@ -102,6 +102,10 @@ class ProcessorSettings(BaseSettings):
                                         "sorted-set producer to read (its default: request-sortedset; backfill up "
                                         "reads it); members are moved into the llmd_lane stream, earliest deadline "
                                         "first, and answered by LPUSH to their result list")
+    llmd_retry_sorted_sets: list[str] = Field(default_factory=list, description="Redis sorted sets where "
+                                              "llm-d-async's own consumer parks retries until due (its default: "
+                                              "retry-sortedset; backfill up reads it); due members are moved into "
+                                              "the llmd_lane stream")
     llmd_channels: list[str] = Field(default_factory=list, description="Redis Pub/Sub channels of llm-d-async's "
                                      "redis-pubsub transport to subscribe to (its default: request-queue)")
     llmd_result_channel: str = Field(LLMD_RESULT_CHANNEL, description="channel the results of llmd_channels "
@@ -165,7 +169,8 @@ class ProcessorSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _llmd_lane_read(self) -> ProcessorSettings:
-        if (self.llmd_sorted_sets or self.llmd_channels) and self.llmd_lane not in self.lanes:
+        if (self.llmd_sorted_sets or self.llmd_retry_sorted_sets or self.llmd_channels) \
+                and self.llmd_lane not in self.lanes:
             raise ValueError(f"llmd_lane {self.llmd_lane!r} must be among the lanes read {self.lanes}")
         return self
 

@@ -253,7 +253,8 @@ def keys_revoke(key: str, data_dir: Path) -> None:
 
 @click.group("tenants")
 def tenants_group() -> None:
-    """Manage tenants: list them (admin key), webhooks and quotas."""
+    """Manage tenants: list them (admin key), webhooks and quotas (enqueued batch tokens, queued
+    background responses)."""
 
 
 @tenants_group.command("list")
@@ -311,3 +312,17 @@ def tenants_quota(tenant: str, enqueued_tokens: int | None, data_dir: Path) -> N
     with _session(data_dir) as session:
         queries.set_enqueued_token_limit(session, tenant, enqueued_tokens)
     click.echo(f"{tenant}: enqueued token limit {enqueued_tokens or 'default'}")
+
+
+@tenants_group.command("queued-responses")
+@click.option("--tenant", required=True, help="Tenant name (created if new).")
+@click.option("--limit", type=click.IntRange(min=1), help="Background responses the tenant may have queued at once "
+              "(omit to use the default, BACKFILL_GATEWAY_MAX_QUEUED_BACKGROUND_RESPONSES).")
+@DATA_DIR_OPTION
+def tenants_queued_responses(tenant: str, limit: int | None, data_dir: Path) -> None:
+    """Set TENANT's cap on queued background responses (one more is 429 rate_limit_exceeded)."""
+    from batch_gateway.store import queries
+
+    with _session(data_dir) as session:
+        queries.set_queued_response_limit(session, tenant, limit)
+    click.echo(f"{tenant}: queued background response limit {limit or 'default'}")

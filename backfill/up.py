@@ -4,7 +4,7 @@ Starts the stores (embedded PostgreSQL and Redis under ``--data-dir`` unless ``D
 ``REDIS_URL`` are set), applies migrations, starts ``--engines`` simulated vLLM engines (or uses the
 real ones given with ``--engine-url``), the router in front of them, the async processor (sending
 to the router, gated on its saturation; it also reads llm-d-async's default sorted set
-``request-sortedset`` and channel ``request-queue``), the Celery worker, beat and the gateway as child
+``request-sortedset``, retry sorted set ``retry-sortedset`` and channel ``request-queue``), the Celery worker, beat and the gateway as child
 processes, waits until the gateway, the router and the engines answer (each from the port of the
 child that was started for it, not from another process that took the port) and the processor has
 created its consumer groups (the router and the processor share a generated trusted token,
@@ -41,7 +41,7 @@ from typing import Any
 import click
 import httpx
 
-from common.contracts.queue import LLMD_REQUEST_CHANNEL, LLMD_REQUEST_SORTED_SET
+from common.contracts.queue import LLMD_REQUEST_CHANNEL, LLMD_REQUEST_SORTED_SET, LLMD_RETRY_SORTED_SET
 from common.private import PRIVATE_UMASK, open_private, private_dir
 
 GRACE_SECONDS = 15.0
@@ -547,8 +547,9 @@ def run_stack(data_dir: Path, host: str, port: int, api_key: str | None, *, engi
         for service in ("WORKER", "PROCESSOR"):
             env.setdefault(f"BACKFILL_{service}_METRICS_PORT", str(free_port(host)))
         env.setdefault("BACKFILL_METRICS_HOST", host)
-        # llm-d-async's producers unchanged: its default sorted set and redis-pubsub channel
+        # llm-d-async's producers unchanged: its default sorted set, retry set and redis-pubsub channel
         env.setdefault("BACKFILL_PROCESSOR_LLMD_SORTED_SETS", f'["{LLMD_REQUEST_SORTED_SET}"]')
+        env.setdefault("BACKFILL_PROCESSOR_LLMD_RETRY_SORTED_SETS", f'["{LLMD_RETRY_SORTED_SET}"]')
         env.setdefault("BACKFILL_PROCESSOR_LLMD_CHANNELS", f'["{LLMD_REQUEST_CHANNEL}"]')
         if admin_key:
             env["BACKFILL_ADMIN_KEY"] = admin_key

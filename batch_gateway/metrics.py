@@ -9,6 +9,12 @@ Series (docs/observability.md has the full list; no tenant id is ever a label):
   ``prometheus-fastapi-instrumentator``'s middleware.
 - ``backfill_gateway_batches{status}``: batches in each OpenAI status, from one grouped count run
   at scrape time and cached for :data:`BATCH_COUNT_TTL_SECONDS`.
+- ``backfill_gateway_background_responses{status}`` and
+  ``backfill_gateway_background_responses_oldest_queued_seconds``: background responses in each
+  status, and how long the oldest still ``queued`` has waited (0: none), from one read of the
+  database at scrape time cached as the batch count (:class:`ResponseStatusCollector`).
+- ``backfill_gateway_background_responses_created_total``: background responses accepted by
+  ``POST /v1/responses``.
 - ``backfill_gateway_file_uploaded_bytes_total{purpose}`` / ``backfill_gateway_files_uploaded_total{purpose}``:
   bytes and files accepted by ``POST /v1/files``.
 - ``backfill_gateway_lane_backlog_messages{lane}``, ``backfill_gateway_lane_pending_messages{lane}``,
@@ -44,7 +50,8 @@ from sqlalchemy.orm import Session
 from batch_gateway.errors import AuthenticationError
 from batch_gateway.schemas import UPLOAD_PURPOSES
 from batch_gateway.store import queries
-from batch_gateway.store.states import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES
+from batch_gateway.store.queries import responses as response_queries
+from batch_gateway.store.states import ACTIVE_BATCH_STATUSES, TERMINAL_BATCH_STATUSES, ResponseStatus
 from common.contracts.queue import LANE_PRIORITIES
 from common.metrics import service_registry
 
@@ -163,34 +170,45 @@ LANE_GAUGES = (
 )
 
 
-class BatchStatusCollector(Collector):
-    """``backfill_gateway_batches{status}``, every OpenAI status present (0 when none). ``sessions``:
-    returns a new session (the caller's sessionmaker); a failed count yields no sample rather than
-    a failed scrape."""
+class _CachedDatabaseRead(Collector):
+    """A collector whose samples come from one database read (``read(session)``), reused for
+    ``ttl_seconds``. ``sessions``: returns a new session (the caller's sessionmaker); a failed read
+    yields no sample rather than a failed scrape."""
 
-    def __init__(self, sessions: Callable[[], Session], ttl_seconds: float = BATCH_COUNT_TTL_SECONDS,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, sessions: Callable[[], Session], read: Callable[[Session], Any],
+                 ttl_seconds: float = BATCH_COUNT_TTL_SECONDS, clock: Callable[[], float] = time.monotonic):
         self.sessions = sessions
+        self.read = read
         self.ttl_seconds = ttl_seconds
         self.clock = clock
         self._lock = threading.Lock()
-        self._counts: dict[str, int] | None = None
+        self._value: Any = None
         self._read_at = -float("inf")
 
-    def counts(self) -> dict[str, int] | None:
-        """``{status: batches}``, re-read when older than the TTL; None when the count failed."""
+    def value(self) -> Any:
+        """What ``read`` returned, re-read when older than the TTL; None when the read failed."""
         with self._lock:
             if self.clock() - self._read_at >= self.ttl_seconds:
                 try:
                     with self.sessions() as session:
-                        self._counts = queries.batch_status_counts(session)
-                except Exception:  # the database is down: this scrape has no batch gauge
-                    self._counts = None
+                        self._value = self.read(session)
+                except Exception:  # the database is down: this scrape has no such samples
+                    self._value = None
                 self._read_at = self.clock()
-            return self._counts
+            return self._value
+
+    def describe(self) -> list:
+        return []  # collected lazily: registering must not query the database
+
+
+class BatchStatusCollector(_CachedDatabaseRead):
+    """``backfill_gateway_batches{status}``, every OpenAI status present (0 when none)."""
+
+    def __init__(self, sessions: Callable[[], Session], **kwargs: Any):
+        super().__init__(sessions, queries.batch_status_counts, **kwargs)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        counts = self.counts()
+        counts: dict[str, int] | None = self.value()
         if counts is None:
             return
         family = GaugeMetricFamily("backfill_gateway_batches", "Batches in each OpenAI status.", labels=["status"])
@@ -198,8 +216,27 @@ class BatchStatusCollector(Collector):
             family.add_metric([status], counts.get(status, 0))
         yield family
 
-    def describe(self) -> list:
-        return []  # collected lazily: registering must not query the database
+
+class ResponseStatusCollector(_CachedDatabaseRead):
+    """``backfill_gateway_background_responses{status}`` (every OpenAI status, 0 when none) and
+    ``backfill_gateway_background_responses_oldest_queued_seconds``
+    (:func:`~batch_gateway.store.queries.responses.response_status_counts`)."""
+
+    def __init__(self, sessions: Callable[[], Session], **kwargs: Any):
+        super().__init__(sessions, response_queries.response_status_counts, **kwargs)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        read: tuple[dict[str, int], int] | None = self.value()
+        if read is None:
+            return
+        counts, oldest = read
+        family = GaugeMetricFamily("backfill_gateway_background_responses", "Background responses in each OpenAI "
+                                   "status.", labels=["status"])
+        for status in dict.fromkeys((*(str(s) for s in ResponseStatus), *counts)):
+            family.add_metric([status], counts.get(status, 0))
+        yield family
+        yield GaugeMetricFamily("backfill_gateway_background_responses_oldest_queued_seconds", "Seconds the oldest "
+                                "queued background response has waited (0: none queued).", value=oldest)
 
 
 class GatewayMetrics:
@@ -214,6 +251,8 @@ class GatewayMetrics:
         for purpose in UPLOAD_PURPOSES:  # every series exists from the start, at 0
             self.uploaded_bytes.labels(purpose)
             self.uploaded_files.labels(purpose)
+        self.responses_created = Counter("backfill_gateway_background_responses_created", "Background responses "
+                                         "accepted by POST /v1/responses.", registry=self.registry)
 
     def file_uploaded(self, purpose: str, size_bytes: int) -> None:
         """Count one stored upload of ``size_bytes`` bytes."""
@@ -234,7 +273,7 @@ def _check_admin_key(request: Request, admin_key: str | None) -> None:
 
 
 def install_metrics(app: FastAPI, admin_key: str | None = None) -> GatewayMetrics:
-    """Instrument ``app`` (HTTP middleware), register the batch gauge (reading
+    """Instrument ``app`` (HTTP middleware), register the batch and background-response gauges (reading
     ``app.state.sessionmaker`` at scrape time) and the lane gauges (reading the streams of pool
     ``settings.queue_pool`` as group ``settings.queue_consumer_group`` sees them, through
     ``app.state.admin_redis``, the dashboard's client) and add ``GET /metrics``, guarded by
@@ -248,6 +287,7 @@ def install_metrics(app: FastAPI, admin_key: str | None = None) -> GatewayMetric
         http_metrics.latency(buckets=HTTP_BUCKETS_SECONDS, **labels),
     ).instrument(app)
     metrics.registry.register(BatchStatusCollector(lambda: app.state.sessionmaker()))
+    metrics.registry.register(ResponseStatusCollector(lambda: app.state.sessionmaker()))
     metrics.registry.register(LaneBacklogCollector(lambda: _lane_source(app)))
     app.state.metrics = metrics
 

@@ -8,15 +8,16 @@ true.
 
 Replayed events (OpenAI's streaming events of the Responses API, ``sequence_number`` from 0)::
 
-    response.created (status queued) · response.in_progress (once started)
+    response.created (status queued) · response.queued · response.in_progress (once started)
     per output item: response.output_item.added · for a message's text parts:
         response.content_part.added · response.output_text.delta (one per word) ·
         response.output_text.done · response.content_part.done
     response.output_item.done
     response.completed | response.incomplete | response.failed (the final object)
 
-A cancelled response ends after its ``response.in_progress`` (or ``response.created``): OpenAI
-names no stream event for a cancel.
+``response.queued`` is OpenAI's event of a background response waiting to run (the SDKs'
+``ResponseQueuedEvent``). A cancelled response ends after its ``response.in_progress`` (or
+``response.queued``): OpenAI names no stream event for a cancel.
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def response_events(row: BackgroundResponse) -> list[dict[str, Any]]:
     """Every event of ``row``'s stream so far, numbered (``sequence_number`` from 0); see the module
     docstring for the order. A response still open has only its first one or two."""
     obj = response_object(row)
-    events: list[dict[str, Any]] = [{"type": "response.created", "response": _as_of(obj, ResponseStatus.QUEUED)}]
+    queued = _as_of(obj, ResponseStatus.QUEUED)
+    events: list[dict[str, Any]] = [{"type": "response.created", "response": queued},
+                                    {"type": "response.queued", "response": queued}]
     if row.in_progress_at is not None or row.status in FINAL_EVENT_TYPES:
         events.append({"type": "response.in_progress", "response": _as_of(obj, ResponseStatus.IN_PROGRESS)})
     if row.status in FINAL_EVENT_TYPES:

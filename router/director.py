@@ -68,7 +68,7 @@ from router.scheduling.errors import NoCandidatesError
 from router.scheduling.plugins.disagg import PDReason
 from router.scheduling.scheduler import SINGLE_PROFILE, Scheduler
 from router.scheduling.types import Endpoint, LLMRequest, PDDecision, SchedulingResult
-from router.service_tier import flex_objective, flex_refusal, is_flex
+from router.service_tier import flex_eviction, flex_objective, flex_refusal, is_flex
 from router.tokenizers import Prompt, to_llm_request
 
 #: Drop reason header (shared/contracts/queue-and-headers.md).
@@ -124,14 +124,21 @@ class Interruption:
     status: int
     message: str
     code: str
+    reason: str = ""
 
     @property
     def drop_reason(self) -> str:
-        """The ``x-llm-d-request-dropped-reason`` of the error response."""
+        """The ``x-llm-d-request-dropped-reason`` of the error response: ``reason`` when set, else
+        ``evicted`` for an eviction and ``rejected-capacity`` otherwise."""
+        if self.reason:
+            return self.reason
         return DropReason.EVICTED.value if self.code == DropReason.EVICTED.value else DropReason.CAPACITY.value
 
 
 EVICTED = Interruption(429, "evicted to make room for higher-priority work; retry later", DropReason.EVICTED.value)
+#: A flex request evicted mid-flight: OpenAI's flex 429 (code ``resource_unavailable``), the drop
+#: reason still ``evicted`` (:func:`router.service_tier.flex_eviction`).
+FLEX_EVICTED = Interruption(429, *flex_eviction(), reason=DropReason.EVICTED.value)
 ENDPOINT_DOWN = Interruption(503, "the inference endpoint went down", "upstream_failed")
 
 _EVICTED = "evicted"
@@ -532,7 +539,7 @@ class Director:
                 task.uncancel()
                 if attempt.reason is _EVICTED:
                     self.observer.shed(objective, DropReason.EVICTED.value)
-                    return await forwarder.interrupted(attempt, EVICTED)
+                    return await forwarder.interrupted(attempt, FLEX_EVICTED if objective == FLEX_OBJECTIVE else EVICTED)
                 # the endpoint was declared down while this request ran on it
                 self.observer.upstream_error("endpoint_down")
                 if retry and not attempt.sent:

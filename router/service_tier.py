@@ -14,6 +14,10 @@ The router serves it so (Completions too, the same way):
 * it waits for room up to the band's ``ttl_s`` (600 s by default), then gets OpenAI's 429 with
   code :data:`RESOURCE_UNAVAILABLE` (:func:`flex_refusal`); the ``Retry-After`` and
   ``x-llm-d-request-dropped-reason`` headers stay flow control's;
+* evicted while it runs (make room for non-sheddable work), it gets the same 429 (type
+  ``rate_limit_error``, code :data:`RESOURCE_UNAVAILABLE`, :func:`flex_eviction`), dropped reason
+  ``evicted``: as an error response when nothing was sent yet, as the stream's closing ``error``
+  event otherwise (the engine's request is aborted either way);
 * ``service_tier`` is not sent to the engine (``router/parsing.py`` ``FLEX_TIER``) and the answer,
   JSON or SSE, says ``"service_tier": "flex"`` (:class:`FlexAnswer`).
 
@@ -41,8 +45,8 @@ from router.usage import sse_events
 #: "429 Resource Unavailable" and does not print its body; this is that name as an OpenAI code.
 RESOURCE_UNAVAILABLE = "resource_unavailable"
 
-#: Drops that mean "no capacity for flex now" (answered as OpenAI's flex 429); others (an eviction
-#: mid-flight, the router stopping: 503) keep flow control's answer.
+#: Drops that mean "no capacity for flex now" (answered as OpenAI's flex 429); others (the router
+#: stopping: 503) keep flow control's answer. An eviction mid-flight is :func:`flex_eviction`'s.
 _NO_ROOM = frozenset({DropReason.TTL_EXPIRED, DropReason.SATURATED, DropReason.CAPACITY, DropReason.QUOTA})
 
 
@@ -81,6 +85,12 @@ def flex_refusal(drop: RequestDropped, wait_s: float | None) -> tuple[str, str] 
     waited = f" within {wait_s:g} s" if wait_s else ""
     return (f"Resource unavailable: no spare capacity freed up for this flex request{waited}. Retry later, "
             "or send the request with service_tier 'auto'.", RESOURCE_UNAVAILABLE)
+
+
+def flex_eviction() -> tuple[str, str]:
+    """OpenAI's flex 429 for a flex request evicted while it ran: ``(message, code)``."""
+    return ("Resource unavailable: this flex request was stopped to make room for higher-priority work. Retry "
+            "later, or send the request with service_tier 'auto'.", RESOURCE_UNAVAILABLE)
 
 
 def stamp(answer: Any) -> bool:

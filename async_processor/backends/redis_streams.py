@@ -18,6 +18,12 @@ Layout (names from :mod:`common.contracts.queue`):
   is checked at admission (cancelled while it holds the message's ``request_token``) and its
   ``request-active:{id}``/``request-cancel:{id}`` keys are deleted with the result where they still
   hold that token (llm-d-async's cleanup);
+- llm-d-async's retry sorted set (setting ``llmd_retry_sorted_sets``, e.g. ``retry-sortedset``):
+  where llm-d-async's own consumer parks a retryable failure until due (score: the Unix second it
+  is due). Each receive of the ``llmd_lane`` lane also moves the members due by now (the
+  processor's clock, as llm-d-async's mover reads it), earliest first, into that lane's stream, in
+  one script (``ZRANGE … BYSCORE`` + ``ZREM`` + ``XADD``), so retries llm-d-async's consumer left
+  (a fleet moving over, or both consumers on one Redis) run here, once each;
 - llm-d-async's redis-pubsub transport (setting ``llmd_channels``, e.g. ``request-queue``): a
   subscriber puts each published message on the ``llmd_lane`` stream (see :meth:`RedisStreamsBackend.take_published`);
 - dead letters ``XADD``-ed to ``{stream}:dead`` with fields ``message``, ``reason``, ``source_id``,
@@ -192,6 +198,23 @@ for n = 1, tonumber(ARGV[1]) do
 end
 return moved
 """
+# KEYS[1]: the lane's stream, KEYS[2..]: llm-d-async retry sorted sets; ARGV[1]: most members to
+# move, ARGV[2]: the request field, ARGV[3]: now (Unix s) -> members moved. Members scored at or
+# before now leave their set only into the stream (llm-d-async's retry mover: ZRANGE BYSCORE, ZREM).
+_MOVE_DUE = """
+local moved = 0
+for i = 2, #KEYS do
+  local left = tonumber(ARGV[1]) - moved
+  if left <= 0 then break end
+  local due = redis.call('ZRANGEBYSCORE', KEYS[i], '-inf', ARGV[3], 'LIMIT', 0, left)
+  for _, member in ipairs(due) do
+    redis.call('ZREM', KEYS[i], member)
+    redis.call('XADD', KEYS[1], '*', ARGV[2], member)
+    moved = moved + 1
+  end
+end
+return moved
+"""
 _KIND_CODES = {"stream": "s", "list": "l", "channel": "c"}
 
 
@@ -274,7 +297,7 @@ class RedisStreamsBackend:
                  result_stream: str = DEFAULT_RESULT_STREAM, delete_acked: bool = True,
                  done_ttl_s: float = 86400.0, llmd_sorted_sets: Sequence[str] = (),
                  llmd_channels: Sequence[str] = (), llmd_lane: str = "async",
-                 llmd_result_channel: str = LLMD_RESULT_CHANNEL):
+                 llmd_result_channel: str = LLMD_RESULT_CHANNEL, llmd_retry_sorted_sets: Sequence[str] = ()):
         self.client = client
         self.pool = pool
         self.lanes = list(lanes)
@@ -294,7 +317,9 @@ class RedisStreamsBackend:
         self._release = client.register_script(_RELEASE)
         self._publish = client.register_script(_PUBLISH)
         self._move = client.register_script(_MOVE)
+        self._move_due = client.register_script(_MOVE_DUE)
         self.llmd_sorted_sets = list(llmd_sorted_sets)
+        self.llmd_retry_sorted_sets = list(llmd_retry_sorted_sets)
         self.llmd_channels = list(llmd_channels)
         self.llmd_lane = llmd_lane
         self.llmd_result_channel = llmd_result_channel
@@ -308,7 +333,8 @@ class RedisStreamsBackend:
                    stream_prefix=settings.stream_prefix, result_stream=settings.result_stream,
                    delete_acked=settings.delete_acked, done_ttl_s=settings.dedup_ttl_s,
                    llmd_sorted_sets=settings.llmd_sorted_sets, llmd_channels=settings.llmd_channels,
-                   llmd_lane=settings.llmd_lane, llmd_result_channel=settings.llmd_result_channel)
+                   llmd_lane=settings.llmd_lane, llmd_result_channel=settings.llmd_result_channel,
+                   llmd_retry_sorted_sets=settings.llmd_retry_sorted_sets)
 
     def stream(self, lane: str) -> str:
         """The stream of ``lane`` in this pool."""
@@ -410,6 +436,9 @@ class RedisStreamsBackend:
 
     async def _receive(self, lane: str, max_messages: int, lease_s: float) -> list[Delivery]:
         await self._ensure(lane)
+        if lane == self.llmd_lane and self.llmd_retry_sorted_sets:
+            await self._move_due(keys=[self.stream(lane), *self.llmd_retry_sorted_sets],
+                                 args=[max_messages, REQUEST_FIELD, int(time.time())])
         if lane == self.llmd_lane and self.llmd_sorted_sets:
             await self._move(keys=[self.stream(lane), *self.llmd_sorted_sets], args=[max_messages, REQUEST_FIELD])
         out: list[Delivery] = []

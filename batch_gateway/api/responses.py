@@ -14,9 +14,13 @@
                                             is; one that ended otherwise is 400
 ==========================================  =======================================================
 
+``stream: true`` at create answers the events (SSE) instead of the object, from
+``response.created`` (``queued``) on, as OpenAI streams a background response.
+
 Refusals (OpenAI's envelope): 400 without ``background: true`` (synchronous responses are the
-router's), with ``stream: true`` at create, ``store: false`` (a background response is stored),
-``conversation``, a bad ``model`` / ``input``, or an unknown ``previous_response_id`` (code
+router's), ``store: false`` (a background response is stored), ``conversation``, a bad ``model``,
+``stream`` or ``input`` (a string or input items: :func:`~common.contracts.responses.input_problem`
+names the param, e.g. ``input[0].content[0].text``), or an unknown ``previous_response_id`` (code
 ``previous_response_not_found``, as OpenAI); 404 for another tenant's or an unknown id; 429
 ``rate_limit_exceeded`` when the tenant has its cap of responses ``queued``
 (:class:`~batch_gateway.errors.QueuedResponsesLimitError`).
@@ -51,6 +55,7 @@ from common.contracts.responses import (
     conversation_input,
     deleted_object,
     input_items,
+    input_problem,
     new_response_id,
     not_found_json,
     previous_not_found_message,
@@ -89,9 +94,9 @@ def check_create(body: dict[str, Any]) -> None:
     if body.get("background") is not True:
         raise _bad("This endpoint serves background responses only: set 'background' to true (synchronous "
                    "responses are served by the router).", "background", "unsupported_value")
-    if body.get("stream") not in (None, False):
-        raise _bad("Streaming a background response at create is not supported: create it without 'stream', then "
-                   "retrieve it with stream=true.", "stream", "unsupported_value")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise _bad(f"Invalid type for 'stream': expected a boolean, but got {json_type_name(body['stream'])} instead.",
+                   "stream", "invalid_type")
     if body.get("store") not in (None, True):
         raise _bad("Background responses must be stored: 'store' cannot be false with 'background'.", "store")
     if body.get("conversation") is not None:
@@ -105,10 +110,10 @@ def check_create(body: dict[str, Any]) -> None:
         raise _bad("Missing required parameter: 'model'." if model is None else
                    f"Invalid type for 'model': expected a string, but got {json_type_name(model)} instead.",
                    "model", "missing_required_parameter" if model is None else "invalid_type")
-    value = body.get("input")
-    if not isinstance(value, (str, list)) or (isinstance(value, list)
-                                             and not all(isinstance(item, dict) for item in value)):
-        raise _bad("Invalid type for 'input': expected a string or an array of input items.", "input", "invalid_type")
+    if "input" not in body:
+        raise _bad("Missing required parameter: 'input'.", "input", "missing_required_parameter")
+    if (problem := input_problem(body["input"])) is not None:
+        raise _bad(*problem)
     if _has_nul(body):  # Postgres JSON cannot hold NUL: refused, never a 500
         raise _bad("The request contains a NUL character (\\u0000), which is not supported.", None)
     previous = body.get("previous_response_id")
@@ -121,9 +126,13 @@ def _not_found(response_id: str) -> NotFoundError:
     return NotFoundError(orjson.loads(not_found_json(response_id[:100]))["error"]["message"])
 
 
-@router.post("")
-async def create_response(request: Request, tenant: TenantDep, session: SessionDep, settings: SettingsDep) -> dict:
-    """Create a background response in ``queued`` and publish it on the async lane."""
+@router.post("", response_model=None)
+async def create_response(request: Request, tenant: TenantDep, session: SessionDep,
+                          settings: SettingsDep) -> dict | StreamingResponse:
+    """Create a background response in ``queued`` and publish it on the async lane; answer its
+    Response object, or with ``stream: true`` its events (SSE) from ``response.created`` on,
+    followed live until it ends (as ``GET …?stream=true``: a client that drops resumes there with
+    ``starting_after``)."""
     body = await json_body(request, settings.max_json_body_bytes)
     check_create(body)
     previous_id = body.get("previous_response_id")
@@ -152,9 +161,13 @@ async def create_response(request: Request, tenant: TenantDep, session: SessionD
         return row
 
     row = await run_in_threadpool(create)
+    request.app.state.metrics.responses_created.inc()
     log.info("background response created", extra={"action": "response_created", "response_id": row.id,
                                                     **tenant_fields(tenant.id, tenant.name)})
     await run_in_threadpool(_publish, request, session, row)
+    if body.get("stream") is True:
+        session.close()  # the stream reads with sessions of its own
+        return StreamingResponse(_event_stream(request, tenant.id, row.id, None), media_type="text/event-stream")
     return response_object(row)
 
 

@@ -78,6 +78,10 @@ PROCESSOR_GROUP = "backfill-processors"
 
 LLMD_REQUEST_SORTED_SET = "request-sortedset"
 """llm-d-async's default request sorted set (``producer/redis_sortedset_producer.go``), scored by deadline."""
+LLMD_RETRY_SORTED_SET = "retry-sortedset"
+"""llm-d-async's default retry sorted set (``pkg/redis/options.go`` ``retry_queue_name``): its own
+consumer parks a retryable failure there, scored by the Unix second it is due, the member its
+envelope (``pkg/redis/sortedset_impl.go`` ``flushRetryBatch``); producers never write it."""
 LLMD_REQUEST_CHANNEL = "request-queue"
 """llm-d-async's default redis-pubsub request channel (``PUBLISH request-queue <envelope>``)."""
 LLMD_RESULT_LIST = "result-list"

@@ -52,6 +52,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.contracts.errors import ErrorType, error_json
+from common.json_types import json_type_name
 
 RESPONSE_ID_PREFIX = "resp_"
 """OpenAI's prefix of response ids."""
@@ -152,6 +153,71 @@ def not_found_json(response_id: str, hint: str = "") -> bytes:
     """The 404 envelope of ``GET`` / ``DELETE`` of an unknown response id (``hint``: appended to
     the message)."""
     return error_json(f"Response with id '{response_id}' not found.{hint}", ErrorType.INVALID_REQUEST)
+
+
+MESSAGE_ROLES = ("assistant", "system", "developer", "user")
+"""Roles of a message input item (OpenAI's ``EasyInputMessage`` / ``InputMessage``)."""
+TEXT_PART_TYPES = ("input_text", "output_text")
+"""Content parts that carry a ``text`` string."""
+
+
+def _wrong(param: str, expected: str, value: Any) -> tuple[str, str, str]:
+    return f"Invalid type for '{param}': expected {expected}, but got {json_type_name(value)} instead.", param, "invalid_type"
+
+
+def _message_problem(item: dict[str, Any], at: str) -> tuple[str, str, str] | None:
+    """What is wrong with message item ``item`` (at param ``at``), or None."""
+    role = item.get("role")
+    if role is None:
+        return f"Missing required parameter: '{at}.role'.", f"{at}.role", "missing_required_parameter"
+    if role not in MESSAGE_ROLES:
+        if not isinstance(role, str):
+            return _wrong(f"{at}.role", "a string", role)
+        return (f"Invalid value: '{role[:100]}'. Supported values are: 'assistant', 'system', 'developer', and "
+                "'user'.", f"{at}.role", "invalid_value")
+    content = item.get("content")
+    if content is None:
+        return f"Missing required parameter: '{at}.content'.", f"{at}.content", "missing_required_parameter"
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return _wrong(f"{at}.content", "one of a string or an array of input content", content)
+    for j, part in enumerate(content):
+        where = f"{at}.content[{j}]"
+        if not isinstance(part, dict):
+            return _wrong(where, "an object", part)
+        if part.get("type") is None:
+            return f"Missing required parameter: '{where}.type'.", f"{where}.type", "missing_required_parameter"
+        if part["type"] in TEXT_PART_TYPES and not isinstance(part.get("text"), str):
+            if part.get("text") is None:
+                return f"Missing required parameter: '{where}.text'.", f"{where}.text", "missing_required_parameter"
+            return _wrong(f"{where}.text", "a string", part["text"])
+    return None
+
+
+def input_problem(value: Any) -> tuple[str, str, str] | None:
+    """What is wrong with a create request's ``input``, as OpenAI's 400 names it: ``(message,
+    param, code)``, or None when it is a string or a non-empty array of input items whose message
+    items (``type`` ``message`` or none) have a known ``role`` and a string or an array of content
+    parts (each an object with a ``type``; text parts with a string ``text``). Items of other types
+    (``function_call_output``, ``reasoning``, …) pass to the engine as they are. Params are
+    OpenAI's paths (``input[0].content[1].text``)."""
+    if isinstance(value, str):
+        return None
+    if not isinstance(value, list):
+        return _wrong("input", "one of a string or an array of input items", value)
+    if not value:
+        return ("Invalid 'input': empty array. Expected an array with minimum length 1, but got an empty array "
+                "instead.", "input", "empty_array")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            return _wrong(f"input[{i}]", "an object", item)
+        kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            return _wrong(f"input[{i}].type", "a string", kind)
+        if kind == "message" and (problem := _message_problem(item, f"input[{i}]")) is not None:
+            return problem
+    return None
 
 
 def input_items(value: Any) -> list[dict[str, Any]]:

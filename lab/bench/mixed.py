@@ -35,25 +35,38 @@ Steps, on one stack, each alone step waiting for the engines to drain before the
    ``--small-timeout`` s after they were created); A's batch is then cancelled (it is a standing
    backlog, never drained: at 6 requests/s its 1,000 lines need about 3 minutes).
 
+4. **mixed with the async surface** (``--async-surface``, the default): the mixed step again, its
+   batches and interactive text new, with two more streams in its window: **background responses**,
+   one every ``--background-interval`` s (2 s) through the gateway with the ``openai`` SDK
+   (``responses.create(background=True)``, tenant D's key), each retrieved every
+   ``BACKGROUND_POLL_SECONDS`` (1 s) until it ends; and **flex calls**, Poisson arrivals at ``--flex-load`` × C
+   (0.05) of non-streamed chat completions with ``service_tier: "flex"`` straight to the router (no
+   objective header, as a user sends them). Both streams are sent from a process of their own, so
+   their clients' work does not delay the event loop that times the interactive requests. The processor's lane-wait histogram
+   (``backfill_processor_queue_wait_seconds``) is read around the window.
+
 Figures (goals in docs/benchmarks.md): queued-interactive latency p50 mixed ÷ idle (≤ 1.5); direct TTFT
 p99 mixed ÷ alone (≤ 1.2); each small tenant's completion time (create → ``completed``) mixed ÷
 alone (≤ 2); per-engine balance while A runs, from A's ``in_progress`` to the window's end: min ÷
 max of the requests each engine served (``vllm:request_success_total`` deltas) (≥ 0.8); batch
 throughput (requests of A, B and C counted done by the gateway during the window) ÷ spare capacity
 = C − the interactive load offered in the window (direct + queued + async arrivals ÷ duration)
-(≥ 0.9). A queued request without a result within ``PROBE_TIMEOUT_SECONDS`` counts at that value
+(≥ 0.9); with the async surface: queued-interactive p50 and direct TTFT p99 with the new streams ÷
+without (the plain mix of the same run, ≤ 1.2 each), and the async lane's mean wait ÷ the batch
+lane's in that window (< 1: async before batch). A queued request without a result within ``PROBE_TIMEOUT_SECONDS`` counts at that value
 (the ratio is then a lower bound, flagged); a small batch unfinished at ``--small-timeout`` counts
 at its age then (also flagged).
 
 Time: with the defaults (time scale 1, the model's own) a run takes about 3–5 minutes, of which the
-stack's start is ~20 s; ``--quick`` (a test's run) halves model time and shortens every step to
-about a minute in all.
+stack's start is ~20 s, and about 1.5 minutes more with the async-surface step; ``--quick`` (a
+test's run) halves model time and shortens every step to about a minute in all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -78,6 +91,10 @@ DEFAULT_SOURCE = (Path(__file__).resolve().parents[2].parent / "shared" / "data"
                   / "openai-cookbook-batch-movies.jsonl")
 """The cookbook batch file beside the repository (``../shared/data/batches``, first 5 lines)."""
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")
+BACKGROUND_TENANT = "tenant-d"
+"""The tenant of the background-response stream (its own API key)."""
+FLEX_TIMEOUT_SECONDS = 900.0
+"""A flex call's client timeout: OpenAI's flex guide advises raising it to 15 minutes."""
 SMALL_LINES = 5
 """Lines of tenant B's and C's batches (the small batches of the mix)."""
 CAPACITY_WARMUP_SECONDS = 2.0
@@ -86,6 +103,9 @@ PROBE_TIMEOUT_SECONDS = 60.0
 """A queued probe without a result by then counts at this latency."""
 POLL_SECONDS = 0.25
 """How often the gateway's batch status and the router's ``/admin/state`` are read."""
+BACKGROUND_POLL_SECONDS = 1.0
+"""How often each background response is retrieved, as a user polls one (OpenAI's background-mode
+guide polls every 2 s); faster polling of 15 open responses is itself a load on a small stack."""
 DRAIN_TIMEOUT_SECONDS = 120.0
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -95,7 +115,14 @@ GOALS: dict[str, tuple[str, float]] = {
     "small_tenant_ratio": ("≤", 2.0),
     "engine_balance": ("≥", 0.8),
     "batch_vs_spare": ("≥", 0.9),
+    "surface_queued_p50_vs_plain": ("≤", 1.2),
+    "surface_direct_ttft_p99_vs_plain": ("≤", 1.2),
+    "async_wait_vs_batch_wait": ("<", 1.0),
 }
+"""The async surface's three (``surface_*``: the interactive figures with the background and flex
+streams ÷ without, in the same run; 1.2 is the run-to-run noise of these figures in
+docs/benchmarks.md; ``async_wait_vs_batch_wait``: the async lane's mean wait ÷ the batch lane's)
+are present only when the run has the ``surface`` step."""
 
 # ---- workload --------------------------------------------------------------------------------------
 
@@ -202,12 +229,17 @@ class QueuedProbes:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+            # not awaited unbounded: a cancel that lands inside redis-py's blocking read can be lost
+            # (the task then waits on its read forever); closing the backend below ends that read
+            await asyncio.wait({self._reader}, timeout=5.0)
         if self.backend is not None:
             with contextlib.suppress(Exception):
                 await self.backend.client.delete(self.stream)
             await self.backend.close()
+        if self._reader is not None:
+            await asyncio.wait({self._reader}, timeout=5.0)
+            if self._reader.done() and not self._reader.cancelled():
+                self._reader.exception()  # the read the closed connection ended: retrieved, not logged
 
     async def one(self, lane: str, payload: dict[str, Any], tenant: str) -> tuple[float, bool]:
         """Publish one request on ``lane`` and wait for its result: ``(seconds, answered 2xx)``;
@@ -357,6 +389,7 @@ class Gateway:
 
         self.clients = {t: openai.AsyncOpenAI(base_url=base_url, api_key=k, max_retries=2, timeout=120)
                         for t, k in keys.items()}
+        self.base_url, self.keys = base_url, keys
         self.sampler = sampler
         self.watched: list[Watched] = []
 
@@ -408,6 +441,396 @@ def small_figures(batch: Watched, now: float) -> dict[str, Any]:
             "lines_done": batch.done}
 
 
+# ---- the async surface: background responses (gateway) and flex (router) --------------------------
+
+
+@dataclass
+class BackgroundWatched:
+    """One background response followed through the gateway (bench clock, s): created, first seen
+    ``in_progress`` (or ended, when no poll caught it running), ended."""
+
+    response_id: str
+    created: float
+    status: str = "queued"
+    started: float = math.nan
+    ended: float = math.nan
+
+
+class BackgroundStream:
+    """``POST /v1/responses`` with ``background: true`` through the gateway with the ``openai``
+    SDK (tenant :data:`BACKGROUND_TENANT`), one every ``interval`` s, each retrieved every
+    :data:`BACKGROUND_POLL_SECONDS` until it ends."""
+
+    def __init__(self, client: Any, interval: float, max_tokens: int):
+        self.client = client
+        self.interval = interval
+        self.max_tokens = max_tokens
+        self.watched: list[BackgroundWatched] = []
+
+    async def _follow(self, watched: BackgroundWatched, timeout: float) -> None:
+        deadline = watched.created + timeout
+        while watched.status in ("queued", "in_progress") and time.perf_counter() < deadline:
+            await asyncio.sleep(BACKGROUND_POLL_SECONDS)
+            with contextlib.suppress(Exception):
+                response = await self.client.responses.retrieve(watched.response_id)
+                now = time.perf_counter()
+                watched.status = response.status or "queued"
+                if watched.status != "queued" and math.isnan(watched.started):
+                    watched.started = now
+                if watched.status not in ("queued", "in_progress"):
+                    watched.ended = now
+
+    async def run(self, texts: list[str], timeout: float) -> list[BackgroundWatched]:
+        """Create one response per text, ``interval`` s apart (open loop), and follow each for at
+        most ``timeout`` s from its create; a failed create is kept with status ``create_failed``."""
+        follows = []
+        for i, text in enumerate(texts):
+            if i:
+                await asyncio.sleep(self.interval)
+            created = time.perf_counter()
+            try:
+                response = await self.client.responses.create(model=MODEL, input=text, background=True,
+                                                               max_output_tokens=self.max_tokens)
+            except Exception:
+                self.watched.append(BackgroundWatched("", created, "create_failed"))
+                continue
+            watched = BackgroundWatched(response.id, created)
+            self.watched.append(watched)
+            follows.append(asyncio.create_task(self._follow(watched, timeout)))
+        await asyncio.gather(*follows)
+        return self.watched
+
+
+def background_figures(watched: list[BackgroundWatched], duration: float) -> dict[str, Any]:
+    """Statuses, create → first seen running and create → ended percentiles (ms; polled every
+    :data:`BACKGROUND_POLL_SECONDS`, so both are upper bounds) of a background stream sent
+    over ``duration`` s."""
+    started = [(w.started - w.created) * 1000 for w in watched if not math.isnan(w.started)]
+    ended = [(w.ended - w.created) * 1000 for w in watched if not math.isnan(w.ended)]
+    statuses: dict[str, int] = {}
+    for w in watched:
+        statuses[w.status] = statuses.get(w.status, 0) + 1
+    return {"requests": len(watched), "statuses": statuses, "offered_rps": len(watched) / duration,
+            "completed": statuses.get("completed", 0) + statuses.get("incomplete", 0),
+            "seen_started_ms_p50": percentile(started, 50, default=math.nan),
+            "seen_started_ms_max": max(started, default=math.nan),
+            "ended_ms_p50": percentile(ended, 50, default=math.nan),
+            "ended_ms_p90": percentile(ended, 90, default=math.nan)}
+
+
+@dataclass
+class FlexSample:
+    """One flex call (bench clock, s): sent, answered, HTTP status, the answer's ``service_tier``
+    and error ``code``."""
+
+    sent: float
+    done: float = math.nan
+    status: int = 0
+    service_tier: str | None = None
+    code: str | None = None
+
+
+async def _one_flex(session: Any, url: str, body: bytes, sample: FlexSample) -> None:
+    import aiohttp
+
+    try:
+        async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+            sample.status = resp.status
+            answer = orjson.loads(await resp.read())
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError):
+        sample.done = time.perf_counter()
+        return
+    sample.done = time.perf_counter()
+    if isinstance(answer, dict):
+        sample.service_tier = answer.get("service_tier")
+        error = answer.get("error")
+        sample.code = error.get("code") if isinstance(error, dict) else None
+
+
+async def run_flex(router_url: str, arrivals: list[float], bodies: list[bytes]) -> list[FlexSample]:
+    """Non-streamed chat completions with ``service_tier: "flex"`` sent straight to the router at
+    ``arrivals`` (s from now, open loop), no objective header (a user's call); waited for up to
+    :data:`FLEX_TIMEOUT_SECONDS` (OpenAI's advice for flex clients)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=FLEX_TIMEOUT_SECONDS)) as session:
+        start = time.perf_counter()
+        samples: list[FlexSample] = []
+        tasks = []
+        for offset, body in zip(arrivals, bodies):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            samples.append(FlexSample(time.perf_counter()))
+            tasks.append(asyncio.create_task(_one_flex(session, router_url + ENDPOINT, body, samples[-1])))
+        await asyncio.gather(*tasks)
+    return samples
+
+
+def flex_figures(samples: list[FlexSample], duration: float) -> dict[str, Any]:
+    """Answers by status, how many said ``service_tier: "flex"``, latency percentiles (ms) of the
+    200s, and the offered rate of a flex sequence sent over ``duration`` s."""
+    ok = [(s.done - s.sent) * 1000 for s in samples if s.status == 200]
+    statuses: dict[str, int] = {}
+    for s in samples:
+        statuses[str(s.status)] = statuses.get(str(s.status), 0) + 1
+    return {"requests": len(samples), "ok": len(ok), "statuses": statuses, "offered_rps": len(samples) / duration,
+            "tier_flex": sum(1 for s in samples if s.status == 200 and s.service_tier == "flex"),
+            "codes_429": sorted({s.code or "" for s in samples if s.status == 429}),
+            "latency_ms_p50": percentile(ok, 50, default=math.nan),
+            "latency_ms_p90": percentile(ok, 90, default=math.nan),
+            "latency_ms_max": max(ok, default=math.nan)}
+
+
+LaneWaits = dict[str, tuple[float, float, list[tuple[float, float]]]]
+"""Per lane: (count, sum in s, cumulative ``(le, count)`` buckets) of the processor's
+``backfill_processor_queue_wait_seconds``."""
+
+
+async def lane_waits(session: Any, metrics_url: str | None) -> LaneWaits:
+    """The processor's lane-wait histogram now (``{}`` when it has no metrics URL or did not answer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not metrics_url:
+        return {}
+    try:
+        async with session.get(metrics_url) as resp:
+            text = await resp.text()
+    except Exception:
+        return {}
+    out: LaneWaits = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "backfill_processor_queue_wait_seconds":
+            continue
+        for sample in family.samples:
+            lane = sample.labels.get("lane", "")
+            count, total, buckets = out.get(lane, (0.0, 0.0, []))
+            if sample.name.endswith("_count"):
+                count = sample.value
+            elif sample.name.endswith("_sum"):
+                total = sample.value
+            elif sample.name.endswith("_bucket"):
+                buckets = [*buckets, (float(sample.labels["le"]), sample.value)]
+            out[lane] = (count, total, buckets)
+    return out
+
+
+def wait_figures(before: LaneWaits, after: LaneWaits, lane: str) -> dict[str, Any]:
+    """A lane's waits between two readings: how many started, mean (ms, exact) and the p50 / p90
+    bucket bounds (ms: the wait is at most this; ``inf`` past the last bucket)."""
+    count0, sum0, buckets0 = before.get(lane, (0.0, 0.0, []))
+    count1, sum1, buckets1 = after.get(lane, (0.0, 0.0, []))
+    count = count1 - count0
+    earlier = dict(buckets0)
+    deltas = [(le, n - earlier.get(le, 0.0)) for le, n in sorted(buckets1)]
+
+    def bound(q: float) -> float:
+        return next((le * 1000 for le, n in deltas if n >= q * count), math.nan) if count else math.nan
+
+    return {"started": int(count), "mean_ms": (sum1 - sum0) / count * 1000 if count else math.nan,
+            "p50_bound_ms": bound(0.5), "p90_bound_ms": bound(0.9)}
+
+
+@dataclass
+class SurfacePlan:
+    """The async surface's streams for one window, sent by :func:`run_surface` in a process of its
+    own: the gateway (base URL, tenant D's key) and the router, the background responses' texts,
+    interval (s), ``max_output_tokens`` and follow timeout (s), the flex arrivals (s from the
+    start) and bodies."""
+
+    gateway_url: str
+    api_key: str
+    router_url: str
+    interval: float
+    max_tokens: int
+    timeout: float
+    texts: list[str]
+    flex_arrivals: list[float]
+    flex_bodies: list[bytes]
+
+
+def warm_surface() -> None:
+    """Import what :func:`run_surface` needs (a spawned worker's first task: the window then starts
+    on time)."""
+    import aiohttp  # noqa: F401
+    import openai  # noqa: F401
+    import uvloop  # noqa: F401
+
+
+def run_surface(plan: SurfacePlan) -> tuple[list[BackgroundWatched], list[FlexSample]]:
+    """The background-response and flex streams of ``plan``, both started now, in this process's
+    own event loop (the bench runs them in a separate process: their SDK parsing and polling must
+    not delay the event loop that times the interactive requests). Times are ``perf_counter``
+    (CLOCK_MONOTONIC: one clock for every process of the machine)."""
+    import openai
+    import uvloop
+
+    async def main() -> tuple[list[BackgroundWatched], list[FlexSample]]:
+        client = openai.AsyncOpenAI(base_url=plan.gateway_url, api_key=plan.api_key, max_retries=2, timeout=120)
+        try:
+            stream = BackgroundStream(client, plan.interval, plan.max_tokens)
+            background, flex = await asyncio.gather(stream.run(plan.texts, plan.timeout),
+                                                    run_flex(plan.router_url, plan.flex_arrivals, plan.flex_bodies))
+            return background, flex
+        finally:
+            await client.close()
+
+    return uvloop.run(main())
+
+
+@dataclass
+class _MixContext:
+    """What one mixed step needs of the run: options, clients, the step printer, the interactive
+    sequences' arrival times and sizes; ``stack`` only for the step with the async surface."""
+
+    opts: dict[str, Any]
+    session: Any
+    engines: list[str]
+    router: str
+    gateway: Gateway
+    probes: QueuedProbes
+    bodies: Any
+    step: Any
+    arrivals: list[float]
+    queued_n: int
+    async_n: int
+    capacity: float
+    stack: Any = None
+    surface_pool: Any = None
+
+
+@dataclass
+class MixResult:
+    """One mixed step's raw results (bench clock, s; engines' served counts at its marks)."""
+
+    big: Watched
+    small: list[Watched]
+    served_before: list[float]
+    served_start: list[float]
+    served_window: list[float]
+    served_end: list[float]
+    window_start: float
+    window_end: float
+    mixed_end: float
+    queued: list[tuple[float, bool]]
+    asyncs: list[tuple[float, bool]]
+    direct: list[Any]
+    background: list[BackgroundWatched] = field(default_factory=list)
+    flex: list[FlexSample] = field(default_factory=list)
+    waits: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+async def _mix(ctx: _MixContext, label: str) -> MixResult:
+    """The mixed step (module docstring): A's batch, then B's and C's with the queued, direct and
+    async interactive parts replayed (new text, ``label`` in every seed). With ``ctx.stack`` (the
+    ``surface`` step) a background-response stream through the gateway and a flex stream through
+    the router run in the window too, and the processor's lane waits are read around it."""
+    opts, session, engines, step = ctx.opts, ctx.session, ctx.engines, ctx.step
+    seed, source, duration = opts["seed"], opts["source"], opts["duration"]
+    surface = ctx.stack is not None
+    streams = surface and not opts.get("surface_control")
+    suffix = "" if label == "mixed" else f"-{label}"
+    step(label, f"{label}: tenant A's {opts['lines']:,}-line shared-prefix batch; B, C and the interactive "
+                f"parts {opts['prelude']:g} s later, for {duration:g} s"
+                + ("; with background responses and flex calls" if streams else
+                   "; A/A control: no streams added" if surface else ""))
+    served_before = await served_counts(session, engines)
+    big = await ctx.gateway.submit(TENANTS[0], shared_prefix_batch(source, opts["lines"], f"{seed}-a{suffix}"))
+    while math.isnan(big.in_progress_at) and time.perf_counter() - big.created < 60:
+        await asyncio.sleep(0.05)
+    served_start = await served_counts(session, engines)
+    await asyncio.sleep(max(0.0, big.created + opts["prelude"] - time.perf_counter()))
+    metrics_url = (ctx.stack.info.get("metrics") or {}).get("processor") if surface else None
+    waits_before = await lane_waits(session, metrics_url)
+    window_start = time.perf_counter()
+    served_window = await served_counts(session, engines)
+    step(f"{label} window", f"{label}: B's and C's batches, queued, direct and async interactive")
+    small = [await ctx.gateway.submit(t, shared_prefix_batch(source, SMALL_LINES, f"{seed}-{t}-{label}",
+                                                             use_file_lines=False)) for t in TENANTS[1:]]
+    queued_task = asyncio.create_task(ctx.probes.sequence(
+        "interactive", ctx.bodies(f"queued-{label}", ctx.queued_n, stream=False), opts["probe_interval"], "probe"))
+    async_task = asyncio.create_task(ctx.probes.sequence(
+        "async", ctx.bodies(f"async-{label}", ctx.async_n, stream=False), opts["async_interval"], "trickle"))
+    direct_task = asyncio.create_task(run_interactive(ctx.router, ctx.arrivals, [
+        orjson.dumps(b) for b in ctx.bodies(f"direct-{label}", len(ctx.arrivals), stream=True)]))
+    surface_task = None
+    if streams:
+        background_n = max(1, int(duration / opts["background_interval"]))
+        flex_arrivals = poisson_arrivals(opts["flex_load"] * ctx.capacity, duration, seed + 1)
+        plan = SurfacePlan(ctx.gateway.base_url, ctx.gateway.keys[BACKGROUND_TENANT], ctx.router,
+                           opts["background_interval"], opts["max_tokens"], opts["small_timeout"],
+                           [b["messages"][0]["content"] for b in ctx.bodies("background", background_n, stream=False)],
+                           flex_arrivals, [orjson.dumps(b | {"service_tier": "flex"})
+                                           for b in ctx.bodies("flex", len(flex_arrivals), stream=False)])
+        surface_task = asyncio.get_running_loop().run_in_executor(ctx.surface_pool, run_surface, plan)
+    window_end = window_start + duration
+    while time.perf_counter() < window_end and big.status not in TERMINAL:
+        await asyncio.sleep(0.05)
+    window_end = min(window_end, time.perf_counter())
+    served_end = await served_counts(session, engines)
+    step(f"{label} window end", f"{label}: window over; waiting for B, C and the last interactive answers")
+    await ctx.gateway.wait(small, opts["small_timeout"])
+    _, direct = await direct_task
+    queued, asyncs = await queued_task, await async_task
+    result = MixResult(big, small, served_before, served_start, served_window, served_end, window_start, window_end,
+                       time.perf_counter(), queued, asyncs, direct)
+    if surface_task is not None:
+        result.background, result.flex = await surface_task
+        waits_after = await lane_waits(session, metrics_url)
+        result.waits = {lane: wait_figures(waits_before, waits_after, lane) for lane in ("async", "batch")}
+    step(f"{label} end", "done; cancelling what is left of A's batch")
+    await ctx.gateway.cancel_unfinished()
+    return result
+
+
+async def _surface_mix(context: _MixContext, stack: Any) -> MixResult:
+    """The ``surface`` step (:func:`_mix`), its streams sent from a spawned worker process that has
+    imported their clients before the step starts."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        await asyncio.get_running_loop().run_in_executor(pool, warm_surface)
+        return await _mix(dataclasses.replace(context, stack=stack, surface_pool=pool), "surface")
+
+
+def surface_figures(mix: MixResult, plain: dict[str, Any], sampler: LaneSampler, capacity: float,
+                    duration: float) -> dict[str, Any]:
+    """The ``surface`` step's figures beside the plain mix's (``plain``: the run's figures so far;
+    ``sampler``: the gateway's batch counts, for batch ÷ spare; ``capacity`` C, requests/s):
+    the interactive figures with ÷ without the new streams, the small tenants, the background and
+    flex streams, batch ÷ spare, and the processor's lane waits (``async`` before ``batch``)."""
+    queued, asyncs = probe_figures(mix.queued, duration), probe_figures(mix.asyncs, duration)
+    direct = summarize(mix.direct, duration)
+    background, flex = background_figures(mix.background, duration), flex_figures(mix.flex, duration)
+    window = mix.window_end - mix.window_start
+    batch_rps = (sampler.batch_done_at(mix.window_end) - sampler.batch_done_at(mix.window_start)) / window
+    load = sum(part["offered_rps"] for part in (queued, asyncs, direct, background, flex))
+    small_alone = {t: s["alone"]["seconds"] for t, s in plain["small_tenants"].items()}
+    q0, d0 = plain["queued_interactive"], plain["direct_interactive"]
+    return {
+        "queued_interactive": queued, "direct_interactive": direct, "async_trickle": asyncs,
+        "background_responses": background, "flex": flex, "lane_waits": mix.waits,
+        "small_tenants": {b.tenant: {"seconds": b.age(mix.mixed_end), "completed": b.status == "completed",
+                                     "ratio": ratio(b.age(mix.mixed_end), small_alone[b.tenant])} for b in mix.small},
+        "queued_p50_vs_plain": ratio(queued["latency_ms_p50"], q0["mixed"]["latency_ms_p50"]),
+        "queued_p50_vs_idle": ratio(queued["latency_ms_p50"], q0["idle"]["latency_ms_p50"]),
+        "direct_ttft_p99_vs_plain": ratio(direct["ttft_ms_p99"], d0["mixed"]["ttft_ms_p99"]),
+        "direct_ttft_p99_vs_alone": ratio(direct["ttft_ms_p99"], d0["alone"]["ttft_ms_p99"]),
+        "direct_ttft_p50_vs_plain": ratio(direct["ttft_ms_p50"], d0["mixed"]["ttft_ms_p50"]),
+        "load_rps": load, "spare_capacity_rps": capacity - load, "batch_throughput_rps": batch_rps,
+        "batch_vs_spare": ratio(batch_rps, capacity - load) if capacity > load else math.nan,
+        "async_wait_vs_batch_wait": ratio(mix.waits.get("async", {}).get("mean_ms", math.nan),
+                                          mix.waits.get("batch", {}).get("mean_ms", math.nan)),
+    }
+
+
+def surface_goal_figures(surface: dict[str, Any]) -> dict[str, float]:
+    """The async surface's goal figures (:data:`GOALS`) at the top level of the run's figures."""
+    return {"surface_queued_p50_vs_plain": surface["queued_p50_vs_plain"],
+            "surface_direct_ttft_p99_vs_plain": surface["direct_ttft_p99_vs_plain"],
+            "async_wait_vs_batch_wait": surface["async_wait_vs_batch_wait"]}
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 
 
@@ -442,7 +865,7 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120))
     probes = QueuedProbes(stack.env["REDIS_URL"])
     sampler = LaneSampler(None, router)  # rows filled by _sample (batch_done from the gateway)
-    keys = tenant_keys(stack.env["DATABASE_URL"], TENANTS)
+    keys = tenant_keys(stack.env["DATABASE_URL"], (*TENANTS, BACKGROUND_TENANT))
     gateway = Gateway(stack.gateway_url, keys, sampler)
     sampling = asyncio.create_task(_sample(gateway, sampler, router, session))
     t0 = time.perf_counter()
@@ -493,38 +916,14 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         alone_end = time.perf_counter()
         await wait_idle(session, engines)
 
-        # 3. the mix
-        step("mixed", f"mixed: tenant A's {opts['lines']:,}-line shared-prefix batch; B, C and the interactive "
-                      f"parts {opts['prelude']:g} s later, for {duration:g} s")
-        served_before = await served_counts(session, engines)
-        big = await gateway.submit(TENANTS[0], shared_prefix_batch(source, opts["lines"], f"{seed}-a"))
-        while math.isnan(big.in_progress_at) and time.perf_counter() - big.created < 60:
-            await asyncio.sleep(0.05)
-        served_start = await served_counts(session, engines)
-        await asyncio.sleep(max(0.0, big.created + opts["prelude"] - time.perf_counter()))
-        window_start = time.perf_counter()
-        served_window = await served_counts(session, engines)
-        step("window", "mixed: B's and C's batches, queued, direct and async interactive")
-        small_mixed = [await gateway.submit(t, shared_prefix_batch(source, SMALL_LINES, f"{seed}-{t}-mixed",
-                                                                   use_file_lines=False)) for t in TENANTS[1:]]
-        queued_task = asyncio.create_task(probes.sequence(
-            "interactive", interactive_bodies("queued-mixed", queued_n, stream=False), interval, "probe"))
-        async_task = asyncio.create_task(probes.sequence(
-            "async", interactive_bodies("async-mixed", async_n, stream=False), async_interval, "trickle"))
-        direct_task = asyncio.create_task(run_interactive(router, arrivals, [
-            orjson.dumps(b) for b in interactive_bodies("direct-mixed", len(arrivals), stream=True)]))
-        window_end = window_start + duration
-        while time.perf_counter() < window_end and big.status not in TERMINAL:
-            await asyncio.sleep(0.05)
-        window_end = min(window_end, time.perf_counter())
-        served_end = await served_counts(session, engines)
-        step("window end", "mixed: window over; waiting for B, C and the last interactive answers")
-        await gateway.wait(small_mixed, opts["small_timeout"])
-        _, direct_mixed = await direct_task
-        queued_mixed, async_mixed = await queued_task, await async_task
-        mixed_end = time.perf_counter()
-        step("end", "done; cancelling what is left of A's batch")
-        await gateway.cancel_unfinished()
+        # 3. the mix; 4. the mix again with the background-response and flex streams beside it
+        context = _MixContext(opts, session, engines, router, gateway, probes, interactive_bodies, step, arrivals,
+                              queued_n, async_n, capacity)
+        mix = await _mix(context, "mixed")
+        surface = None
+        if opts["async_surface"]:
+            await wait_idle(session, engines)
+            surface = await _surface_mix(context, stack)
     finally:
         sampling.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -533,6 +932,10 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         await gateway.close()
         await session.close()
 
+    big, window_start, window_end, mixed_end = mix.big, mix.window_start, mix.window_end, mix.mixed_end
+    served_before, served_start, served_end, served_window = (mix.served_before, mix.served_start, mix.served_end,
+                                                              mix.served_window)
+    small_mixed, queued_mixed, async_mixed, direct_mixed = mix.small, mix.queued, mix.asyncs, mix.direct
     window = window_end - window_start
     batch_in_window = sampler.batch_done_at(window_end) - sampler.batch_done_at(window_start)
     batch_rps = batch_in_window / window
@@ -574,14 +977,17 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         "router_means_mixed": sampler.means(window_start, window_end),
         "step_marks_s": marks,
     }
-    figures["goals_met"] = {name: _met(figures[name], *goal) for name, goal in GOALS.items()}
+    if surface is not None:
+        figures["async_surface"] = surface_figures(surface, figures, sampler, capacity, duration)
+        figures.update(surface_goal_figures(figures["async_surface"]))
+    figures["goals_met"] = {name: _met(figures[name], *goal) for name, goal in GOALS.items() if name in figures}
     return figures
 
 
 def _met(value: float, sign: str, goal: float) -> bool | None:
     if math.isnan(value):
         return None
-    return value <= goal if sign == "≤" else value >= goal
+    return {"≤": value <= goal, "<": value < goal}.get(sign, value >= goal)
 
 
 def _print(figures: dict[str, Any], console: Any) -> None:
@@ -647,6 +1053,61 @@ def _print(figures: dict[str, Any], console: Any) -> None:
         console.print("router during the mix (means): " + ", ".join(f"{k} {v:.2f}" for k, v in means.items()))
 
 
+def _print_surface(figures: dict[str, Any], console: Any) -> None:
+    """The ``surface`` step's table: each figure without the new streams (the plain mix) and with
+    them, their ratio and goal; then the streams' own lines."""
+    from rich.table import Table
+
+    from lab.toolkit.tables import print_table
+
+    surface = figures.get("async_surface")
+    if surface is None:
+        return
+
+    def num(value: float | None, unit: str = "") -> str:
+        return "-" if value is None or math.isnan(value) else f"{value:,.2f}{unit}"
+
+    def met(key: str) -> tuple[str, str]:
+        sign, goal = GOALS[key]
+        return f"{sign} {goal:g}", {True: "yes", False: "no", None: ""}[_met(figures[key], sign, goal)]
+
+    table = Table(title="mixed with the async surface: background responses (gateway) and flex (router) beside "
+                        "the same mix")
+    for column in ("figure", "without", "with", "ratio", "goal", "met"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    q, d, a = figures["queued_interactive"]["mixed"], figures["direct_interactive"]["mixed"], figures["async_trickle"]
+    sq, sd = surface["queued_interactive"], surface["direct_interactive"]
+    table.add_row("queued interactive p50, ms", num(q["latency_ms_p50"]), num(sq["latency_ms_p50"]),
+                  num(surface["queued_p50_vs_plain"]), *met("surface_queued_p50_vs_plain"))
+    table.add_row("direct TTFT p99, ms", num(d["ttft_ms_p99"]), num(sd["ttft_ms_p99"]),
+                  num(surface["direct_ttft_p99_vs_plain"]), *met("surface_direct_ttft_p99_vs_plain"))
+    table.add_row("direct TTFT p50, ms", num(d["ttft_ms_p50"]), num(sd["ttft_ms_p50"]),
+                  num(surface["direct_ttft_p50_vs_plain"]), "", "")
+    table.add_row("async lane p50, ms", num(a["mixed"]["latency_ms_p50"]),
+                  num(surface["async_trickle"]["latency_ms_p50"]),
+                  num(ratio(surface["async_trickle"]["latency_ms_p50"], a["mixed"]["latency_ms_p50"])), "", "")
+    for tenant, small in surface["small_tenants"].items():
+        table.add_row(f"{tenant} completion, s", num(figures["small_tenants"][tenant]["mixed"]["seconds"]),
+                      num(small["seconds"]) + ("" if small["completed"] else "*"), "", "", "")
+    table.add_row("batch req/s ÷ spare", num(figures["batch_vs_spare"]), num(surface["batch_vs_spare"]), "", "", "")
+    waits = surface["lane_waits"]
+    table.add_row("lane wait mean, ms: async ÷ batch", num(waits.get("async", {}).get("mean_ms")),
+                  num(waits.get("batch", {}).get("mean_ms")), num(figures["async_wait_vs_batch_wait"]),
+                  *met("async_wait_vs_batch_wait"))
+    print_table(table, console)
+    bg, flex = surface["background_responses"], surface["flex"]
+    console.print(f"background responses: {bg['requests']} created ({bg['offered_rps']:.2f}/s), statuses "
+                  f"{bg['statuses']}; create → seen running p50 {num(bg['seen_started_ms_p50'])} ms, "
+                  f"create → ended p50 {num(bg['ended_ms_p50'])} ms, p90 {num(bg['ended_ms_p90'])} ms")
+    console.print(f"flex calls: {flex['requests']} ({flex['offered_rps']:.2f}/s), statuses {flex['statuses']}, "
+                  f"{flex['tier_flex']} answered service_tier 'flex'; latency p50 {num(flex['latency_ms_p50'])} ms, "
+                  f"p90 {num(flex['latency_ms_p90'])} ms" + (f"; 429 codes {flex['codes_429']}"
+                                                             if flex["codes_429"] else ""))
+    for lane, wait in waits.items():
+        console.print(f"{lane} lane: {wait['started']} started in the window, wait mean {num(wait['mean_ms'])} ms, "
+                      f"p50 ≤ {num(wait['p50_bound_ms'])} ms, p90 ≤ {num(wait['p90_bound_ms'])} ms")
+
+
 @click.command("mixed")
 @click.option("--lines", default=1000, show_default=True, type=click.IntRange(SMALL_LINES),
               help="Lines of tenant A's shared-prefix batch.")
@@ -679,6 +1140,17 @@ def _print(figures: dict[str, Any], console: Any) -> None:
               help="Output tokens of the interactive and async requests (the batch lines leave it to "
                    "the engine's default, 16).")
 @click.option("--seed", default=1, show_default=True, type=int, help="Arrivals, prompts and descriptions.")
+@click.option("--async-surface/--no-async-surface", default=True, show_default=True,
+              help="Run the mix a second time with a background-response stream (gateway) and a flex stream "
+                   "(router) beside it, and compare.")
+@click.option("--surface-control", is_flag=True,
+              help="A/A control: the async-surface step runs without its two streams (the same mix twice), to "
+                   "show how far its figures move from the plain mix's with nothing added.")
+@click.option("--background-interval", default=2.0, show_default=True, type=click.FloatRange(0.05),
+              help="Seconds between background responses (POST /v1/responses, background: true) in the "
+                   "async-surface step.")
+@click.option("--flex-load", default=0.05, show_default=True, type=click.FloatRange(0.01, 0.9),
+              help="Flex calls (service_tier: flex, Poisson) as a share of the capacity C in the async-surface step.")
 @click.option("--quick", is_flag=True, help="A small run (about a minute): 150 lines, time scale 0.5, 5-s window.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the figures here.")
 @click.option("--data-dir", type=click.Path(path_type=Path), help="Stack data and logs (default: temporary).")
@@ -692,7 +1164,7 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
 
     if quick:
         opts.update(lines=150, time_scale=0.5, duration=5.0, prelude=3.0, probe_interval=1.0, async_interval=1.5,
-                    idle_probes=3, small_timeout=20.0, capacity_seconds=4.0)
+                    idle_probes=3, small_timeout=20.0, capacity_seconds=4.0, background_interval=1.5)
     console = Console()
     names = served_names(shared_prefix_batch(opts["source"], SMALL_LINES, "names"))
     with tempfile.TemporaryDirectory(prefix="backfill-mixed-") as tmp:
@@ -716,5 +1188,6 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
 
                 figures = uvloop.run(_run(opts, stack, console))
     _print(figures, console)
+    _print_surface(figures, console)
     if json_path:
         json_path.write_text(json.dumps(figures, indent=2, default=str) + "\n")

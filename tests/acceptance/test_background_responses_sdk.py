@@ -1,12 +1,16 @@
 """Background responses through ``backfill up`` (gateway, worker + beat, processor, router, a
 simulated engine) with the real ``openai`` client, as a user runs them: create with
 ``background=True`` answers ``queued``, ``retrieve`` until it completes with output text, the
-stored events replay as a stream, a chained turn sees the first, and a cancel sticks."""
+stored events replay as a stream, a stream from create follows it to its end, a chained turn sees
+the first, and a cancel sticks; a flex call at the stack's router answers as flex. (The Node SDK's
+run of the same: ``test_node_sdk.py``.)"""
 
 from __future__ import annotations
 
+import json
 import time
 
+import openai
 import pytest
 
 from tests.conftest import backfill_up
@@ -15,9 +19,15 @@ MODEL = "gpt-4o-mini"
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with backfill_up(tmp_path_factory.mktemp("bg") / "data", "--engines", "1", "--served-model-name", MODEL) as up:
-        yield up.client()
+def stack(tmp_path_factory):
+    data = tmp_path_factory.mktemp("bg") / "data"
+    with backfill_up(data, "--engines", "1", "--served-model-name", MODEL) as up:
+        yield up, json.loads((data / "stack.json").read_text())["router_url"]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return stack[0].client()
 
 
 def wait_ended(client, response_id: str, timeout: float = 60.0):
@@ -62,3 +72,21 @@ def test_cancel_sticks(client):
     other = client.responses.create(model=MODEL, input="Hi", background=True, max_output_tokens=4)
     wait_ended(client, other.id)  # later work ran to its end: the cancelled one stays cancelled
     assert client.responses.retrieve(created.id).status == "cancelled"
+
+
+def test_stream_from_create_follows_it_to_its_end(client):
+    events = list(client.responses.create(model=MODEL, input="Stream it.", background=True, stream=True,
+                                          max_output_tokens=8))
+    assert [e.type for e in events[:2]] == ["response.created", "response.queued"]
+    assert events[0].response.status == "queued" and events[-1].type in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text and text == client.responses.retrieve(events[0].response.id).output_text
+
+
+def test_a_flex_call_at_the_router_answers_as_flex(stack):
+    up, router_url = stack
+    router = openai.OpenAI(base_url=router_url + "/v1", api_key=up.api_key, max_retries=0, timeout=900)
+    answer = router.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            service_tier="flex")
+    assert answer.service_tier == "flex" and answer.choices[0].message.content

@@ -20,6 +20,7 @@ from async_processor.backends.redis_streams import RedisStreamsBackend
 from common.contracts.queue import (
     LLMD_REQUEST_CHANNEL,
     LLMD_REQUEST_SORTED_SET,
+    LLMD_RETRY_SORTED_SET,
     ErrorCode,
     InvalidMessage,
     decode_request,
@@ -353,3 +354,58 @@ def test_an_invalid_flat_message_is_not_read_as_an_envelope():
     with pytest.raises(InvalidMessage, match="deadline") as caught:
         decode_request(orjson.dumps({"id": "flat", "payload": {"request_kind": "redis"}}))
     assert (caught.value.id, caught.value.result_queue_name) == ("flat", "")
+
+
+def park_retry(client: sync_redis.Redis, id: str, result_list: str, due_in: int, token: str) -> bytes:
+    """llm-d-async's consumer parking a retryable failure (``flushRetryBatch``): ``ZADD
+    retry-sortedset <now + backoff> <envelope>``, the envelope naming its origin request set."""
+    member = envelope(id, int(time.time()) + 300, token, result_list)
+    client.zadd(LLMD_RETRY_SORTED_SET, {member: int(time.time()) + due_in})
+    return member
+
+
+def test_a_retry_llmd_async_parked_is_run_once_due_and_answered_on_its_list(names, redis_url):
+    client, ns, result_list = names
+    client.delete(LLMD_RETRY_SORTED_SET)
+    due = park_retry(client, "llmd-retry-due", result_list, -1, "tok-due")
+    later = park_retry(client, "llmd-retry-later", result_list, 3600, "tok-later")
+
+    async def main():
+        b = backend(redis_url, ns, llmd_retry_sorted_sets=[LLMD_RETRY_SORTED_SET])
+        other = backend(redis_url, ns, llmd_retry_sorted_sets=[LLMD_RETRY_SORTED_SET])
+        await b.start()
+        await other.start()
+        try:
+            [d] = await receive_all(b)
+            assert await other.receive("async", 10, 0.4) == []  # moved once: nothing left for another processor
+            request = decode_request(d.body)
+            assert (request.id, request.request_token) == ("llmd-retry-due", "tok-due")
+            assert await b.admit([request], 5.0) == [Admission.NEW]
+            assert await b.publish_results([(http_result(request, 200, '{"ok":true}'),
+                                             request.result_queue_name)]) == [True]
+            await b.ack([d])
+        finally:
+            await b.close()
+            await other.close()
+    asyncio.run(main())
+    # the one not yet due stays parked, as llm-d-async's mover leaves it
+    assert client.zrange(LLMD_RETRY_SORTED_SET, 0, -1) == [later] and due != later
+    result = get_result(client, result_list)
+    assert (result["id"], result["status_code"]) == ("llmd-retry-due", 200)
+    client.delete(LLMD_RETRY_SORTED_SET)
+
+
+def test_the_retry_set_is_not_read_unless_configured(names, redis_url):
+    client, ns, result_list = names
+    client.delete(LLMD_RETRY_SORTED_SET)
+    park_retry(client, "llmd-retry-ignored", result_list, -1, "tok")
+
+    async def main():
+        b = backend(redis_url, ns)
+        await b.start()
+        try:
+            return await b.receive("async", 10, 0.4)
+        finally:
+            await b.close()
+    assert asyncio.run(main()) == [] and client.zcard(LLMD_RETRY_SORTED_SET) == 1
+    client.delete(LLMD_RETRY_SORTED_SET)

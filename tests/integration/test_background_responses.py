@@ -154,11 +154,12 @@ def test_other_tenants_and_unknown_ids_are_404(gateway):
 def test_requests_it_does_not_serve_are_refused(gateway):
     http = gateway.http()
     for body, param in (({"model": "m", "input": "x"}, "background"),
-                        ({"model": "m", "input": "x", "background": True, "stream": True}, "stream"),
+                        ({"model": "m", "input": "x", "background": True, "stream": "yes"}, "stream"),
                         ({"model": "m", "input": "x", "background": True, "store": False}, "store"),
                         ({"input": "x", "background": True}, "model"),
                         ({"model": "m" * 257, "input": "x", "background": True}, "model"),
                         ({"model": "m", "input": 3, "background": True}, "input"),
+                        ({"model": "m", "background": True}, "input"),
                         ({"model": "m", "input": "a\u0000b", "background": True}, None)):
         answer = http.post("/v1/responses", json=body)
         assert answer.status_code == 400, body
@@ -214,7 +215,8 @@ def test_stream_replays_the_events_after_starting_after(gateway, processor):
     collect_responses(_ctx(gateway))
     events = list(client.responses.retrieve(created.id, stream=True))
     types = [event.type for event in events]
-    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert types[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert types[-1] == "response.completed"
     assert [event.sequence_number for event in events] == list(range(len(events)))
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert deltas == "Otters hold hands."
@@ -284,3 +286,79 @@ def test_delete_forgets_a_response_and_stops_an_open_one(gateway, processor):
     processor.complete(message)
     assert collect_responses(_ctx(gateway)) == 0  # nothing left to end
     assert gateway.http().get(f"/v1/responses/{created.id}").status_code == 404
+
+
+def test_gateway_metrics_count_responses_by_status_and_the_oldest_queued_wait(gateway, processor):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, dict[tuple, float]]:
+        answer = httpx.get(gateway.base_url + "/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+        assert answer.status_code == 200
+        return {family.name: {tuple(sorted(s.labels.items())): s.value for s in family.samples}
+                for family in text_string_to_metric_families(answer.text)}
+
+    client = gateway.client()
+    waiting = client.responses.create(model="m", input="one", background=True)
+    running = client.responses.create(model="m", input="two", background=True)
+    cancelled = client.responses.create(model="m", input="three", background=True)
+    client.responses.cancel(cancelled.id)
+    processor.take()
+    with gateway.session() as session:
+        session.execute(update(BackgroundResponse).where(BackgroundResponse.id == waiting.id)
+                        .values(created_at=BackgroundResponse.created_at - 120))
+        session.execute(update(BackgroundResponse).where(BackgroundResponse.id == running.id)
+                        .values(status="in_progress", in_progress_at=BackgroundResponse.created_at))
+        session.commit()
+    after = scrape()  # the first scrape of this gateway: the gauges' cached read is made now
+    counts = {labels[0][1]: value for labels, value in after["backfill_gateway_background_responses"].items()}
+    assert counts == {"queued": 1, "in_progress": 1, "cancelled": 1, "completed": 0, "failed": 0, "incomplete": 0}
+    assert 120 <= after["backfill_gateway_background_responses_oldest_queued_seconds"][()] < 200
+    assert after["backfill_gateway_background_responses_created"][()] == 3
+
+
+@pytest.mark.parametrize(("items", "param", "code"), [
+    ([], "input", "empty_array"),
+    (["hi"], "input[0]", "invalid_type"),
+    ([{"role": "user", "content": "a"}, {"type": 3}], "input[1].type", "invalid_type"),
+    ([{"content": "a"}], "input[0].role", "missing_required_parameter"),
+    ([{"role": "robot", "content": "a"}], "input[0].role", "invalid_value"),
+    ([{"type": "message", "role": "user"}], "input[0].content", "missing_required_parameter"),
+    ([{"role": "user", "content": 5}], "input[0].content", "invalid_type"),
+    ([{"role": "user", "content": [{"text": "a"}]}], "input[0].content[0].type", "missing_required_parameter"),
+    ([{"role": "user", "content": [{"type": "input_text", "text": 1}]}], "input[0].content[0].text", "invalid_type"),
+])
+def test_input_items_are_checked_at_create_as_openai_names_the_param(gateway, items, param, code):
+    answer = gateway.http().post("/v1/responses", json={"model": "m", "input": items, "background": True})
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code), error
+
+
+def test_input_items_in_list_form_reach_the_engine_as_sent(gateway, processor):
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Otters?"}]},
+             {"type": "function_call_output", "call_id": "call_1", "output": "{}"}]
+    created = gateway.client().responses.create(model="m", input=items, background=True)
+    [message] = processor.take()
+    assert message.id == created.id and message.payload["input"] == items
+
+
+def test_stream_at_create_answers_the_events_from_created_and_follows_to_the_end(gateway, processor):
+    client = gateway.client()
+    stream = client.responses.create(model="m", input="Stream it.", background=True, stream=True)
+    events = iter(stream)
+    first, second = next(events), next(events)
+    assert first.type == "response.created" and first.sequence_number == 0
+    assert first.response.status == "queued" and first.response.background is True
+    assert second.type == "response.queued" and second.sequence_number == 1
+    [message] = processor.take()
+    assert message.id == first.response.id
+    check_published(_ctx(gateway))
+    processor.complete(message, text="Otters stream.")
+    collect_responses(_ctx(gateway))
+    rest = list(events)
+    assert [e.type for e in rest][0] == "response.in_progress" and rest[-1].type == "response.completed"
+    assert [e.sequence_number for e in rest] == list(range(2, 2 + len(rest)))
+    assert "".join(e.delta for e in rest if e.type == "response.output_text.delta") == "Otters stream."
+    resumed = list(client.responses.retrieve(first.response.id, stream=True, starting_after=rest[-2].sequence_number))
+    assert [e.type for e in resumed] == ["response.completed"]

@@ -207,9 +207,10 @@ def test_a_killed_stacks_file_is_reported_stale(tmp_path, monkeypatch):
 
 
 def test_llm_d_async_producers_work_unchanged_on_llm_d_async_s_default_names(stack):
-    """``backfill up`` reads llm-d-async's default sorted set and channel: its SubmitRequest (MULTI;
-    DEL request-cancel; SET request-active EX; ZADD request-sortedset; EXEC) is answered on its result
-    list (BRPOP), and a PUBLISH on request-queue on the result-queue channel."""
+    """``backfill up`` reads llm-d-async's default sorted set, retry set and channel: its
+    SubmitRequest (MULTI; DEL request-cancel; SET request-active EX; ZADD request-sortedset; EXEC) is
+    answered on its result list (BRPOP), so is a due retry its consumer parked (ZADD retry-sortedset
+    <due> <envelope>), and a PUBLISH on request-queue on the result-queue channel."""
     import secrets
 
     import redis
@@ -233,6 +234,13 @@ def test_llm_d_async_producers_work_unchanged_on_llm_d_async_s_default_names(sta
     assert reply is not None, "no result on the producer's list"
     answer = orjson.loads(reply[1])
     assert (answer["id"], answer["status_code"]) == (id, 200), answer
+
+    retried = {**envelope, "internal": {**envelope["internal"], "retry_count": 1},
+               "data": {**envelope["data"], "id": id + "-retry"}}
+    client.zadd("retry-sortedset", {orjson.dumps(retried): int(time.time()) - 1})
+    reply = client.brpop([results], timeout=60)
+    assert reply is not None, "no result for the parked retry"
+    assert orjson.loads(reply[1])["id"] == id + "-retry" and client.zcard("retry-sortedset") == 0
 
     until = time.monotonic() + 30
     while client.pubsub_numsub("request-queue")[0][1] < 1:

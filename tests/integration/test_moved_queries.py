@@ -1,5 +1,5 @@
 """The queries moved into the store from the command line and the ingest benchmark, against a real
-database: ``backfill tenants quota`` and the benchmark's stand-in results."""
+database: ``backfill tenants quota`` and ``queued-responses``, and the benchmark's stand-in results."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from backfill.cli import main
 from batch_gateway.store import queries
 from batch_gateway.store.db import make_engine, make_sessionmaker
 from batch_gateway.store.models import Batch, BatchRequest, File, Tenant
+from batch_gateway.store.queries import responses as response_queries
 from batch_gateway.store.settings import sqlalchemy_url
 
 
@@ -31,6 +32,27 @@ def test_tenants_quota_sets_and_clears_the_limit(database_url, monkeypatch, tmp_
     assert result.exit_code == 0 and result.output.strip() == "acme: enqueued token limit default"
     with sessions() as session:
         assert session.execute(select(Tenant.enqueued_token_limit).where(Tenant.name == "acme")).scalar_one() is None
+
+
+def test_tenants_queued_responses_sets_and_clears_the_cap_the_gateway_enforces(database_url, monkeypatch,
+                                                                              tmp_path) -> None:
+    monkeypatch.setenv("DATABASE_URL", database_url)
+    runner = CliRunner()
+    result = runner.invoke(main, ["tenants", "queued-responses", "--tenant", "acme", "--limit", "7",
+                                  "--data-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "acme: queued background response limit 7"
+    sessions = _sessions(database_url)
+    with sessions() as session:
+        tenant = session.execute(select(Tenant).where(Tenant.name == "acme")).scalar_one()
+        assert tenant.queued_response_limit == 7 and tenant.enqueued_token_limit is None  # only this cap
+        assert response_queries.lock_tenant_response_limit(session, tenant.id) == 7  # what the gateway's create reads
+    result = runner.invoke(main, ["tenants", "queued-responses", "--tenant", "acme", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 0 and result.output.strip() == "acme: queued background response limit default"
+    with sessions() as session:
+        assert session.execute(select(Tenant.queued_response_limit).where(Tenant.name == "acme")).scalar_one() is None
+    assert runner.invoke(main, ["tenants", "queued-responses", "--tenant", "acme", "--limit", "0",
+                                "--data-dir", str(tmp_path)]).exit_code == 2
 
 
 def test_succeed_all_requests_answers_every_request_and_counts_them(database_url) -> None:

@@ -170,6 +170,7 @@ def test_one_batch_from_the_api_to_the_router_header(gateway, json_logs):
     processor = parse(processor_metrics.exposition().decode())
     check_documented("processor", processor)
     assert value(processor, "backfill_processor_dispatched", lane="batch") == 2
+    assert value(processor, "backfill_processor_queue_wait_seconds", "_count", lane="batch") == 2
     assert value(processor, "backfill_processor_router_request_duration_seconds", "_count",
                  lane="batch", status="2xx") == 2
     assert value(processor, "backfill_processor_gate_decisions", gate="concurrency", decision="admit") == 2
@@ -315,6 +316,7 @@ def test_processor_counts_retries_sheds_and_gate_decisions_once_per_request():
     assert value(families, "backfill_processor_retries", lane="batch", reason="rejected_saturated") == 1
     assert value(families, "backfill_processor_dispatched", lane="batch") == 3  # r1, r2, r3 once each
     assert value(families, "backfill_processor_resent", lane="batch") == 2  # r1 after its 429, r2 after its refusal
+    assert value(families, "backfill_processor_queue_wait_seconds", "_count", lane="batch") == 3  # r1's retry not
     assert value(families, "backfill_processor_shed", lane="batch", reason="deadline_exceeded") == 1
     assert value(families, "backfill_processor_results", lane="batch", error_code="DEADLINE_EXCEEDED") == 1
     assert value(families, "backfill_processor_results", lane="batch", error_code="none") == 3

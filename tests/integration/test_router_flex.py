@@ -2,18 +2,26 @@
 ``service_tier="flex"`` is served from spare capacity and the answer says ``"flex"`` (JSON and
 stream, Chat Completions, Completions and Responses); with no room anywhere the request is held
 in the router's ``flex`` band for the band's bounded wait, interactive work goes meanwhile, and the
-client then gets OpenAI's 429 ``resource_unavailable``."""
+client then gets OpenAI's 429 ``resource_unavailable``; a flex request evicted while it runs (make
+room) gets the same 429, never a 5xx or a hang."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
 import httpx
 import openai
 
-from tests.integration.test_router_proxy import _hog
-from tests.integration.test_router_proxy_make_room import ENDLESS_TOKENS, _wait_waiting
+from tests.integration.test_router_proxy import _aborted, _hog, chat
+from tests.integration.test_router_proxy_make_room import (
+    ENDLESS_TOKENS,
+    _endpoint,
+    _learn_the_slot_count,
+    _stop,
+    _wait_waiting,
+)
 from tests.router_stack import RouterStack
 from tests.waiting import wait_for
 
@@ -106,3 +114,40 @@ def test_flex_with_no_room_is_held_then_gets_openais_429_while_interactive_goes(
         flex = _band(s, "flex")
         assert flex["queued_requests"] == 0 and flex["dispatched_total"] == 0
         assert flex["shed_total"]["rejected_ttl_expired"] == 1
+
+
+def test_a_flex_request_evicted_mid_flight_gets_openais_429(tmp_path: Path, monkeypatch) -> None:
+    # no slot reserve: flex may hold all 4 slots of the engine; an interactive request then evicts one
+    monkeypatch.setenv("BACKFILL_ROUTER_MIN_SLOT_RESERVE", "0")
+    monkeypatch.setenv("BACKFILL_ROUTER_SLOT_RESERVE_FRACTION", "0")
+    with RouterStack(tmp_path, engines=1, engine_options=[{"time_scale": 1.0, "max_num_seqs": 4}]) as s:
+        url = s.engine_urls[0]
+        _learn_the_slot_count(s, url)
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        aborted_before = _aborted(url)
+        flex = {"model": "sim-model", "messages": MESSAGES, "max_tokens": ENDLESS_TOKENS, "service_tier": "flex"}
+
+        async def scenario() -> tuple[list[httpx.Response], int]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                senders: list[asyncio.Task] = []
+                for n in range(1, 5):  # one at a time, so "newest" is the fourth
+                    senders.append(asyncio.create_task(http.post(f"{s.url}/v1/chat/completions", json=flex)))
+                    await asyncio.to_thread(wait_for, lambda n=n: _endpoint(s, url)["num_requests_running"] == n,
+                                            f"flex request {n} running")
+                await asyncio.to_thread(chat, client, "interactive", "now")  # evicts the newest flex request
+                await asyncio.wait(senders, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+                ended = [t.result() for t in senders if t.done()]
+                still_running = sum(not t.done() for t in senders)
+                await _stop(senders)
+                return ended, still_running
+
+        ended, still_running = asyncio.run(scenario())
+        assert len(ended) == 1 and still_running == 3  # only the evicted one has ended
+        [evicted] = ended
+        assert evicted.status_code == 429, evicted.text
+        error = evicted.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "resource_unavailable")
+        assert "Resource unavailable" in error["message"]
+        assert evicted.headers["x-llm-d-request-dropped-reason"] == "evicted" and evicted.headers["retry-after"] == "1"
+        assert _band(s, "flex")["shed_total"]["evicted"] == 1
+        assert _aborted(url) >= aborted_before + 1  # the engine aborted the evicted request

@@ -208,3 +208,16 @@ def admin_list_responses(session: Session, *, status: str | None, limit: int,
         stmt = stmt.where(BackgroundResponse.seq < func.coalesce(cursor, BackgroundResponse.seq + 1))
     rows = list(session.execute(stmt.order_by(BackgroundResponse.seq.desc()).limit(limit + 1)).all())
     return rows[:limit], len(rows) > limit
+
+
+def response_status_counts(session: Session) -> tuple[dict[str, int], int]:
+    """``({status: background responses}, seconds the oldest ``queued`` one has waited)`` over every
+    tenant (0 when none is queued; the database's clock, as ``created_at``): three short queries,
+    the gateway's metrics cache them."""
+    counts = dict(session.execute(select(BackgroundResponse.status, func.count())
+                                  .group_by(BackgroundResponse.status)).all())
+    oldest = session.execute(
+        select(func.min(BackgroundResponse.created_at)).where(BackgroundResponse.status == ResponseStatus.QUEUED)
+    ).scalar_one()
+    now = session.execute(select(EPOCH_NOW)).scalar_one()
+    return counts, max(0, int(now) - int(oldest)) if oldest is not None else 0

@@ -167,3 +167,11 @@ def set_enqueued_token_limit(session: Session, tenant_name: str, limit: int | No
     tenant = ensure_tenant(session, tenant_name)
     session.execute(update(Tenant).where(Tenant.id == tenant.id).values(enqueued_token_limit=limit))
     return tenant
+
+
+def set_queued_response_limit(session: Session, tenant_name: str, limit: int | None) -> Tenant:
+    """Set the tenant's cap on background responses ``queued`` at once (None = the deployment's
+    default, ``BACKFILL_GATEWAY_MAX_QUEUED_BACKGROUND_RESPONSES``), creating the tenant if new."""
+    tenant = ensure_tenant(session, tenant_name)
+    session.execute(update(Tenant).where(Tenant.id == tenant.id).values(queued_response_limit=limit))
+    return tenant

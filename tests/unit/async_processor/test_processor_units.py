@@ -222,3 +222,22 @@ def test_llm_d_async_settings_need_their_lane_read_and_parse_json_lists_from_the
     with pytest.raises(ValidationError, match="llmd_lane"):
         build_settings(lanes=["batch"])
     assert build_settings(lanes=["batch"], llmd_lane="batch").llmd_lane == "batch"
+
+
+def test_queue_wait_is_read_from_the_stream_entry_id_else_created_and_observed_once():
+    from prometheus_client import generate_latest
+
+    from async_processor.metrics import ProcessorMetrics, enqueued_at
+
+    req = RequestMessage(id="a", created=1_700_000_000, deadline=2_000_000_000, payload={})
+    assert enqueued_at(Work(req, Delivery("async", b"", 1, "1700000012345-7"), "async")) == 1_700_000_012.345
+    assert enqueued_at(Work(req, Delivery("async", b"", 1, "projects/p/messages/99"), "async")) == 1_700_000_000.0
+    metrics = ProcessorMetrics()
+    fresh = Work(req, Delivery("async", b"", 1, f"{int((time.time() - 30) * 1000)}-0"), "async")
+    metrics.dispatched(fresh)
+    fresh.started = True
+    metrics.dispatched(fresh)  # dispatched again (a held refusal, a retry): its wait is not observed twice
+    text = generate_latest(metrics.registry).decode()
+    assert 'backfill_processor_queue_wait_seconds_count{lane="async"} 1.0' in text
+    assert 'backfill_processor_queue_wait_seconds_bucket{lane="async",le="10.0"} 0.0' in text
+    assert 'backfill_processor_queue_wait_seconds_bucket{lane="async",le="60.0"} 1.0' in text

@@ -25,17 +25,18 @@ def test_the_object_echoes_the_request_with_openai_defaults():
 
 
 def test_an_open_response_has_only_its_first_events():
-    assert [e["type"] for e in response_events(_row("queued"))] == ["response.created"]
+    assert [e["type"] for e in response_events(_row("queued"))] == ["response.created", "response.queued"]
     started = response_events(_row("in_progress", in_progress_at=101))
-    assert [e["type"] for e in started] == ["response.created", "response.in_progress"]
-    assert started[0]["response"]["status"] == "queued" and started[1]["sequence_number"] == 1
+    assert [e["type"] for e in started] == ["response.created", "response.queued", "response.in_progress"]
+    assert started[0]["response"]["status"] == started[1]["response"]["status"] == "queued"
+    assert started[2]["sequence_number"] == 2 and started[2]["response"]["status"] == "in_progress"
 
 
 def test_a_completed_response_replays_every_item_and_its_text_word_by_word():
     events = response_events(_row("completed", in_progress_at=101, finished_at=102, output=OUTPUT))
     types = [e["type"] for e in events]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.output_item.done"]
+    assert types[:5] == ["response.created", "response.queued", "response.in_progress",
+                         "response.output_item.added", "response.output_item.done"]
     assert types[-1] == "response.completed" and events[-1]["response"]["completed_at"] == 102
     deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
     assert deltas == ["Otters ", "hold ", "hands."]
@@ -45,4 +46,4 @@ def test_a_completed_response_replays_every_item_and_its_text_word_by_word():
 
 def test_a_cancelled_response_ends_without_a_final_event():
     events = response_events(_row("cancelled", in_progress_at=101, finished_at=102))
-    assert [e["type"] for e in events] == ["response.created", "response.in_progress"]
+    assert [e["type"] for e in events] == ["response.created", "response.queued", "response.in_progress"]

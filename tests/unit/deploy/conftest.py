@@ -25,8 +25,18 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
 
 def settings_from(settings_class, prefix: str, env: dict[str, str]):
     """``settings_class`` built from the ``prefix``-ed variables of ``env`` passed as field values
-    (only those: the test process' own environment stays out)."""
-    return settings_class(**{k.removeprefix(prefix).lower(): v for k, v in env.items() if k.startswith(prefix)})
+    (only those: the test process' own environment stays out); a list or dict field's value is
+    JSON, as pydantic-settings reads it from the environment."""
+    import json
+    import typing
+
+    def value(name: str, raw: str):
+        field = settings_class.model_fields.get(name)
+        complex_ = field is not None and typing.get_origin(field.annotation) in (list, dict)
+        return json.loads(raw) if complex_ and isinstance(raw, str) else raw
+
+    return settings_class(**{(name := k.removeprefix(prefix).lower()): value(name, v) for k, v in env.items()
+                             if k.startswith(prefix)})
 
 
 #: variables of the test process that must not leak into settings built from a deploy environment

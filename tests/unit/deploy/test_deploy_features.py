@@ -15,6 +15,13 @@ from test_deploy_wiring import container_of, env_of, find
 
 from async_processor.settings import ProcessorSettings
 from batch_gateway.settings import GatewaySettings
+from common.contracts.queue import (
+    LLMD_REQUEST_CHANNEL,
+    LLMD_REQUEST_SORTED_SET,
+    LLMD_RESULT_CHANNEL,
+    LLMD_RETRY_SORTED_SET,
+    LLMD_TENANT_ATTRIBUTE,
+)
 from router.settings import build_settings
 from workers.settings import WorkerSettings
 
@@ -24,6 +31,13 @@ COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
 COMPOSE_SHELL = {"BACKFILL_ADMIN_KEY": "compose-test-admin-key", "BACKFILL_ROUTER_TOKEN": "compose-test-router-token"}
 #: the router honours fairness ids and objectives only from callers with its trusted token (router/trust.py)
 TRUST = "the router honouring the processor's fairness ids and objectives"
+LLMD = "llm-d-async's producers unchanged on their default names (docs/queue-producers.md)"
+#: what a Redis processor needs to read llm-d-async's producers as backfill up does
+LLMD_NEEDS: dict[str, tuple[str, Any]] = {
+    "llmd_sorted_sets": (LLMD, [LLMD_REQUEST_SORTED_SET]), "llmd_retry_sorted_sets": (LLMD, [LLMD_RETRY_SORTED_SET]),
+    "llmd_channels": (LLMD, [LLMD_REQUEST_CHANNEL]),
+    "llmd_result_channel": (LLMD, LLMD_RESULT_CHANNEL), "llmd_lane": (LLMD, "async"),
+    "tenant_attribute": (LLMD, LLMD_TENANT_ATTRIBUTE)}
 
 
 def unmet(settings: Any, needs: dict[str, tuple[str, Any]]) -> list[str]:
@@ -78,7 +92,7 @@ def k8s_needs(objects) -> dict[str, tuple[Any, dict[str, tuple[str, Any]]]]:
             "metrics_port": ("the /health probes and the ServiceMonitor", probe_port(objects, "backfill-worker")),
             "s3_bucket": ("file bytes shared by every gateway and worker pod", SET)}),
         "backfill-processor": (ProcessorSettings, {
-            **processor, "metrics_port": ("the /health probes", probe_port(objects, "backfill-processor"))}),
+            **processor, **LLMD_NEEDS, "metrics_port": ("the /health probes", probe_port(objects, "backfill-processor"))}),
         "backfill-router": (build_settings, {
             "engine_selector": ("finding the vLLM pods", SET),
             "kv_events_port": ("every replica subscribing to every engine's KV events (precise routing)", SET),
@@ -86,7 +100,9 @@ def k8s_needs(objects) -> dict[str, tuple[Any, dict[str, tuple[str, Any]]]]:
             "trusted_token": (TRUST, SET)}),
     }
     if any(o["kind"] == "Deployment" and o["metadata"]["name"] == "backfill-processor-pubsub" for o in objects):
-        needs["backfill-processor-pubsub"] = (ProcessorSettings, processor)
+        # Pub/Sub: llm-d-async's attributes merged into metadata, its userid naming the tenant
+        needs["backfill-processor-pubsub"] = (ProcessorSettings, {
+            **processor, "tenant_attribute": (LLMD, LLMD_TENANT_ATTRIBUTE), "llmd_sorted_sets": (LLMD, [])})
     return needs
 
 
@@ -122,7 +138,7 @@ def compose_needs() -> dict[str, tuple[Any, dict[str, tuple[str, Any]]]]:
             "admin_key": ("the admin dashboard and /metrics", COMPOSE_SHELL["BACKFILL_ADMIN_KEY"])}),
         "worker": (WorkerSettings, {"metrics_port": ("the /health healthcheck", SET)}),
         "processor": (ProcessorSettings, {
-            "router_url": ("dispatching lane requests to the router", router_url),
+            "router_url": ("dispatching lane requests to the router", router_url), **LLMD_NEEDS,
             "metrics_port": ("the /health healthcheck", SET), "router_token": (TRUST, SET)}),
         "router": (build_settings, {
             "engines": ("the engines to route to", engines),

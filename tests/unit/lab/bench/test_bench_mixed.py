@@ -25,6 +25,7 @@ from lab.bench.mixed import (
     ratio,
     served_names,
     shared_prefix_batch,
+    wait_figures,
 )
 
 needs_source = pytest.mark.skipif(not DEFAULT_SOURCE.exists(), reason=f"{DEFAULT_SOURCE} is not beside the repository")
@@ -81,7 +82,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("mixed")
     proc = subprocess.run([sys.executable, "-m", "backfill", "bench", "mixed", "--quick",
                            "--json", str(out / "mixed.json"), "--data-dir", str(out / "data")],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, COLUMNS="160"))
+                          capture_output=True, text=True, timeout=480, env=dict(os.environ, COLUMNS="160"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "mixed.json").read_text()), proc.stdout
 
@@ -122,4 +123,41 @@ def test_quick_run_counts_the_batch_against_the_spare_capacity(quick_run):
     # the engines cannot serve more than their capacity (a loose bound: C is measured on few requests)
     assert 0 < figures["engine_used_vs_capacity"] < 1.5
     assert set(figures["goals_met"]) == {"queued_interactive_ratio", "direct_ttft_p99_ratio", "small_tenant_ratio",
-                                         "engine_balance", "batch_vs_spare"}
+                                         "engine_balance", "batch_vs_spare", "surface_queued_p50_vs_plain",
+                                         "surface_direct_ttft_p99_vs_plain", "async_wait_vs_batch_wait"}
+
+
+def test_quick_run_adds_background_responses_and_flex_beside_the_same_mix(quick_run):
+    figures, stdout = quick_run
+    surface = figures["async_surface"]
+    background, flex = surface["background_responses"], surface["flex"]
+    assert background["requests"] > 0 and background["completed"] == background["requests"], background
+    assert 0 < background["ended_ms_p50"] <= background["ended_ms_p90"]
+    assert flex["requests"] > 0 and flex["ok"] + flex["statuses"].get("429", 0) == flex["requests"], flex
+    assert flex["tier_flex"] == flex["ok"]  # every answered flex call says it was served as flex
+    assert flex["codes_429"] in ([], ["resource_unavailable"])
+    direct = surface["direct_interactive"]
+    assert direct["requests"] == figures["direct_interactive"]["mixed"]["requests"] and direct["errors"] == 0
+    assert surface["queued_interactive"]["ok"] == surface["queued_interactive"]["requests"] > 0
+    assert surface["queued_p50_vs_plain"] == pytest.approx(
+        surface["queued_interactive"]["latency_ms_p50"] / figures["queued_interactive"]["mixed"]["latency_ms_p50"])
+    assert figures["surface_direct_ttft_p99_vs_plain"] == surface["direct_ttft_p99_vs_plain"] == pytest.approx(
+        direct["ttft_ms_p99"] / figures["direct_interactive"]["mixed"]["ttft_ms_p99"])
+    waits = surface["lane_waits"]
+    # every background response and async probe of the window started on the async lane; batch lines ran too
+    assert waits["async"]["started"] >= background["requests"] + surface["async_trickle"]["requests"]
+    assert waits["batch"]["started"] > 0 and waits["batch"]["mean_ms"] > 0
+    assert figures["async_wait_vs_batch_wait"] == pytest.approx(waits["async"]["mean_ms"] / waits["batch"]["mean_ms"])
+    for label in ("mixed with the async surface", "lane wait mean", "background responses:", "flex calls:"):
+        assert label in stdout
+
+
+def test_lane_wait_figures_are_the_histogram_deltas():
+    before = {"batch": (2.0, 1.0, [(0.1, 1.0), (1.0, 2.0), (math.inf, 2.0)])}
+    after = {"batch": (6.0, 9.0, [(0.1, 1.0), (1.0, 3.0), (math.inf, 6.0)]), "async": (1.0, 0.05, [(0.1, 1.0)])}
+    batch = wait_figures(before, after, "batch")
+    assert batch["started"] == 4 and batch["mean_ms"] == pytest.approx(2000.0)
+    assert batch["p50_bound_ms"] == math.inf and batch["p90_bound_ms"] == math.inf  # 3 of 4 past 1 s
+    assert wait_figures(before, after, "async") == {"started": 1, "mean_ms": pytest.approx(50.0),
+                                                   "p50_bound_ms": 100.0, "p90_bound_ms": 100.0}
+    assert math.isnan(wait_figures({}, {}, "batch")["mean_ms"])
