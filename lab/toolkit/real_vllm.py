@@ -13,20 +13,22 @@ default ``~/.cache/backfill/real-vllm``; ``scripts/real_vllm/serve_tiny_vllm.sh`
   (``litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json``, 128k vocabulary, fetched with
   ``pip download --no-deps litellm``) and a ChatML chat template; built once per shape under
   ``<work>/models/<spec.key>``.
-* **the plugin** (``vllm_plugin/`` of this repository, distribution ``backfill-vllm``): installed with
-  ``pip install --no-deps --target <work>/plugin-site/<hash>`` by the virtualenv's own pip, so the
-  virtualenv is not written to; the engine process gets that directory on ``PYTHONPATH``. Python
-  finds both the package (``--scheduler-cls backfill_vllm.scheduler.BackfillScheduler``) and its
-  ``*.dist-info/entry_points.txt`` there (``importlib.metadata`` scans every ``sys.path`` entry), so
-  vLLM's ``vllm.general_plugins`` entry point loads as from a normal install.
+* **the plugin** (``vllm_plugin/`` of this repository, distribution ``backfill-vllm``): laid out in
+  ``<work>/plugin-site/<hash>`` as ``pip install --no-deps --target`` would (:func:`plugin_site`:
+  the package plus a ``*.dist-info`` with its entry points, from ``pyproject.toml``), so the virtualenv
+  is not written to; the engine process gets that directory on ``PYTHONPATH``. Python finds both the
+  package (``--scheduler-cls backfill_vllm.scheduler.BackfillScheduler``) and its
+  ``entry_points.txt`` there (``importlib.metadata`` scans every ``sys.path`` entry), so vLLM's
+  ``vllm.general_plugins`` and ``vllm.stat_logger_plugins`` entry points load as from a normal install.
 * **argv and environment**: :func:`engine_argv` (:func:`engine_twin.launch.vllm_engine_argv` plus the
   CPU flags: float32, eager mode, ``--max-num-batched-tokens``; ``--scheduling-policy priority`` is
   always on, as the fleet runs vLLM) and :func:`engine_env` (``VLLM_CPU_KVCACHE_SPACE`` GiB,
   ``VLLM_CPU_OMP_THREADS_BIND=nobind`` so the engine shares the machine's cores, offline hub,
   ``PYTHONHASHSEED=0``; the plugin's ``BACKFILL_*`` variables).
-* **start / ready / stop**: :func:`serving` starts one engine in its own process group (niced by 10,
-  so the rest of the machine stays responsive), waits for ``/health``, and on exit sends SIGTERM to
-  the group, SIGKILL after 5 s (:class:`lab.toolkit.launch.ProcessGroup`).
+* **start / ready / stop**: :func:`serving` starts one engine in its own process group (not niced by
+  default: on a shared machine a niced engine's step times measure the neighbours), waits for
+  ``/health``, and on exit sends SIGTERM to the group, SIGKILL after 5 s
+  (:class:`lab.toolkit.launch.ProcessGroup`).
 
 Engine variants of the side-by-side benchmarks (:data:`VARIANTS`): ``twin`` (``backfill engine-sim``
 at the same sizes, its background budget on, as the fleet starts it), ``vllm`` (vLLM with
@@ -212,28 +214,43 @@ def model_dir(work: Path, spec: ModelSpec, python: Path | None = None) -> Path:
     return out
 
 
-def plugin_site(work: Path, python: Path, source: Path = PLUGIN_SOURCE) -> Path:
-    """A directory holding the plugin as ``pip install --no-deps --target`` lays it out (package and
-    ``backfill_vllm-*.dist-info`` with its entry points), for the engine's ``PYTHONPATH``; one per
-    content hash of ``source``, so an edit reinstalls. Raises ``FileNotFoundError`` without
-    ``source/pyproject.toml`` (the plugin has not landed in this checkout)."""
-    if not (source / "pyproject.toml").exists():
+def plugin_site(work: Path, python: Path | None = None, source: Path = PLUGIN_SOURCE) -> Path:
+    """A directory laid out as ``pip install --no-deps --target`` would lay out the plugin — its
+    top-level packages (the directories of ``source`` with an ``__init__.py``, tests left out) and a
+    ``<name>-<version>.dist-info`` with ``METADATA`` and ``entry_points.txt`` written from
+    ``pyproject.toml``'s ``[project]`` table — for the engine's ``PYTHONPATH``. Written directly, not by
+    pip: no build backend is needed and no virtualenv is touched (``python`` is unused, kept for the
+    callers' symmetry). One directory per content hash of ``source``, so an edit lays out a new one.
+    Raises ``FileNotFoundError`` without ``source/pyproject.toml`` (the plugin is not in this checkout)."""
+    import tomllib
+
+    pyproject = source / "pyproject.toml"
+    if not pyproject.exists():
         raise FileNotFoundError(f"no vLLM plugin at {source} (vllm_plugin/pyproject.toml)")
-    digest = hashlib.sha256()
-    for path in sorted(p for p in source.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-                       and ".egg-info" not in str(p) and "/build/" not in str(p)):
-        digest.update(str(path.relative_to(source)).encode())
-        digest.update(path.read_bytes())
+    packages = sorted(p for p in source.iterdir() if (p / "__init__.py").exists() and p.name != "tests")
+    digest = hashlib.sha256(pyproject.read_bytes())
+    for package in packages:
+        for path in sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts):
+            digest.update(str(path.relative_to(source)).encode())
+            digest.update(path.read_bytes())
     site = work / "plugin-site" / digest.hexdigest()[:12]
-    if not site.exists():
-        tmp = site.with_name(site.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build = work / "plugin-build"
-        shutil.rmtree(build, ignore_errors=True)
-        shutil.copytree(source, build, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--target", str(tmp), str(build)], check=True)
-        tmp.rename(site)
+    if site.exists():
+        return site
+    project = tomllib.loads(pyproject.read_text())["project"]
+    name, version = project["name"], project["version"]
+    tmp = site.with_name(site.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for package in packages:
+        shutil.copytree(package, tmp / package.name, ignore=shutil.ignore_patterns("__pycache__"))
+    info = tmp / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    groups = project.get("entry-points", {})
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{key} = {value}\n" for key, value in eps.items()) + "\n"
+        for group, eps in groups.items()))
+    (info / "top_level.txt").write_text("".join(f"{p.name}\n" for p in packages))
+    tmp.rename(site)
     return site
 
 
@@ -316,10 +333,12 @@ class Engine:
 @contextlib.contextmanager
 def serving(variant: str, group: ProcessGroup, *, spec: ModelSpec = BENCH, sizes: EngineSizes | None = None,
             served: Sequence[str] = ("tiny",), step_flags: Sequence[str] = (), work: Path | None = None,
-            max_background_prefill_tokens: int | None = None,
+            max_background_prefill_tokens: int | None = None, nice: int = 0,
             ready_timeout: float = READY_TIMEOUT_S) -> Iterator[Engine]:
     """One engine of ``variant`` (:data:`VARIANTS`) at a free port of 127.0.0.1, ready; stopped (its
-    whole process group) when the block ends, on error too. Raises ``ValueError`` for an unknown
+    whole process group) when the block ends, on error too. ``nice``: the engine's niceness (default 0:
+    a benchmark that measures a niced engine on a loaded machine measures the other processes; the
+    runs are short instead). Raises ``ValueError`` for an unknown
     variant, :class:`lab.toolkit.launch.LaunchError` when it does not become ready (with its log's
     tail), ``FileNotFoundError`` for ``vllm_plugin`` without the plugin in this checkout."""
     from lab.toolkit.launch import HOST, free_port
@@ -337,8 +356,8 @@ def serving(variant: str, group: ProcessGroup, *, spec: ModelSpec = BENCH, sizes
         python = venv_python(work)
         model = model_dir(work, spec, python)
         plugin = variant == "vllm_plugin"
-        argv = ["nice", "-n", "10", *engine_argv(python, model, port, served, sizes, plugin=plugin, host=HOST)]
-        env = engine_env(spec, plugin_path=plugin_site(work, python) if plugin else None,
+        argv = [*(["nice", "-n", str(nice)] if nice else []), *engine_argv(python, model, port, served, sizes, plugin=plugin, host=HOST)]
+        env = engine_env(spec, plugin_path=plugin_site(work) if plugin else None,
                          max_background_prefill_tokens=max_background_prefill_tokens)
     proc = group.start(f"engine-{variant}", argv, env=env)
     try:
