@@ -15,7 +15,8 @@ client, by streams (:mod:`lab.toolkit.engine_probe`; each streamed chunk is one 
   ``max_tokens 1``; the step that carries it is the streams' largest gap while it runs. Work:
   ``P + 2`` tokens, ``P(P+1)/2`` + the decodes' pairs, the decodes' context.
 
-Each point is the least of ``--repeats`` runs (a decode run's figure is its lower-quartile gap), every prompt
+The fit is :func:`lab.toolkit.step_fit.fit_lower_envelope` (points more than 25 % above the fit are
+dropped one by one as disturbed, at least five kept). Each point is the least of ``--repeats`` runs (a decode run's figure is its lower-quartile gap), every prompt
 unique (no prefix-cache hit): on a shared machine other processes only ever lengthen a step, so the
 least disturbed run is the engine's own step time. The fit
 and the flag mapping are :mod:`lab.toolkit.step_fit`'s; the residuals are the twin's own step model
@@ -40,7 +41,7 @@ import click
 
 from lab.toolkit.engine_probe import FOREGROUND_PRIORITY, session, stream, token_ids
 from lab.toolkit.stats import percentile
-from lab.toolkit.step_fit import StepPoint, fit, flags, residuals
+from lab.toolkit.step_fit import StepPoint, fit_lower_envelope, flags, residuals
 
 DECODE_MAX_TOKENS = 24
 VOCAB_SIZE = 129_280
@@ -113,12 +114,14 @@ async def _served_model(url: str) -> str:
 def fit_report(points: list[StepPoint], shape: dict[str, Any]) -> dict[str, Any]:
     """Coefficients, flags and residuals for ``points`` on a model ``shape`` (keys of
     :func:`lab.toolkit.step_fit.flags`)."""
-    coef = fit(points)
+    coef, kept = fit_lower_envelope(points)
     step_flags = flags(coef, **shape)
     res = residuals(points, step_flags)
-    worst = max(abs(r["error"]) for r in res)
+    for r, p in zip(res, points):
+        r["kept"] = p in kept
+    worst = max(abs(r["error"]) for r in res if r["kept"])
     return {"coefficients_s": coef, "flags": step_flags, "shape": shape, "residuals": res,
-            "max_abs_error": worst, "points": [asdict(p) for p in points]}
+            "max_abs_error_kept": worst, "points": [asdict(p) for p in points]}
 
 
 @click.command("engine-fit")
@@ -158,7 +161,7 @@ def engine_fit_command(engine_url: str | None, decodes: str, contexts: str, pref
     report = {"benchmark": "engine-fit", **source, **fit_report(points, shape)}
     for r in report["residuals"]:
         click.echo(f"{r['label']:<28} measured {r['measured_ms']:8.2f} ms  twin {r['twin_ms']:8.2f} ms  "
-                   f"{100 * r['error']:+6.1f} %")
+                   f"{100 * r['error']:+6.1f} %{'' if r['kept'] else '  (above the envelope: not fitted)'}")
     click.echo("flags: " + " ".join(report["flags"]))
     if json_path:
         json_path.write_text(json.dumps(report, indent=2) + "\n")

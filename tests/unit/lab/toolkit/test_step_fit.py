@@ -4,7 +4,7 @@ import pytest
 
 from engine_twin.settings import build_settings
 from engine_twin.step_model import StepModel, StepWork, chunk_pairs
-from lab.toolkit.step_fit import StepPoint, fit, flags, residuals
+from lab.toolkit.step_fit import StepPoint, fit, fit_lower_envelope, flags, residuals
 
 SHAPE = {"params": 7.8e7, "layers": 4, "kv_heads": 4, "head_dim": 64, "dtype_bytes": 4.0}
 TRUTH = ["--model-params", "7.8e7", "--model-dtype-bytes", "4", "--num-hidden-layers", "4", "--num-attention-heads",
@@ -58,3 +58,14 @@ def test_a_coefficient_that_would_be_negative_is_held_at_zero():
 def test_too_few_points_is_an_error():
     with pytest.raises(ValueError, match="at least 4"):
         fit([StepPoint(1, 1, 1, 0.01)])
+
+
+def test_the_lower_envelope_drops_steps_other_processes_lengthened():
+    truth = StepModel.from_settings(settings(TRUTH))
+    clean = grid(truth)
+    disturbed = [StepPoint(p.tokens, p.attention_pairs, p.context_tokens, p.seconds * 3, p.label)
+                 for p in clean[:2]]
+    coef, kept = fit_lower_envelope(disturbed + clean[2:])
+    assert not any(p in kept for p in disturbed) and len(kept) == len(clean) - 2
+    assert coef["tokens"] == pytest.approx(truth.token_s, rel=1e-6)
+    assert coef["fixed"] == pytest.approx(truth.fixed_s, rel=1e-6)
