@@ -270,15 +270,17 @@ async def served_counts(session: Any, engine_urls: list[str]) -> list[float]:
 
 
 async def wait_idle(session: Any, engine_urls: list[str], timeout: float = DRAIN_TIMEOUT_SECONDS) -> None:
-    """Wait until every engine has no running or waiting request (``/sim/state``); raises
+    """Wait until every engine has no running or waiting request (``vllm:num_requests_running`` and
+    ``vllm:num_requests_waiting`` on ``/metrics``: the twin and real vLLM both export them); raises
     ``click.ClickException`` after ``timeout`` s."""
+    from lab.toolkit.engine_probe import metric
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        busy = 0
+        busy = 0.0
         for url in engine_urls:
-            async with session.get(f"{url}/sim/state") as resp:
-                state = orjson.loads(await resp.read())
-            busy += state["running"] + state["waiting"]
+            busy += await metric(session, url, "vllm:num_requests_running")
+            busy += await metric(session, url, "vllm:num_requests_waiting")
         if not busy:
             return
         await asyncio.sleep(0.2)
