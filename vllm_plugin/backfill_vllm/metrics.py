@@ -19,6 +19,8 @@ Series (label ``engine``, the engine index, as vLLM's):
   the plugin's (rule 2), by the preempted request's class;
 - ``backfill:evictions_total{class=background|foreground}``: cached GPU blocks reused for new
   content, by the block's class (rule 3; 0 while the rules are off);
+- ``backfill:offload_evictions_total{class=background|foreground}``: chunks the CPU offload tier
+  evicted, by class (only with the plugin's cache policy, :mod:`backfill_vllm.offload`);
 - ``backfill:engine_config_info{max_num_seqs, num_gpu_blocks, block_size}`` = 1: what the engine can
   hold (vLLM's ``vllm:cache_config_info`` has the blocks but not ``max_num_seqs``).
 """
@@ -31,7 +33,13 @@ import prometheus_client
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 from backfill_vllm.retention import BACKGROUND, FOREGROUND
-from backfill_vllm.scheduler import DEFERRED_KEY, EVICTION_KEYS, PREEMPTION_KEYS, STATS_PREFIX
+from backfill_vllm.scheduler import (
+    DEFERRED_KEY,
+    EVICTION_KEYS,
+    OFFLOAD_EVICTION_KEYS,
+    PREEMPTION_KEYS,
+    STATS_PREFIX,
+)
 
 _METRICS: dict[str, Any] = {}
 
@@ -48,6 +56,10 @@ def _metrics() -> dict[str, Any]:
             labelnames=["engine", "class"])
         _METRICS["evictions"] = prometheus_client.Counter(
             "backfill:evictions", "Cached GPU KV blocks evicted for reuse, by the block's class.",
+            labelnames=["engine", "class"])
+        _METRICS["offload_evictions"] = prometheus_client.Counter(
+            "backfill:offload_evictions",
+            "Chunks the CPU offload tier evicted, by class (with the plugin's cache policy only).",
             labelnames=["engine", "class"])
         _METRICS["config"] = prometheus_client.Gauge(
             "backfill:engine_config_info", "What the engine can hold (1): max_num_seqs, num_gpu_blocks, block_size.",
@@ -68,6 +80,7 @@ class BackfillStatLogger(AggregateStatLoggerBase):
             for cls in (BACKGROUND, FOREGROUND):
                 metrics["preemptions"].labels(engine=engine, **{"class": cls})
                 metrics["evictions"].labels(engine=engine, **{"class": cls})
+                metrics["offload_evictions"].labels(engine=engine, **{"class": cls})
         self._set_config_info()
 
     def _set_config_info(self) -> None:
@@ -94,6 +107,9 @@ class BackfillStatLogger(AggregateStatLoggerBase):
                 metrics["preemptions"].labels(engine=engine, **{"class": cls}).inc(ours[PREEMPTION_KEYS[cls]])
             if ours.get(EVICTION_KEYS[cls]):
                 metrics["evictions"].labels(engine=engine, **{"class": cls}).inc(ours[EVICTION_KEYS[cls]])
+            if ours.get(OFFLOAD_EVICTION_KEYS[cls]):
+                metrics["offload_evictions"].labels(engine=engine, **{"class": cls}).inc(
+                    ours[OFFLOAD_EVICTION_KEYS[cls]])
 
     def log_engine_initialized(self) -> None:
         """Refresh the config info (``num_gpu_blocks`` is known once the engine profiled its memory)."""

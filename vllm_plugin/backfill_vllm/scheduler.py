@@ -23,7 +23,9 @@ vLLM turned async scheduling on) and overrides hooks only; ``schedule`` itself r
    vllm-project/vllm#40004, #24365). The victims go back to the waiting queue through vLLM's
    ``_preempt_request`` and are reported in the step's ``preempted_req_ids`` as vLLM's own are.
 3. **Retention** (:mod:`backfill_vllm.retention`): the GPU block pool evicts blocks only background
-   requests wrote or read before any block a foreground request wrote or read.
+   requests wrote or read before any block a foreground request wrote or read; the CPU offload
+   tier does the same when its ``OffloadingConnector`` is given the plugin's cache policy
+   (:mod:`backfill_vllm.offload`), which learns each request's class from ``add_request``.
 4. **Counters** ride to vLLM's front end in ``SchedulerStats.num_kv_fetch_reqs_by_stage`` (keys
    ``backfill:…``, deltas since the last stats); :class:`backfill_vllm.metrics.BackfillStatLogger`
    takes them out before vLLM's loggers see the dict and exports them on ``/metrics``.
@@ -31,26 +33,29 @@ vLLM turned async scheduling on) and overrides hooks only; ``schedule`` itself r
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from backfill_vllm.config import BackfillConfig, load_config
+from backfill_vllm.offload import OFFLOAD_EVICTIONS, record_request
 from backfill_vllm.retention import BACKGROUND, FOREGROUND, TwoClassFreeQueue, install
 
-logger = logging.getLogger(__name__)
+logger = init_logger("vllm.backfill")  # under "vllm": vLLM configures that logger's handlers
 
 STATS_PREFIX = "backfill:"
 """Keys of the plugin's counters in ``SchedulerStats.num_kv_fetch_reqs_by_stage``."""
 DEFERRED_KEY = STATS_PREFIX + "deferred_background_prefill_tokens"
 PREEMPTION_KEYS = {c: f"{STATS_PREFIX}preemptions:{c}" for c in (BACKGROUND, FOREGROUND)}
 EVICTION_KEYS = {c: f"{STATS_PREFIX}evictions:{c}" for c in (BACKGROUND, FOREGROUND)}
+OFFLOAD_EVICTION_KEYS = {c: f"{STATS_PREFIX}offload_evictions:{c}" for c in (BACKGROUND, FOREGROUND)}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -85,7 +90,8 @@ class BackfillScheduler(Scheduler):
         if self._rules_on:
             self.retention = install(self.kv_cache_manager.block_pool)
         self.totals = {DEFERRED_KEY: 0, **{k: 0 for k in PREEMPTION_KEYS.values()}}
-        self._reported = {k: 0 for k in (DEFERRED_KEY, *PREEMPTION_KEYS.values(), *EVICTION_KEYS.values())}
+        self._reported = {k: 0 for k in (DEFERRED_KEY, *PREEMPTION_KEYS.values(), *EVICTION_KEYS.values(),
+                                          *OFFLOAD_EVICTION_KEYS.values())}
         self._bg_left = 0
         self.last_background_share = 0
         self.last_background_prefill_tokens = 0
@@ -110,10 +116,13 @@ class BackfillScheduler(Scheduler):
     def _is_background(self, request: Request) -> bool:
         return self.backfill.is_background(request.priority)
 
-    def _tokens_left(self, request: Request) -> int:
-        """Tokens ``request`` would compute next (vLLM's running pass: the placeholders of async
-        scheduling included)."""
-        return request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+    @staticmethod
+    def _is_prefilling(request: Request) -> bool:
+        """Whether ``request`` has more than one token to compute: a prefill chunk (first or after a
+        preemption), not a decode. Speculative tokens are not counted (a decode with drafts is still
+        a decode), and under async scheduling a decode's ``num_computed_tokens`` runs ahead of
+        ``num_tokens`` by its placeholders, so it never counts as prefilling."""
+        return request.num_computed_tokens + 1 < request.num_tokens
 
     def _waiting_head(self) -> Request | None:
         return self.waiting.peek_request() if self.waiting else None
@@ -124,18 +133,18 @@ class BackfillScheduler(Scheduler):
         head = self._waiting_head()
         if head is not None and not self._is_background(head):
             return 0
-        if any(not self._is_background(r) and self._tokens_left(r) > 1 for r in self.running):
+        if any(not self._is_background(r) and self._is_prefilling(r) for r in self.running):
             return 0
         return self.backfill.max_background_prefill_tokens
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """vLLM's chunk-size hook, then rule 1: a background prefill chunk is cut to what is left of
-        the step's share (0: skipped this step). A running request with one token to compute is a
-        decode and is never cut."""
+        the step's share (0: skipped this step). A running request's decode (with its speculative
+        tokens) is never cut."""
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         if not self._rules_on or n <= 0 or not self._is_background(request):
             return n
-        if request.status == RequestStatus.RUNNING and n <= 1:
+        if request.status == RequestStatus.RUNNING and not self._is_prefilling(request):
             return n
         granted = min(n, self._bg_left)
         self._bg_left -= granted
@@ -167,7 +176,9 @@ class BackfillScheduler(Scheduler):
         """Rule 2: preempt running background requests, newest first, while the waiting foreground
         head lacks a slot or blocks for its first chunk. Never a foreground request."""
         head = self._waiting_head()
-        if head is None or self._is_background(head):
+        if head is None or self._is_background(head) or self._pause_state != PauseState.UNPAUSED:
+            return
+        if self._is_blocked_waiting_status(head.status):  # waits on a KV load, a grammar, …: not for room
             return
         no_slot, short = self._head_needs(head)
         if not no_slot and short <= 0:
@@ -187,7 +198,14 @@ class BackfillScheduler(Scheduler):
             no_slot = False
             short -= block_pool.get_num_free_blocks() - free_before
 
-    # ---- hooks: preemption and block frees -------------------------------------------------------
+    # ---- hooks: requests, preemption and block frees ---------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """vLLM's ``add_request``, after recording the request's class for the CPU offload tier's
+        policy (:mod:`backfill_vllm.offload`)."""
+        if self._rules_on:
+            record_request(request.request_id, self._is_background(request))
+        super().add_request(request)
+
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         """vLLM's preemption, counted by class (``backfill:preemptions_total{class}``)."""
         cls = BACKGROUND if self._is_background(request) else FOREGROUND
@@ -209,6 +227,8 @@ class BackfillScheduler(Scheduler):
         evictions = self.retention.evictions if self.retention is not None else {}
         for cls, key in EVICTION_KEYS.items():
             totals[key] = evictions.get(cls, 0)
+        for cls, key in OFFLOAD_EVICTION_KEYS.items():
+            totals[key] = OFFLOAD_EVICTIONS[cls]
         return totals
 
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
