@@ -12,6 +12,8 @@ from backfill.cli import LazyGroup
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "ingest": ("lab.bench.ingest:ingest_command", "Upload + validate a 200 MB batch file."),
     "engine-sim": ("lab.bench.engine_sim:bench_engine_sim_command", "Requests/s of one simulator."),
+    "engine-fit": ("lab.bench.engine_fit:engine_fit_command",
+                   "Fit the twin's step model to a real engine's measured steps; print engine-sim flags."),
     "interference": ("lab.bench.interference:interference_command",
                      "A stream's token gaps during a 24k prefill; preemptions under KV pressure (model time)."),
     "pollution": ("lab.bench.pollution:pollution_command",

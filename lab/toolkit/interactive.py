@@ -106,12 +106,18 @@ async def run_interactive(router_url: str, arrivals: list[float], bodies: list[b
     return start, samples
 
 
-def summarize(samples: list[Sample], duration: float) -> dict[str, Any]:
-    """TTFT percentiles (ms), completed/s and client send lag of one phase's samples."""
+def summarize(samples: list[Sample], duration: float, output_tokens: int | None = None) -> dict[str, Any]:
+    """TTFT percentiles (ms), completed/s and client send lag of one phase's samples; with
+    ``output_tokens`` (every request's, > 1) also the inter-token latency per request, (last token −
+    first token) ÷ (``output_tokens`` − 1), p50 and p99 (ms)."""
     ok = [s for s in samples if s.status == 200 and not math.isnan(s.first_token)]
     ttft = [s.ttft * 1000 for s in ok]
     lag = [(s.sent - s.scheduled) * 1000 for s in samples if not math.isnan(s.sent)]
-    return {
+    itl: dict[str, Any] = {}
+    if output_tokens and output_tokens > 1:
+        per = [(s.done - s.first_token) * 1000 / (output_tokens - 1) for s in ok if not math.isnan(s.done)]
+        itl = {"itl_ms_p50": percentile(per, 50, default=math.nan), "itl_ms_p99": percentile(per, 99, default=math.nan)}
+    return {**itl,
         "requests": len(samples), "completed": len(ok), "errors": len(samples) - len(ok),
         "offered_rps": len(samples) / duration, "completed_rps": len(ok) / duration,
         "ttft_ms_p50": percentile(ttft, 50, default=math.nan), "ttft_ms_p90": percentile(ttft, 90, default=math.nan),
