@@ -421,8 +421,9 @@ def test_the_batch_requests_in_flight_are_reported_for_the_job_page(ns):
     pool = f"{ns.prefix}-pool"  # a pool of its own: its report key is this test's alone
     key = running_key(pool)
     stream = request_stream("batch", pool, f"{ns.prefix}:requests")
-    for m in [message(id=f"a{i}", deadline_in=100, batch_id="batch_a") for i in range(5)] + \
-            [message(id="b0", deadline_in=200, batch_id="batch_b")]:
+    # ids of this test alone: a finished id of another test in Redis would be acked as a duplicate
+    for m in [message(id=f"{ns.prefix}-a{i}", deadline_in=100, batch_id="batch_a") for i in range(5)] + \
+            [message(id=f"{ns.prefix}-b0", deadline_in=200, batch_id="batch_b")]:
         ns.client.xadd(stream, {"message": encode_request(m)})
 
     def running() -> dict[str, int]:
