@@ -373,6 +373,9 @@ def _llmd_submit(client, sorted_set: str, result_list: str, id: str, deadline_in
 
 
 def test_an_llm_d_async_request_cancelled_while_held_is_answered_cancelled_not_run(ns):
+    # ids of this test alone: llm-d-async ids are global keys, and a finished id of another test
+    # (tests/contract/test_llmd_async_producer.py uses the same names) is acked as a duplicate
+    gone, kept = f"{ns.prefix}-llmd-gone", f"{ns.prefix}-llmd-kept"
     release = threading.Event()
 
     async def behaviour(body, request, seen):
@@ -382,8 +385,8 @@ def test_an_llm_d_async_request_cancelled_while_held_is_answered_cancelled_not_r
     app, seen = _stub(behaviour)
     port = free_port()
     sorted_set, result_list = f"{ns.prefix}:request-sortedset", f"{ns.prefix}:result-list"
-    ns.put("batch", RequestMessage(id="llmd-blocker", deadline=int(time.time() + 120), payload={"id_hint": "llmd-blocker"}))
-    for id in ("llmd-gone", "llmd-kept"):
+    ns.put("batch", RequestMessage(id=f"{ns.prefix}-llmd-blocker", deadline=int(time.time() + 120), payload={"id_hint": "llmd-blocker"}))
+    for id in (gone, kept):
         _llmd_submit(ns.client, sorted_set, result_list, id)
     settings = ns.settings(f"http://127.0.0.1:{port}", concurrency=1, cancel_poll_s=0.1,
                            llmd_sorted_sets=[sorted_set], llmd_lane="batch")
@@ -393,14 +396,14 @@ def test_an_llm_d_async_request_cancelled_while_held_is_answered_cancelled_not_r
             assert time.monotonic() < until, "the blocker never reached the target"
             time.sleep(0.02)
         # llm-d-async's CancelRequests(["llmd-gone"]): copy the active token into the cancel key
-        ns.client.set("request-cancel:llmd-gone", ns.client.get("request-active:llmd-gone"), ex=7 * 24 * 3600)
+        ns.client.set(f"request-cancel:{gone}", ns.client.get(f"request-active:{gone}"), ex=7 * 24 * 3600)
         first = orjson.loads(ns.client.brpop([result_list], timeout=30)[1])
         release.set()
         second = orjson.loads(ns.client.brpop([result_list], timeout=30)[1])
-    assert (first["id"], first["error_code"]) == ("llmd-gone", "CANCELLED")
-    assert (second["id"], second["status_code"]) == ("llmd-kept", 200)
-    assert [hint for hint, _ in seen] == ["llmd-blocker", "llmd-kept"]
-    assert not ns.client.exists("request-active:llmd-gone", "request-cancel:llmd-gone", "request-active:llmd-kept")
+    assert (first["id"], first["error_code"]) == (gone, "CANCELLED")
+    assert (second["id"], second["status_code"]) == (kept, 200)
+    assert [hint for hint, _ in seen] == ["llmd-blocker", kept]
+    assert not ns.client.exists(f"request-active:{gone}", f"request-cancel:{gone}", f"request-active:{kept}")
 
 
 def test_the_batch_requests_in_flight_are_reported_for_the_job_page(ns):
