@@ -56,6 +56,23 @@ def _complete(ids: list[int], priority: int, max_tokens: int) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
+def _stream(ids: list[int], priority: int, max_tokens: int, started: threading.Event) -> int:
+    """A streamed completion: sets ``started`` at its first chunk; returns its usage's
+    ``completion_tokens`` (the last chunk's, ``stream_options.include_usage``)."""
+    body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "priority": priority,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(BASE + "/v1/completions", body, {"content-type": "application/json"})
+    tokens = -1
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            if line.startswith(b"data: {"):
+                started.set()
+                usage = json.loads(line[len(b"data: "):]).get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
+    return tokens
+
+
 def _samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample on /metrics: (name, sorted labels) → value."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -123,18 +140,24 @@ def test_deferred_background_prefill_is_counted(server: Path) -> None:
 def test_preemption_of_background_for_interactive_is_counted(server: Path) -> None:
     before = _value("backfill:preemptions_total", **{"class": "background"})
     fg_before = _value("backfill:preemptions_total", **{"class": "foreground"})
-    results: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=lambda i=i: results.append(_complete(prompt(910 + i, 40), BATCH, 150)))
+    # Three streamed batch requests fill the three slots; the interactive one is sent once each has
+    # its first token (all three running then, whatever the machine's speed: 300 tokens each to go,
+    # and 3 × 340 tokens fit the 39 blocks, so only the interactive request can preempt them).
+    results: list[int] = []
+    started = [threading.Event() for _ in range(MAX_NUM_SEQS)]
+    threads = [threading.Thread(target=lambda i=i: results.append(_stream(prompt(910 + i, 40), BATCH, 300,
+                                                                          started[i])))
                for i in range(MAX_NUM_SEQS)]
     for t in threads:
         t.start()
-    _wait_for(lambda: _value("vllm:num_requests_running", model_name="tiny") == MAX_NUM_SEQS, 120,
-              "three batch requests running")
+    for event in started:
+        assert event.wait(120), "a batch request never started"
+    assert not results, "a batch request ended before the interactive one was sent"
     interactive = _complete(prompt(920, 40), INTERACTIVE, 2)
     assert interactive["usage"]["completion_tokens"] == 2
     for t in threads:
         t.join(180)
-    assert len(results) == MAX_NUM_SEQS  # the preempted one ran again and finished
+    assert results == [300] * MAX_NUM_SEQS  # the preempted one ran again and finished
     _wait_for(lambda: _value("backfill:preemptions_total", **{"class": "background"}) >= before + 1, 30,
               "a background preemption on /metrics")
     assert _value("backfill:preemptions_total", **{"class": "foreground"}) == fg_before
