@@ -149,9 +149,10 @@ class HealthSampler(Poller):
         self.beat.error = None if age <= self.beat.stale_after_s else f"{NO_ANSWER}: schedule file not rewritten for {age:.0f} s"
 
     async def poll_once(self) -> None:
-        """Read every service once."""
-        await asyncio.gather(*(self._read(service) for service in self.services.values()))
+        """Read every service once: beat's file first (instant), so a view that shows this round's
+        HTTP answers shows beat's reading too."""
         self._read_beat()
+        await asyncio.gather(*(self._read(service) for service in self.services.values()))
 
     def rows(self, now: float, gateway_at: float) -> list[dict]:
         """The health view: one row per service, the gateway first (``gateway_at``: when it
