@@ -48,6 +48,7 @@ rate ratio counts and this does not), and the router's view of each engine after
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -172,17 +173,16 @@ async def window(session: Any, engine_urls: list[str], seconds: float) -> tuple[
 
 
 async def wait_health(session: Any, url: str, timeout: float = 120.0) -> None:
+    """Poll ``GET {url}/health`` every 0.1 s until it answers 200 (connection errors while the
+    router restarts are waited out); raises ``click.ClickException`` after ``timeout`` seconds."""
+    import aiohttp
+
     deadline = time.monotonic() + timeout
     while True:
-        try:
+        with contextlib.suppress(TimeoutError, OSError, aiohttp.ClientConnectionError):
             async with session.get(f"{url}/health") as resp:
                 if resp.status == 200:
                     return
-        except (TimeoutError, OSError):
-            pass
-        except Exception as exc:  # aiohttp's connection errors while the router restarts
-            if "Connect" not in type(exc).__name__ and "Disconnect" not in type(exc).__name__:
-                raise
         if time.monotonic() > deadline:
             raise click.ClickException(f"{url} did not come back within {timeout:.0f} s")
         await asyncio.sleep(0.1)
